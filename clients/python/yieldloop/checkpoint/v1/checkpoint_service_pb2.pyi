@@ -1,0 +1,193 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelInfo(_message.Message):
+    __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time")
+    SLUG_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    slug: str
+    base: str
+    parent: str
+    owner: str
+    trainable: bool
+    created_time: float
+    def __init__(self, slug: _Optional[str] = ..., base: _Optional[str] = ..., parent: _Optional[str] = ..., owner: _Optional[str] = ..., trainable: _Optional[bool] = ..., created_time: _Optional[float] = ...) -> None: ...
+
+class ObjectInfo(_message.Message):
+    __slots__ = ("name", "size", "sha256", "key")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    key: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("model", "checkpoint_id", "parent_checkpoint_id", "step", "created_time", "objects", "metadata_json")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    checkpoint_id: str
+    parent_checkpoint_id: str
+    step: int
+    created_time: float
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
+    metadata_json: str
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class Head(_message.Message):
+    __slots__ = ("model", "checkpoint_id", "sequence", "updated_time")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    checkpoint_id: str
+    sequence: int
+    updated_time: float
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., sequence: _Optional[int] = ..., updated_time: _Optional[float] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class ForkModelRequest(_message.Message):
+    __slots__ = ("source", "name", "owner")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    name: str
+    owner: str
+    def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class ForkModelResponse(_message.Message):
+    __slots__ = ("model", "head")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    head: Head
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class CheckpointSummary(_message.Message):
+    __slots__ = ("checkpoint_id", "parent_checkpoint_id", "step", "created_time", "is_head")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    IS_HEAD_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    parent_checkpoint_id: str
+    step: int
+    created_time: float
+    is_head: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., is_head: _Optional[bool] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointSummary]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointSummary, _Mapping]]] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("model", "checkpoint_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    checkpoint_id: str
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class GetCheckpointResponse(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+
+class CommitCheckpointRequest(_message.Message):
+    __slots__ = ("manifest", "set_head", "expected_head_checkpoint_id")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SET_HEAD_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_HEAD_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    set_head: bool
+    expected_head_checkpoint_id: str
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., set_head: _Optional[bool] = ..., expected_head_checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class CommitCheckpointResponse(_message.Message):
+    __slots__ = ("manifest", "head")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    head: Head
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
+
+class GetHeadRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetHeadResponse(_message.Message):
+    __slots__ = ("head",)
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    head: Head
+    def __init__(self, head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
+
+class SetHeadRequest(_message.Message):
+    __slots__ = ("model", "checkpoint_id", "expected_checkpoint_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    checkpoint_id: str
+    expected_checkpoint_id: str
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., expected_checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class SetHeadResponse(_message.Message):
+    __slots__ = ("head",)
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    head: Head
+    def __init__(self, head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
+
+class WatchHeadRequest(_message.Message):
+    __slots__ = ("model", "after_sequence")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    after_sequence: int
+    def __init__(self, model: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class WatchHeadResponse(_message.Message):
+    __slots__ = ("head",)
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    head: Head
+    def __init__(self, head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...

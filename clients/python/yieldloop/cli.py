@@ -1,0 +1,219 @@
+"""The ``yieldloop`` command line: ``serve``, ``up`` and ``demo``.
+
+Only argparse is imported up front so ``yieldloop --help`` is instant; each
+command imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+from typing import Any
+
+SERVICES = ("checkpoint", "env", "trainer", "rollout")
+DEFAULT_ENV_SPEC = "yieldloop.envs.letters:env"
+
+
+def _quiet_libraries() -> None:
+    """No hub access and no download/progress chatter from the ML libraries."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional off Linux/macOS
+        import asyncio
+
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _add_stack_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="model slug served and trained (default: tiny)")
+    parser.add_argument("--env-spec", action="append", dest="env_specs",
+                        help=f"environment module:attr or file.py:attr (repeatable; default {DEFAULT_ENV_SPEC})")
+    parser.add_argument("--engine", default="torch", help="rollout engine (default: torch)")
+    parser.add_argument("--device", default="cpu", help="torch device for trainer and engine (default: cpu)")
+    parser.add_argument("--host", default="127.0.0.1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yieldloop", description="Self-hosted closed loop from agent evals to RL training data."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run one service in this process")
+    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("--port", type=int, default=0, help="port to bind (0: a free one; see --ready-file)")
+    serve.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
+    serve.add_argument("--store", default="", help="object store path/URL (default: DATA_DIR/store)")
+    serve.add_argument("--checkpoint-address", default="", help="CheckpointService host:port (trainer, rollout)")
+    serve.add_argument("--env-address", default="", help="EnvService host:port (rollout)")
+    serve.add_argument("--ready-file", type=pathlib.Path, help="write {address} here once serving")
+    _add_stack_args(serve)
+
+    up = commands.add_parser("up", help="start all four services on localhost (the embedded default)")
+    up.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
+    _add_stack_args(up)
+
+    demo = commands.add_parser("demo", help="run the closed loop on the embedded default and print each iteration")
+    demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
+    demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")
+    demo.add_argument("--iterations", type=int, default=3)
+    demo.add_argument("--group-size", type=int, default=8)
+    demo.add_argument("--letters", default="abcdefgh", help="one task per letter (default: abcdefgh)")
+    demo.add_argument("--learning-rate", type=float, default=1e-3)
+    demo.add_argument("--max-tokens", type=int, default=12)
+    _add_stack_args(demo)
+    return parser
+
+
+def _stack_config(args: argparse.Namespace, data_dir: pathlib.Path) -> Any:
+    from yieldloop.services.stack import StackConfig
+
+    return StackConfig(
+        data_dir=data_dir.resolve(),
+        model=args.model,
+        env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
+        engine=args.engine,
+        device=args.device,
+        host=args.host,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from yieldloop.services.serve import ServeOptions, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    options = ServeOptions(
+        service=args.service,
+        data_dir=args.data_dir.resolve(),
+        host=args.host,
+        port=args.port,
+        store=args.store,
+        model=args.model,
+        checkpoint_address=args.checkpoint_address,
+        env_address=args.env_address,
+        env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
+        engine=args.engine,
+        device=args.device,
+        ready_file=args.ready_file,
+    )
+    _run(serve(options))
+    return 0
+
+
+async def _up(args: argparse.Namespace) -> None:
+    import asyncio
+    import signal
+
+    from rich.console import Console
+
+    from yieldloop.services.stack import ProcessStack
+
+    console = Console()
+    stack = ProcessStack(_stack_config(args, args.data_dir))
+    with console.status("starting checkpoint, env, trainer and rollout services..."):
+        addresses = await stack.start()
+    for service, address in addresses.items():
+        console.print(f"  {service:<11} {address}")
+    console.print(f"data in {stack.config.data_dir}; logs in {stack.config.data_dir / 'logs'}; Ctrl-C stops")
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    with console.status("stopping..."):
+        await stack.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    _run(_up(args))
+    return 0
+
+
+def _read_addresses(data_dir: pathlib.Path) -> dict[str, str]:
+    import json
+
+    return {s: json.loads((data_dir / "run" / f"{s}.json").read_text())["address"] for s in SERVICES}
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from yieldloop.client import Client
+    from yieldloop.envs.letters import tasks as letter_tasks
+    from yieldloop.loop import closed_loop
+
+    console = Console()
+    stack = None
+    if args.attach:
+        addresses = _read_addresses(args.attach)
+    else:
+        from yieldloop.services.stack import ProcessStack
+
+        data_dir = args.data_dir or pathlib.Path(tempfile.mkdtemp(prefix="yieldloop-demo-"))
+        stack = ProcessStack(_stack_config(args, data_dir))
+        with console.status("starting the four services (creating the tiny model offline on first use)..."):
+            addresses = await stack.start()
+        console.print(f"services up: {addresses}")
+    tasks = letter_tasks(args.letters)
+    table = Table(title=f"closed loop: {len(tasks)} tasks x group {args.group_size}")
+    for column in ("iter", "mean reward", "loss", "sampled by", "checkpoint", "now serving", "rollout s", "train s", "reload s"):
+        table.add_column(column)
+    try:
+        async with Client(**addresses, timeout=300) as client:
+            with Progress(console=console, transient=True) as progress:
+                bar = progress.add_task("iterations", total=args.iterations)
+                async for report in closed_loop(
+                    client, tasks, iterations=args.iterations, group_size=args.group_size,
+                    learning_rate=args.learning_rate, max_tokens=args.max_tokens,
+                ):
+                    progress.console.print(
+                        f"iteration {report.iteration}: mean reward {report.mean_reward:.3f}  loss {report.loss_sum:+.4f}  "
+                        f"sampled by {','.join(report.sampled_weight_versions)}  -> checkpoint {report.checkpoint_id}  "
+                        f"now serving {report.served_weight_version}"
+                    )
+                    table.add_row(
+                        str(report.iteration), f"{report.mean_reward:.3f}", f"{report.loss_sum:+.4f}",
+                        ",".join(report.sampled_weight_versions), report.checkpoint_id,
+                        report.served_weight_version, f"{report.rollout_s:.1f}", f"{report.train_s:.1f}",
+                        f"{report.reload_s:.1f}",
+                    )
+                    progress.advance(bar)
+        console.print(table)
+        if stack is not None:
+            console.print(f"data kept in {stack.config.data_dir}")
+    finally:
+        if stack is not None:
+            await stack.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _run(_demo(args))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    handlers = {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

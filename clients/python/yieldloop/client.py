@@ -1,0 +1,350 @@
+"""The async client over all four services.
+
+Example::
+
+    async with Client(env="127.0.0.1:7001", rollout="127.0.0.1:7002",
+                      trainer="127.0.0.1:7003", checkpoint="127.0.0.1:7004") as client:
+        runs = [run async for run in client.stream_rollouts([task], group_size=8)]
+        await client.forward_backward(runs=runs, loss_fn="importance_sampling")
+        step = await client.optim_step(learning_rate=1e-4, set_head=True)
+
+Methods are snake_case wrappers of the PascalCase RPCs and return the
+generated protobuf messages. A failed call raises a subclass of
+:class:`yieldloop.errors.YieldloopError` carrying the gRPC code and the
+``ErrorInfo`` reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from yieldloop._status import error_from_rpc
+from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.checkpoint.v1 import checkpoint_service_pb2_grpc as ckpt_grpc
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.env.v1 import env_service_pb2 as env_pb
+from yieldloop.env.v1 import env_service_pb2_grpc as env_grpc
+from yieldloop.environment import Task
+from yieldloop.errors import FailedPreconditionError, invalid_field
+from yieldloop.rollout.v1 import rollout_service_pb2 as rollout_pb
+from yieldloop.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
+from yieldloop.trainer.v1 import trainer_service_pb2 as trainer_pb
+from yieldloop.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """Options for channels and servers: large messages, keepalive, round-robin over DNS."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.lb_policy_name", "round_robin"),
+    ]
+
+
+def task_to_proto(task: Task | common_pb.Task) -> common_pb.Task:
+    if isinstance(task, common_pb.Task):
+        return task
+    return common_pb.Task(env=task.env, scenario=task.scenario, args_json=task.args_json, task_id=task.task_id)
+
+
+def sampling_params(**kwargs: Any) -> rollout_pb.SamplingParams:
+    """SamplingParams from keyword arguments (temperature, top_p, top_k, max_tokens, stop, seed)."""
+    return rollout_pb.SamplingParams(**kwargs)
+
+
+@dataclasses.dataclass
+class Completion:
+    """A whole generation gathered from the Generate stream."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: str
+    stop_reason: int
+
+
+async def _unary(method: Any, request: Any, timeout: float | None = None) -> Any:
+    try:
+        return await method(request, timeout=timeout)
+    except grpc.aio.AioRpcError as err:
+        raise error_from_rpc(err) from None
+
+
+async def _stream(call: Any) -> AsyncIterator[Any]:
+    try:
+        async for item in call:
+            yield item
+    except grpc.aio.AioRpcError as err:
+        raise error_from_rpc(err) from None
+    finally:
+        call.cancel()
+
+
+class EpisodeSession:
+    """One EnvService episode over a bidi stream: start, call tools, submit."""
+
+    def __init__(self, stub: env_grpc.EnvServiceStub, task: common_pb.Task, timeout: float | None) -> None:
+        self._call = stub.StreamEpisode(timeout=timeout)
+        self._task = task
+        self.started: env_pb.EpisodeStarted | None = None
+
+    async def _exchange(self, request: env_pb.StreamEpisodeRequest) -> env_pb.StreamEpisodeResponse:
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as err:
+            raise error_from_rpc(err) from None
+        if response is grpc.aio.EOF:  # a failed call raises from read(); EOF means an OK close
+            raise FailedPreconditionError("episode stream closed early", reason="EPISODE_PROTOCOL")
+        return response
+
+    async def start(self) -> env_pb.EpisodeStarted:
+        response = await self._exchange(env_pb.StreamEpisodeRequest(start=env_pb.StartEpisode(task=self._task)))
+        self.started = response.started
+        return response.started
+
+    async def call_tool(self, name: str, arguments_json: str = "{}", call_id: str = "") -> env_pb.ToolResult:
+        request = env_pb.CallTool(call_id=call_id, name=name, arguments_json=arguments_json)
+        return (await self._exchange(env_pb.StreamEpisodeRequest(call_tool=request))).tool_result
+
+    async def submit(self, answer: str) -> env_pb.EpisodeGraded:
+        request = env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(answer=answer))
+        graded = (await self._exchange(request)).graded
+        await self._call.done_writing()
+        return graded
+
+    async def close(self) -> None:
+        self._call.cancel()
+
+    async def __aenter__(self) -> EpisodeSession:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Client:
+    """Async client for EnvService, RolloutService, TrainerService and CheckpointService.
+
+    Args:
+        env, rollout, trainer, checkpoint: ``host:port`` (or ``dns:///host:port``
+            for round-robin across replicas) of each service; a service left
+            out raises FailedPreconditionError when used.
+        timeout: Default deadline in seconds for unary calls (None: no deadline).
+    """
+
+    def __init__(
+        self,
+        env: str | None = None,
+        rollout: str | None = None,
+        trainer: str | None = None,
+        checkpoint: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._addresses = {"env": env, "rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
+
+    def _channel(self, service: str) -> grpc.aio.Channel:
+        if service not in self._channels:
+            address = self._addresses[service]
+            if not address:
+                raise FailedPreconditionError(f"no address given for the {service} service", reason="INVALID_FIELD")
+            self._channels[service] = grpc.aio.insecure_channel(address, options=channel_options())
+        return self._channels[service]
+
+    @property
+    def env_stub(self) -> env_grpc.EnvServiceStub:
+        return env_grpc.EnvServiceStub(self._channel("env"))
+
+    @property
+    def rollout_stub(self) -> rollout_grpc.RolloutServiceStub:
+        return rollout_grpc.RolloutServiceStub(self._channel("rollout"))
+
+    @property
+    def trainer_stub(self) -> trainer_grpc.TrainerServiceStub:
+        return trainer_grpc.TrainerServiceStub(self._channel("trainer"))
+
+    @property
+    def checkpoint_stub(self) -> ckpt_grpc.CheckpointServiceStub:
+        return ckpt_grpc.CheckpointServiceStub(self._channel("checkpoint"))
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # EnvService ------------------------------------------------------------------
+
+    async def list_scenarios(self, env: str = "") -> env_pb.ListScenariosResponse:
+        return await _unary(self.env_stub.ListScenarios, env_pb.ListScenariosRequest(env=env), self.timeout)
+
+    def episode(self, task: Task | common_pb.Task, timeout: float | None = None) -> EpisodeSession:
+        """An episode session; ``async with client.episode(task) as ep`` starts it."""
+        return EpisodeSession(self.env_stub, task_to_proto(task), timeout)
+
+    # RolloutService ----------------------------------------------------------------
+
+    def generate_stream(
+        self,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        sampling: rollout_pb.SamplingParams | None = None,
+        model: str = "",
+        timeout: float | None = None,
+    ) -> AsyncIterator[rollout_pb.GenerateResponse]:
+        """Streams Generate deltas for token ids or chat messages (exactly one of them)."""
+        if (prompt_token_ids is None) == (messages is None):
+            raise invalid_field("prompt", "give exactly one of prompt_token_ids and messages")
+        request = rollout_pb.GenerateRequest(model=model, sampling=sampling or sampling_params(max_tokens=16))
+        if messages is not None:
+            request.chat.messages.extend(common_pb.ChatMessage(**m) for m in messages)
+        else:
+            request.prompt_token_ids.token_ids.extend(prompt_token_ids)
+        return _stream(self.rollout_stub.Generate(request, timeout=timeout))
+
+    async def generate(self, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any) -> Completion:
+        """Runs Generate to completion and gathers the deltas."""
+        result = Completion([], [], [], "", 0)
+        async for delta in self.generate_stream(prompt_token_ids, **kwargs):
+            result.prompt_token_ids.extend(delta.prompt_token_ids)
+            result.token_ids.extend(delta.token_ids)
+            result.logprobs.extend(delta.logprobs)
+            result.weight_version = delta.weight_version or result.weight_version
+            if delta.finished:
+                result.stop_reason = delta.stop_reason
+        return result
+
+    async def stream_rollouts(
+        self,
+        tasks: Iterable[Task | common_pb.Task],
+        *,
+        group_size: int = 1,
+        max_concurrent: int = 0,
+        sampling: rollout_pb.SamplingParams | None = None,
+        job_id: str = "",
+        timeout: float | None = None,
+    ) -> AsyncIterator[common_pb.Run]:
+        """Runs tasks x group_size episodes and yields Runs as they finish."""
+        request = rollout_pb.StreamRolloutsRequest(
+            tasks=[task_to_proto(t) for t in tasks],
+            group_size=group_size,
+            max_concurrent=max_concurrent,
+            sampling=sampling or sampling_params(temperature=1.0, max_tokens=16),
+            job_id=job_id,
+        )
+        async for response in _stream(self.rollout_stub.StreamRollouts(request, timeout=timeout)):
+            yield response.run
+
+    async def get_serving_info(
+        self, wait_for_checkpoint_id: str = "", timeout: float | None = None
+    ) -> rollout_pb.GetServingInfoResponse:
+        request = rollout_pb.GetServingInfoRequest(wait_for_checkpoint_id=wait_for_checkpoint_id)
+        return await _unary(self.rollout_stub.GetServingInfo, request, timeout or self.timeout)
+
+    # TrainerService ----------------------------------------------------------------
+
+    async def forward_backward(
+        self,
+        *,
+        runs: Iterable[common_pb.Run] = (),
+        datums: Iterable[common_pb.Datum] = (),
+        loss_fn: str = "importance_sampling",
+        loss_fn_config: Mapping[str, float] | None = None,
+        normalize_advantages_by_std: bool = False,
+        drop_groups_without_signal: bool = False,
+    ) -> trainer_pb.ForwardBackwardResponse:
+        """Streams a config then runs and/or datums; gradients accumulate until optim_step."""
+        config = trainer_pb.ForwardBackwardConfig(
+            loss_fn=loss_fn,
+            loss_fn_config=dict(loss_fn_config or {}),
+            normalize_advantages_by_std=normalize_advantages_by_std,
+            drop_groups_without_signal=drop_groups_without_signal,
+        )
+
+        def requests() -> Iterable[trainer_pb.ForwardBackwardRequest]:
+            yield trainer_pb.ForwardBackwardRequest(config=config)
+            for run in runs:
+                yield trainer_pb.ForwardBackwardRequest(run=run)
+            for datum in datums:
+                yield trainer_pb.ForwardBackwardRequest(datum=datum)
+
+        try:
+            return await self.trainer_stub.ForwardBackward(requests(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            raise error_from_rpc(err) from None
+
+    async def optim_step(
+        self, learning_rate: float, *, set_head: bool = True, metadata_json: str = "", **adam: float
+    ) -> trainer_pb.OptimStepResponse:
+        """AdamW step (beta1, beta2, eps, weight_decay, max_grad_norm as keywords) and checkpoint commit."""
+        request = trainer_pb.OptimStepRequest(
+            adam=trainer_pb.AdamParams(learning_rate=learning_rate, **adam),
+            set_head=set_head,
+            metadata_json=metadata_json,
+        )
+        return await _unary(self.trainer_stub.OptimStep, request, self.timeout)
+
+    async def list_losses(self) -> trainer_pb.ListLossesResponse:
+        return await _unary(self.trainer_stub.ListLosses, trainer_pb.ListLossesRequest(), self.timeout)
+
+    async def get_trainer_info(self) -> trainer_pb.GetTrainerInfoResponse:
+        return await _unary(self.trainer_stub.GetTrainerInfo, trainer_pb.GetTrainerInfoRequest(), self.timeout)
+
+    # CheckpointService ---------------------------------------------------------------
+
+    async def list_models(self) -> ckpt_pb.ListModelsResponse:
+        return await _unary(self.checkpoint_stub.ListModels, ckpt_pb.ListModelsRequest(), self.timeout)
+
+    async def fork_model(self, source: str, name: str, owner: str = "") -> ckpt_pb.ForkModelResponse:
+        request = ckpt_pb.ForkModelRequest(source=source, name=name, owner=owner)
+        return await _unary(self.checkpoint_stub.ForkModel, request, self.timeout)
+
+    async def list_checkpoints(self, model: str) -> ckpt_pb.ListCheckpointsResponse:
+        request = ckpt_pb.ListCheckpointsRequest(model=model)
+        return await _unary(self.checkpoint_stub.ListCheckpoints, request, self.timeout)
+
+    async def get_checkpoint(self, model: str, checkpoint_id: str) -> ckpt_pb.Manifest:
+        request = ckpt_pb.GetCheckpointRequest(model=model, checkpoint_id=checkpoint_id)
+        return (await _unary(self.checkpoint_stub.GetCheckpoint, request, self.timeout)).manifest
+
+    async def commit_checkpoint(
+        self, manifest: ckpt_pb.Manifest, *, set_head: bool = False, expected_head_checkpoint_id: str = ""
+    ) -> ckpt_pb.CommitCheckpointResponse:
+        request = ckpt_pb.CommitCheckpointRequest(
+            manifest=manifest, set_head=set_head, expected_head_checkpoint_id=expected_head_checkpoint_id
+        )
+        return await _unary(self.checkpoint_stub.CommitCheckpoint, request, self.timeout)
+
+    async def get_head(self, model: str) -> ckpt_pb.Head:
+        return (await _unary(self.checkpoint_stub.GetHead, ckpt_pb.GetHeadRequest(model=model), self.timeout)).head
+
+    async def set_head(self, model: str, checkpoint_id: str, expected_checkpoint_id: str = "") -> ckpt_pb.Head:
+        request = ckpt_pb.SetHeadRequest(
+            model=model, checkpoint_id=checkpoint_id, expected_checkpoint_id=expected_checkpoint_id
+        )
+        return (await _unary(self.checkpoint_stub.SetHead, request, self.timeout)).head
+
+    async def watch_head(self, model: str, after_sequence: int = 0) -> AsyncIterator[ckpt_pb.Head]:
+        """Yields the model's head on every move (first the current one when newer than after_sequence)."""
+        request = ckpt_pb.WatchHeadRequest(model=model, after_sequence=after_sequence)
+        async for response in _stream(self.checkpoint_stub.WatchHead(request)):
+            yield response.head

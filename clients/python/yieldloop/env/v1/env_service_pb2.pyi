@@ -1,0 +1,108 @@
+from yieldloop.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListScenariosRequest(_message.Message):
+    __slots__ = ("env",)
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    def __init__(self, env: _Optional[str] = ...) -> None: ...
+
+class ScenarioSpec(_message.Message):
+    __slots__ = ("env", "name", "description", "args_json_schema")
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    env: str
+    name: str
+    description: str
+    args_json_schema: str
+    def __init__(self, env: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., args_json_schema: _Optional[str] = ...) -> None: ...
+
+class ListScenariosResponse(_message.Message):
+    __slots__ = ("scenarios", "tools")
+    SCENARIOS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    scenarios: _containers.RepeatedCompositeFieldContainer[ScenarioSpec]
+    tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolSpec]
+    def __init__(self, scenarios: _Optional[_Iterable[_Union[ScenarioSpec, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.ToolSpec, _Mapping]]] = ...) -> None: ...
+
+class StartEpisode(_message.Message):
+    __slots__ = ("task", "episode_id")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    task: _common_pb2.Task
+    episode_id: str
+    def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., episode_id: _Optional[str] = ...) -> None: ...
+
+class CallTool(_message.Message):
+    __slots__ = ("call_id", "name", "arguments_json")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    name: str
+    arguments_json: str
+    def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+
+class SubmitAnswer(_message.Message):
+    __slots__ = ("answer",)
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    answer: str
+    def __init__(self, answer: _Optional[str] = ...) -> None: ...
+
+class StreamEpisodeRequest(_message.Message):
+    __slots__ = ("start", "call_tool", "submit")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CALL_TOOL_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    start: StartEpisode
+    call_tool: CallTool
+    submit: SubmitAnswer
+    def __init__(self, start: _Optional[_Union[StartEpisode, _Mapping]] = ..., call_tool: _Optional[_Union[CallTool, _Mapping]] = ..., submit: _Optional[_Union[SubmitAnswer, _Mapping]] = ...) -> None: ...
+
+class EpisodeStarted(_message.Message):
+    __slots__ = ("episode_id", "prompt", "messages", "tools")
+    EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    episode_id: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolSpec]
+    def __init__(self, episode_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.ToolSpec, _Mapping]]] = ...) -> None: ...
+
+class ToolResult(_message.Message):
+    __slots__ = ("call_id", "content", "is_error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    IS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    content: str
+    is_error: bool
+    def __init__(self, call_id: _Optional[str] = ..., content: _Optional[str] = ..., is_error: _Optional[bool] = ...) -> None: ...
+
+class EpisodeGraded(_message.Message):
+    __slots__ = ("reward", "info_json")
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    reward: float
+    info_json: str
+    def __init__(self, reward: _Optional[float] = ..., info_json: _Optional[str] = ...) -> None: ...
+
+class StreamEpisodeResponse(_message.Message):
+    __slots__ = ("started", "tool_result", "graded")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RESULT_FIELD_NUMBER: _ClassVar[int]
+    GRADED_FIELD_NUMBER: _ClassVar[int]
+    started: EpisodeStarted
+    tool_result: ToolResult
+    graded: EpisodeGraded
+    def __init__(self, started: _Optional[_Union[EpisodeStarted, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., graded: _Optional[_Union[EpisodeGraded, _Mapping]] = ...) -> None: ...

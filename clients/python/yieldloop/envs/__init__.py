@@ -1,0 +1,1 @@
+"""Environments shipped with yieldloop (the demo's task family lives here)."""

@@ -1,0 +1,148 @@
+from yieldloop.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ForwardBackwardConfig(_message.Message):
+    __slots__ = ("loss_fn", "loss_fn_config", "normalize_advantages_by_std", "drop_groups_without_signal")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_ADVANTAGES_BY_STD_FIELD_NUMBER: _ClassVar[int]
+    DROP_GROUPS_WITHOUT_SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    loss_fn: str
+    loss_fn_config: _containers.ScalarMap[str, float]
+    normalize_advantages_by_std: bool
+    drop_groups_without_signal: bool
+    def __init__(self, loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., normalize_advantages_by_std: _Optional[bool] = ..., drop_groups_without_signal: _Optional[bool] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("config", "datum", "run", "trace_id")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DATUM_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    config: ForwardBackwardConfig
+    datum: _common_pb2.Datum
+    run: _common_pb2.Run
+    trace_id: str
+    def __init__(self, config: _Optional[_Union[ForwardBackwardConfig, _Mapping]] = ..., datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ..., run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ..., trace_id: _Optional[str] = ...) -> None: ...
+
+class ForwardBackwardResponse(_message.Message):
+    __slots__ = ("loss_sum", "num_datums", "num_action_tokens", "num_groups", "num_groups_without_signal", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOSS_SUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_DATUMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_WITHOUT_SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    loss_sum: float
+    num_datums: int
+    num_action_tokens: int
+    num_groups: int
+    num_groups_without_signal: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, loss_sum: _Optional[float] = ..., num_datums: _Optional[int] = ..., num_action_tokens: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_groups_without_signal: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class AdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    max_grad_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("adam", "set_head", "metadata_json")
+    ADAM_FIELD_NUMBER: _ClassVar[int]
+    SET_HEAD_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    adam: AdamParams
+    set_head: bool
+    metadata_json: str
+    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class OptimStepResponse(_message.Message):
+    __slots__ = ("step", "checkpoint", "grad_norm", "head_sequence")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    checkpoint: _common_pb2.CheckpointRef
+    grad_norm: float
+    head_sequence: int
+    def __init__(self, step: _Optional[int] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointRef, _Mapping]] = ..., grad_norm: _Optional[float] = ..., head_sequence: _Optional[int] = ...) -> None: ...
+
+class LossKnob(_message.Message):
+    __slots__ = ("name", "default_value", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    default_value: float
+    description: str
+    def __init__(self, name: _Optional[str] = ..., default_value: _Optional[float] = ..., description: _Optional[str] = ...) -> None: ...
+
+class LossSpec(_message.Message):
+    __slots__ = ("name", "description", "knobs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    KNOBS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    knobs: _containers.RepeatedCompositeFieldContainer[LossKnob]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., knobs: _Optional[_Iterable[_Union[LossKnob, _Mapping]]] = ...) -> None: ...
+
+class ListLossesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLossesResponse(_message.Message):
+    __slots__ = ("losses",)
+    LOSSES_FIELD_NUMBER: _ClassVar[int]
+    losses: _containers.RepeatedCompositeFieldContainer[LossSpec]
+    def __init__(self, losses: _Optional[_Iterable[_Union[LossSpec, _Mapping]]] = ...) -> None: ...
+
+class GetTrainerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTrainerInfoResponse(_message.Message):
+    __slots__ = ("model", "step", "checkpoint_id", "num_pending_datums", "device")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_DATUMS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    step: int
+    checkpoint_id: str
+    num_pending_datums: int
+    device: str
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., num_pending_datums: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...

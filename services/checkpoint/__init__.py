@@ -1,0 +1,1 @@
+"""CheckpointService: models, the checkpoint tree and compare-and-swap head pointers."""

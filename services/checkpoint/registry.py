@@ -1,0 +1,264 @@
+"""The checkpoint registry: models, manifests and HEAD pointers in an object store.
+
+Layout (all state lives in the store; the service is stateless)::
+
+    models/<slug>/model.json                          base, parent, owner, trainable
+    models/<slug>/checkpoints/<id>/<objects...>       safetensors, config, tokenizer, optimizer
+    models/<slug>/checkpoints/<id>/manifest.json      written last: a checkpoint without it does not exist
+    models/<slug>/HEAD                                checkpoint id + sequence, moved by conditional put
+
+Plain Python: no grpc here; errors are :mod:`yieldloop.errors` classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+
+from yieldloop.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    FailedPreconditionError,
+    NotFoundError,
+    invalid_field,
+)
+from yieldloop.services.store import ObjectNotFound, ObjectStore, PreconditionFailed
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MANIFEST = "manifest.json"
+
+
+def check_name(value: str, field: str) -> str:
+    """Validates a model slug or checkpoint id (no separators, no ``..``, 1-128 chars)."""
+    if not _NAME.match(value) or ".." in value:
+        raise invalid_field(field, f"{field} {value!r} must match {_NAME.pattern} and not contain '..'")
+    return value
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    slug: str
+    base: str
+    parent: str = ""
+    owner: str = ""
+    trainable: bool = True
+    created_time: float = 0.0
+
+
+@dataclasses.dataclass
+class ObjectInfo:
+    name: str
+    size: int
+    sha256: str
+    key: str
+
+
+@dataclasses.dataclass
+class Manifest:
+    model: str
+    checkpoint_id: str
+    objects: list[ObjectInfo]
+    parent_checkpoint_id: str = ""
+    step: int = 0
+    created_time: float = 0.0
+    metadata_json: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        raw = json.loads(data)
+        raw["objects"] = [ObjectInfo(**o) for o in raw["objects"]]
+        return cls(**raw)
+
+
+@dataclasses.dataclass
+class Head:
+    model: str
+    checkpoint_id: str
+    sequence: int
+    updated_time: float
+
+
+def model_prefix(slug: str) -> str:
+    return f"models/{slug}/"
+
+
+def checkpoint_prefix(slug: str, checkpoint_id: str) -> str:
+    return f"models/{slug}/checkpoints/{checkpoint_id}/"
+
+
+class CheckpointRegistry:
+    """Models, checkpoints and heads over an :class:`ObjectStore`.
+
+    Args:
+        store: Where everything lives.
+        poll_interval: How often :meth:`watch_head` re-reads HEAD to see moves
+            made by other processes (moves made through this registry wake
+            watchers at once).
+    """
+
+    def __init__(self, store: ObjectStore, poll_interval: float = 0.5) -> None:
+        self.store = store
+        self.poll_interval = poll_interval
+        # Per model: the event current watchers wait on, and the loop it belongs to
+        # (commit may run in a worker thread, so waking goes through the loop).
+        self._head_moved: dict[str, tuple[asyncio.Event, asyncio.AbstractEventLoop]] = {}
+
+    # Models -----------------------------------------------------------------
+
+    def create_model(self, info: ModelInfo) -> ModelInfo:
+        check_name(info.slug, "slug")
+        info.created_time = info.created_time or time.time()
+        try:
+            self.store.put_bytes(
+                model_prefix(info.slug) + "model.json",
+                json.dumps(dataclasses.asdict(info), sort_keys=True).encode(),
+                if_none_match=True,
+            )
+        except PreconditionFailed:
+            raise AlreadyExistsError(f"model {info.slug!r} exists", reason="MODEL_ALREADY_EXISTS") from None
+        return info
+
+    def get_model(self, slug: str) -> ModelInfo:
+        check_name(slug, "model")
+        try:
+            data, _ = self.store.get_bytes(model_prefix(slug) + "model.json")
+        except ObjectNotFound:
+            raise NotFoundError(f"no model {slug!r}", reason="MODEL_NOT_FOUND") from None
+        return ModelInfo(**json.loads(data))
+
+    def list_models(self) -> list[ModelInfo]:
+        slugs = sorted({key.split("/")[1] for key in self.store.list("models/") if key.endswith("/model.json")})
+        return [self.get_model(slug) for slug in slugs]
+
+    def fork_model(self, source: str, name: str, owner: str = "") -> tuple[ModelInfo, Head]:
+        """A new slug whose first checkpoint is the source's head (objects shared, not copied)."""
+        check_name(name, "name")
+        src = self.get_model(source)
+        head = self.get_head(source)
+        manifest = self.get_manifest(source, head.checkpoint_id)
+        info = self.create_model(ModelInfo(slug=name, base=src.base, parent=source, owner=owner, trainable=True))
+        forked = dataclasses.replace(manifest, model=name, created_time=time.time())
+        self.store.put_bytes(checkpoint_prefix(name, forked.checkpoint_id) + MANIFEST, forked.to_json())
+        return info, self.set_head(name, forked.checkpoint_id)
+
+    # Checkpoints --------------------------------------------------------------
+
+    def get_manifest(self, model: str, checkpoint_id: str) -> Manifest:
+        self.get_model(model)
+        check_name(checkpoint_id, "checkpoint_id")
+        try:
+            data, _ = self.store.get_bytes(checkpoint_prefix(model, checkpoint_id) + MANIFEST)
+        except ObjectNotFound:
+            raise NotFoundError(
+                f"model {model!r} has no checkpoint {checkpoint_id!r}", reason="CHECKPOINT_NOT_FOUND"
+            ) from None
+        return Manifest.from_json(data)
+
+    def list_checkpoints(self, model: str) -> list[Manifest]:
+        """Committed checkpoints (those with a manifest), oldest first."""
+        self.get_model(model)
+        prefix = f"models/{model}/checkpoints/"
+        ids = [key[len(prefix):].split("/")[0] for key in self.store.list(prefix) if key.endswith("/" + MANIFEST)]
+        manifests = [self.get_manifest(model, cid) for cid in ids]
+        return sorted(manifests, key=lambda m: (m.created_time, m.step, m.checkpoint_id))
+
+    def commit(self, manifest: Manifest, *, set_head: bool = False, expected_head: str = "") -> tuple[Manifest, Head | None]:
+        """Verifies the objects, writes the manifest last, and optionally moves HEAD."""
+        self.get_model(manifest.model)
+        check_name(manifest.checkpoint_id, "manifest.checkpoint_id")
+        if not manifest.objects:
+            raise invalid_field("manifest.objects", "a checkpoint needs at least one object")
+        if manifest.parent_checkpoint_id:
+            self.get_manifest(manifest.model, manifest.parent_checkpoint_id)
+        for obj in manifest.objects:
+            check_name(obj.name, "manifest.objects.name")
+            stat = self.store.stat(obj.key)
+            if stat is None or stat.size != obj.size or self.store.sha256(obj.key) != obj.sha256:
+                raise FailedPreconditionError(
+                    f"object {obj.key!r} is missing or differs from its declared size/sha256",
+                    reason="CHECKPOINT_CORRUPT",
+                )
+        manifest.created_time = manifest.created_time or time.time()
+        try:
+            self.store.put_bytes(
+                checkpoint_prefix(manifest.model, manifest.checkpoint_id) + MANIFEST,
+                manifest.to_json(),
+                if_none_match=True,
+            )
+        except PreconditionFailed:
+            raise AlreadyExistsError(
+                f"checkpoint {manifest.checkpoint_id!r} exists", reason="CHECKPOINT_ALREADY_EXISTS"
+            ) from None
+        head = self.set_head(manifest.model, manifest.checkpoint_id, expected_head) if set_head else None
+        return manifest, head
+
+    # Heads ----------------------------------------------------------------------
+
+    def _read_head(self, model: str) -> tuple[Head | None, str | None]:
+        try:
+            data, etag = self.store.get_bytes(model_prefix(model) + "HEAD")
+        except ObjectNotFound:
+            return None, None
+        return Head(**json.loads(data)), etag
+
+    def find_head(self, model: str) -> Head | None:
+        """The model's head, or None before its first checkpoint."""
+        self.get_model(model)
+        return self._read_head(model)[0]
+
+    def get_head(self, model: str) -> Head:
+        head = self.find_head(model)
+        if head is None:
+            raise NotFoundError(f"model {model!r} has no head yet", reason="CHECKPOINT_NOT_FOUND")
+        return head
+
+    def set_head(self, model: str, checkpoint_id: str, expected: str = "") -> Head:
+        """Moves HEAD by conditional put; with ``expected``, a lost race is ABORTED."""
+        self.get_manifest(model, checkpoint_id)
+        while True:
+            current, etag = self._read_head(model)
+            actual = current.checkpoint_id if current else ""
+            if expected and actual != expected:
+                raise AbortedError(
+                    f"head of {model!r} is {actual!r}, not the expected {expected!r}", reason="HEAD_CONFLICT"
+                )
+            new = Head(model, checkpoint_id, (current.sequence if current else 0) + 1, time.time())
+            try:
+                self.store.put_bytes(
+                    model_prefix(model) + "HEAD",
+                    json.dumps(dataclasses.asdict(new)).encode(),
+                    if_match=etag,
+                    if_none_match=current is None,
+                )
+            except PreconditionFailed:
+                continue  # someone moved it between our read and write: re-read and re-check
+            self._wake(model)
+            return new
+
+    def _wake(self, model: str) -> None:
+        waiter = self._head_moved.pop(model, None)
+        if waiter is not None:
+            event, loop = waiter
+            loop.call_soon_threadsafe(event.set)
+
+    async def watch_head(self, model: str, after_sequence: int = 0) -> AsyncIterator[Head]:
+        """Yields the head whenever its sequence passes ``after_sequence``, forever."""
+        self.get_model(model)
+        while True:
+            event, _ = self._head_moved.setdefault(model, (asyncio.Event(), asyncio.get_running_loop()))
+            head, _ = self._read_head(model)
+            if head is not None and head.sequence > after_sequence:
+                after_sequence = head.sequence
+                yield head
+                continue
+            try:
+                await asyncio.wait_for(event.wait(), self.poll_interval)
+            except TimeoutError:
+                pass

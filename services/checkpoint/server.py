@@ -1,0 +1,18 @@
+"""CheckpointService process wiring."""
+
+from __future__ import annotations
+
+from yieldloop.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
+from yieldloop.services.checkpoint.registry import CheckpointRegistry
+from yieldloop.services.checkpoint.servicer import CheckpointServicer
+from yieldloop.services.common.grpc_server import GrpcServer
+from yieldloop.services.store import ObjectStore
+
+SERVICE_NAME = "yieldloop.checkpoint.v1.CheckpointService"
+
+
+def build(store: ObjectStore, host: str = "127.0.0.1", port: int = 0) -> GrpcServer:
+    """A CheckpointService server over ``store`` (not started)."""
+    server = GrpcServer(host, port)
+    server.add(pb_grpc.add_CheckpointServiceServicer_to_server, CheckpointServicer(CheckpointRegistry(store)), SERVICE_NAME)
+    return server

@@ -1,0 +1,1 @@
+"""Parts every service process shares: the gRPC server shell, error translation, logging."""

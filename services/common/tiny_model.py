@@ -1,0 +1,111 @@
+"""Creates the tiny model offline: a BPE tokenizer trained here and a small Qwen2 model.
+
+Nothing is downloaded. The tokenizer is trained with ``tokenizers`` on text
+generated from the shipped environments' vocabulary; the model is a
+randomly initialised ``Qwen2ForCausalLM`` (head size 32, which vLLM's CPU
+attention backend accepts), saved in Hugging Face format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import random
+import string
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen-style ChatML template, so chat prompts render the same in every engine.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of the tiny model."""
+
+    vocab_size: int = 384
+    """Tokenizer vocabulary size (BPE merges stop there)."""
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    """hidden_size / num_attention_heads = 32: the smallest head size vLLM's CPU backend takes."""
+    num_key_value_heads: int = 1
+    max_position_embeddings: int = 512
+    seed: int = 0
+
+
+def _corpus(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for letter in string.ascii_lowercase:
+        lines.append(f"Write the letter {letter} over and over.")
+        for _ in range(20):
+            lines.append(" ".join(letter * rng.randint(1, 4) for _ in range(rng.randint(1, 6))))
+    words = "the a of to and in is it you that he was for on are with as his they at be this from".split()
+    for _ in range(400):
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+        lines.append("".join(rng.choice(string.ascii_letters + string.digits + " .,") for _ in range(40)))
+    for role in ("system", "user", "assistant", "tool"):
+        lines.append(f"<|im_start|>{role}\nhello<|im_end|>")
+    return lines
+
+
+def train_tokenizer(config: TinyModelConfig):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(config.seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def create_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig = TinyModelConfig()) -> pathlib.Path:
+    """Writes tokenizer + randomly initialised Qwen2 weights to ``out_dir`` (HF format)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = pathlib.Path(out_dir)
+    tokenizer = train_tokenizer(config)
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(config.seed)
+    model = Qwen2ForCausalLM(model_config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

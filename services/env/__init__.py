@@ -1,0 +1,1 @@
+"""EnvService: environments, scenarios and isolated episodes."""

@@ -1,0 +1,1 @@
+"""RolloutService: the policy engine, generation, rollouts and hot reload of the head."""

@@ -1,0 +1,282 @@
+"""The torch engine: a transformers model with a KV cache and batched sampling.
+
+The light default for tiny models and for GPU images without vLLM. One worker
+thread owns the model: requests that arrive within ``batch_wait_s`` of each
+other are decoded together (left-padded, one shared ``DynamicCache``), and
+weights are swapped only between batches, so every token of a request is
+sampled by the one weight version its deltas report.
+
+Legend: B batch, L prompt length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import pathlib
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from yieldloop.services.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+
+log = logging.getLogger(__name__)
+_WAKE = object()
+
+
+@dataclasses.dataclass
+class _Weights:
+    model: Any
+    tokenizer: Any
+    version: str
+    eos_ids: frozenset[int]
+    max_model_len: int
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    out: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    generator: Any
+    cancelled: bool = False
+
+    def emit(self, item: TokenDelta | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str) -> _Weights:
+    """Loads an HF checkpoint folder for inference (eager attention: left padding stays NaN-free)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), attn_implementation="eager")
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    return _Weights(model, tokenizer, version, frozenset(eos_ids), model.config.max_position_embeddings)
+
+
+def sample_token(logits_V: Any, sampling: SamplingConfig, generator: Any) -> tuple[int, float]:
+    """Samples one token; returns it with its logprob under softmax(logits / temperature)."""
+    import torch
+
+    if sampling.temperature == 0:
+        logprobs_V = torch.log_softmax(logits_V, dim=-1)
+        token = int(torch.argmax(logprobs_V))
+        return token, float(logprobs_V[token])
+    logprobs_V = torch.log_softmax(logits_V / sampling.temperature, dim=-1)
+    probs_V = logprobs_V.exp()
+    if sampling.top_k:
+        kth = torch.topk(probs_V, min(sampling.top_k, probs_V.numel())).values[-1]
+        probs_V = torch.where(probs_V >= kth, probs_V, torch.zeros_like(probs_V))
+    if sampling.top_p < 1:
+        sorted_probs, order = torch.sort(probs_V, descending=True)
+        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p * sorted_probs.sum()
+        probs_V = torch.zeros_like(probs_V).scatter(0, order[keep], sorted_probs[keep])
+    token = int(torch.multinomial(probs_V, 1, generator=generator))
+    return token, float(logprobs_V[token])
+
+
+class TorchEngine(Engine):
+    """Batched decoding with transformers on CPU or CUDA.
+
+    Args:
+        device: torch device string.
+        dtype: torch dtype name for inference ("float32" keeps sampler/trainer
+            logprobs within 1e-4 of each other).
+        max_batch_size: Requests decoded together at most.
+        batch_wait_s: How long the worker waits for more requests to batch.
+    """
+
+    name = "torch"
+
+    def __init__(
+        self, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64, batch_wait_s: float = 0.005
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self._weights: _Weights | None = None
+        self._swaps: list[tuple[_Weights, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._swap_lock = threading.Lock()
+        self._pending: queue.Queue = queue.Queue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def weight_version(self) -> str:
+        return self._weights.version if self._weights else ""
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._weights is not None
+        return self._weights.model.config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        assert self._weights is not None
+        return self._weights.max_model_len
+
+    async def load_weights(self, folder: pathlib.Path, version: str) -> None:
+        weights = await asyncio.to_thread(load_hf_weights, folder, version, self.device, self.dtype)
+        loop = asyncio.get_running_loop()
+        swapped = loop.create_future()
+        with self._swap_lock:
+            self._swaps.append((weights, loop, swapped))
+        self._pending.put(_WAKE)
+        await swapped
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        assert self._weights is not None
+        ids = self._weights.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        assert self._weights is not None
+        return self._weights.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> AsyncIterator[TokenDelta]:
+        import torch
+
+        self.validate_prompt(prompt_ids)
+        sampling.validate()
+        generator = torch.Generator(device="cpu")
+        if sampling.seed:
+            generator.manual_seed(sampling.seed)
+        else:
+            generator.seed()
+        request = _Request(list(prompt_ids), sampling, asyncio.Queue(), asyncio.get_running_loop(), generator)
+        self._pending.put(request)
+        try:
+            while True:
+                item = await request.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            request.cancelled = True
+
+    async def close(self) -> None:
+        self._stopping = True
+        self._pending.put(_WAKE)
+        await asyncio.to_thread(self._thread.join, 10)
+
+    # Worker thread ------------------------------------------------------------------
+
+    def _apply_swaps(self) -> None:
+        with self._swap_lock:
+            swaps, self._swaps = self._swaps, []
+        for weights, loop, future in swaps:
+            self._weights = weights
+            log.info("serving weights %s", weights.version)
+            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+
+    def _worker(self) -> None:
+        while not self._stopping:
+            first = self._pending.get()
+            batch = [] if first is _WAKE else [first]
+            deadline = time.monotonic() + self.batch_wait_s
+            while batch and len(batch) < self.max_batch_size:
+                try:
+                    item = self._pending.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is not _WAKE:
+                    batch.append(item)
+            self._apply_swaps()  # the step boundary: no request is mid-decode here
+            batch = [r for r in batch if not r.cancelled]
+            if not batch:
+                continue
+            try:
+                self._decode(batch)
+            except Exception as exc:  # deliberate degrade: fail this batch, keep serving
+                log.exception("decode failed")
+                for request in batch:
+                    request.emit(exc)
+
+    def _decode(self, batch: list[_Request]) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        weights = self._weights
+        assert weights is not None
+        model, version = weights.model, weights.version
+        pad = weights.tokenizer.pad_token_id or 0
+        num_seqs = len(batch)
+        max_len = max(len(r.prompt_ids) for r in batch)
+        tokens_BL = torch.full((num_seqs, max_len), pad, dtype=torch.long)
+        mask_BL = torch.zeros((num_seqs, max_len), dtype=torch.long)
+        for i, request in enumerate(batch):
+            tokens_BL[i, max_len - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
+            mask_BL[i, max_len - len(request.prompt_ids):] = 1
+        positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        budgets = [min(r.sampling.max_tokens, weights.max_model_len - len(r.prompt_ids)) for r in batch]
+        generated: list[list[int]] = [[] for _ in batch]
+        done = [False] * num_seqs
+        cache = DynamicCache(config=model.config)
+        device = self.device
+        with torch.inference_mode():
+            out = model(
+                input_ids=tokens_BL.to(device),
+                attention_mask=mask_BL.to(device),
+                position_ids=positions_BL.to(device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits_BV = out.logits[:, -1, :].float().cpu()
+            next_pos_B = positions_BL[:, -1] + 1
+            for _ in range(max(budgets)):
+                step_tokens = []
+                for i, request in enumerate(batch):
+                    if not done[i] and request.cancelled:
+                        done[i] = True
+                        request.emit(TokenDelta([], [], version, finished=True, stop_reason="cancelled"))
+                    if done[i]:
+                        step_tokens.append(pad)
+                        continue
+                    token, logprob = sample_token(logits_BV[i], request.sampling, request.generator)
+                    generated[i].append(token)
+                    reason = self._stop_reason(weights, request, generated[i], budgets[i])
+                    done[i] = bool(reason)
+                    request.emit(TokenDelta([token], [logprob], version, finished=done[i], stop_reason=reason))
+                    step_tokens.append(token)
+                if all(done):
+                    return
+                mask_BL = torch.cat([mask_BL, torch.ones((num_seqs, 1), dtype=torch.long)], dim=1)
+                out = model(
+                    input_ids=torch.tensor(step_tokens, device=device)[:, None],
+                    attention_mask=mask_BL.to(device),
+                    position_ids=next_pos_B[:, None].to(device),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits_BV = out.logits[:, -1, :].float().cpu()
+                next_pos_B = next_pos_B + 1
+
+    @staticmethod
+    def _stop_reason(weights: _Weights, request: _Request, generated: list[int], budget: int) -> str:
+        if generated[-1] in weights.eos_ids:
+            return "eos"
+        if request.sampling.stop:
+            text = weights.tokenizer.decode(generated, skip_special_tokens=True)
+            if any(s in text for s in request.sampling.stop):
+                return "stop_string"
+        if len(generated) >= request.sampling.max_tokens:
+            return "length"
+        if len(generated) >= budget:
+            return "context"
+        return ""

@@ -1,0 +1,69 @@
+"""RolloutService process wiring: engine, head follower, servicer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+
+from yieldloop.client import Client
+from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from yieldloop.services.common.grpc_server import GrpcServer
+from yieldloop.services.rollout.engines import create_engine
+from yieldloop.services.rollout.servicer import RolloutServicer
+from yieldloop.services.rollout.weights import WeightFollower
+from yieldloop.services.store import ObjectStore
+
+SERVICE_NAME = "yieldloop.rollout.v1.RolloutService"
+
+
+class RolloutServer:
+    """A RolloutService with its engine and the task that follows the head.
+
+    Args:
+        model: Model slug served.
+        store: Object store with the checkpoints.
+        checkpoint_address: CheckpointService address (head watching).
+        env_address: EnvService address (rollouts).
+        cache_dir: Local folder for verified checkpoints.
+        engine: Engine kind ("torch").
+    """
+
+    def __init__(
+        self,
+        model: str,
+        store: ObjectStore,
+        checkpoint_address: str,
+        env_address: str,
+        cache_dir: pathlib.Path,
+        engine: str = "torch",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        **engine_options: object,
+    ) -> None:
+        self.engine = create_engine(engine, **engine_options)
+        self.clients = Client(env=env_address, checkpoint=checkpoint_address)
+        self.follower = WeightFollower(self.engine, model, store, self.clients, cache_dir)
+        self.grpc = GrpcServer(host, port)
+        self.grpc.add(
+            pb_grpc.add_RolloutServiceServicer_to_server,
+            RolloutServicer(model, self.engine, self.follower, self.clients),
+            SERVICE_NAME,
+        )
+        self._follow_task: asyncio.Task | None = None
+
+    async def start(self, wait_for_weights: bool = True) -> str:
+        """Starts following the head (waiting for the first load by default), then serves."""
+        self._follow_task = asyncio.create_task(self.follower.run())
+        if wait_for_weights:
+            await self.follower.wait_loaded()
+        return await self.grpc.start()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.grpc.stop(grace)
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow_task
+        await self.clients.close()
+        await self.engine.close()

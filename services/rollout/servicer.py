@@ -1,0 +1,111 @@
+"""RolloutService servicer: protobuf <-> engine and rollout translation only."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from yieldloop.client import Client
+from yieldloop.errors import NotFoundError, UnimplementedError, invalid_field
+from yieldloop.rollout.v1 import rollout_service_pb2 as pb
+from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from yieldloop.services.common.grpc_server import rpc
+from yieldloop.services.rollout.engines import Engine, SamplingConfig
+from yieldloop.services.rollout.rollouts import STOP_REASONS, stream_rollouts
+from yieldloop.services.rollout.weights import WeightFollower
+
+
+def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
+    return SamplingConfig(
+        max_tokens=message.max_tokens,
+        temperature=message.temperature,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        stop=tuple(message.stop),
+        seed=message.seed,
+    ).validate()
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    """Serves one model with ``engine``; episodes run against EnvService through ``env``."""
+
+    def __init__(self, model: str, engine: Engine, follower: WeightFollower, env: Client) -> None:
+        self.model = model
+        self.engine = engine
+        self.follower = follower
+        self.env = env
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model:
+            raise NotFoundError(f"this server serves {self.model!r}, not {model!r}", reason="MODEL_NOT_FOUND")
+
+    @rpc
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self._check_model(request.model)
+        sampling = sampling_from_pb(request.sampling)
+        kind = request.WhichOneof("prompt")
+        if kind == "chat":
+            if not self.engine.weight_version:
+                self.engine.validate_prompt([])  # raises ENGINE_NOT_READY
+            prompt_ids = self.engine.render_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+        elif kind == "prompt_token_ids":
+            prompt_ids = list(request.prompt_token_ids.token_ids)
+        else:
+            raise invalid_field("prompt", "give prompt_token_ids or chat")
+        first = True
+        async for delta in self.engine.generate(prompt_ids, sampling):
+            response = pb.GenerateResponse(
+                token_ids=delta.token_ids,
+                logprobs=delta.logprobs,
+                weight_version=delta.weight_version,
+                finished=delta.finished,
+                stop_reason=STOP_REASONS.get(delta.stop_reason, 0),
+            )
+            if first:
+                response.prompt_token_ids.extend(prompt_ids)
+                first = False
+            yield response
+
+    @rpc
+    async def StreamRollouts(
+        self, request: pb.StreamRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamRolloutsResponse]:
+        if request.group_size < 1:
+            raise invalid_field("group_size", f"group_size must be >= 1, got {request.group_size}")
+        if not request.tasks:
+            raise invalid_field("tasks", "no tasks given")
+        if request.max_concurrent < 0:
+            raise invalid_field("max_concurrent", "max_concurrent must be >= 0")
+        if not self.engine.weight_version:
+            self.engine.validate_prompt([])  # raises ENGINE_NOT_READY
+        async for run in stream_rollouts(
+            self.engine,
+            self.env,
+            list(request.tasks),
+            group_size=request.group_size,
+            max_concurrent=request.max_concurrent,
+            sampling=sampling_from_pb(request.sampling),
+            model=self.model,
+        ):
+            yield pb.StreamRolloutsResponse(run=run)
+
+    @rpc
+    async def GetRuns(self, request: pb.GetRunsRequest, context: grpc.aio.ServicerContext) -> pb.GetRunsResponse:
+        raise UnimplementedError("this rollout server has no trace store configured", reason="NOT_IMPLEMENTED")
+
+    @rpc
+    async def GetServingInfo(
+        self, request: pb.GetServingInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServingInfoResponse:
+        if request.wait_for_checkpoint_id:
+            await self.follower.wait_for(request.wait_for_checkpoint_id)  # bounded by the call deadline
+        return pb.GetServingInfoResponse(
+            model=self.model,
+            weight_version=self.engine.weight_version,
+            head_sequence=self.follower.head_sequence,
+            engine=self.engine.name,
+            last_reload_error=self.follower.last_error,
+        )

@@ -1,0 +1,93 @@
+"""Runs one service in this process until SIGTERM/SIGINT (``yieldloop serve <service>``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import pathlib
+import signal
+
+from yieldloop.services.stack import write_ready_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    service: str
+    """One of checkpoint, env, trainer, rollout."""
+    data_dir: pathlib.Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 picks a free port (see ready_file)."""
+    store: str = ""
+    """Object store URL (default: <data_dir>/store)."""
+    model: str = "tiny"
+    checkpoint_address: str = ""
+    env_address: str = ""
+    env_specs: tuple[str, ...] = ("yieldloop.envs.letters:env",)
+    engine: str = "torch"
+    device: str = "cpu"
+    ready_file: pathlib.Path | None = None
+    """Where to write the bound address once serving."""
+    grace_s: float = 5.0
+
+
+async def _build(opts: ServeOptions):
+    """Returns (start, stop) coroutine functions for the service."""
+    from yieldloop.services.store import open_store
+
+    store = open_store(opts.store or str(opts.data_dir / "store"))
+    work_dir = opts.data_dir / "work" / opts.service
+    if opts.service == "checkpoint":
+        from yieldloop.services.checkpoint.server import build
+
+        server = build(store, opts.host, opts.port)
+        return server.start, server.stop
+    if opts.service == "env":
+        from yieldloop.services.env.loader import load_environment
+        from yieldloop.services.env.server import build
+
+        server = build([load_environment(spec) for spec in opts.env_specs], opts.host, opts.port)
+        return server.start, server.stop
+    if opts.service == "trainer":
+        from yieldloop.services.trainer.server import build
+        from yieldloop.services.trainer.trainer import TrainerConfig
+
+        dtype = "bfloat16" if opts.device.startswith("cuda") else "float32"
+        server, servicer = await build(
+            opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=dtype),
+            opts.host, opts.port,
+        )
+
+        async def stop(grace: float) -> None:
+            await server.stop(grace)
+            await servicer.close()
+
+        return server.start, stop
+    if opts.service == "rollout":
+        from yieldloop.services.rollout.server import RolloutServer
+
+        server = RolloutServer(
+            opts.model, store, opts.checkpoint_address, opts.env_address, work_dir, opts.engine,
+            opts.host, opts.port, device=opts.device,
+        )
+        return server.start, server.stop
+    raise ValueError(f"unknown service {opts.service!r}")
+
+
+async def serve(opts: ServeOptions) -> None:
+    """Starts the service, writes the ready file, and stops gracefully on SIGTERM/SIGINT."""
+    start, stop = await _build(opts)
+    address = await start()
+    if opts.ready_file is not None:
+        write_ready_file(opts.ready_file, address)
+    print(f"yieldloop {opts.service} serving on {address}", flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("stopping %s", opts.service)
+    await stop(opts.grace_s)

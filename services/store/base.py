@@ -1,0 +1,90 @@
+"""The ObjectStore interface: keys, bytes, ETags and conditional puts.
+
+Keys are ``/``-separated relative paths (``models/tiny/HEAD``). Conditional
+puts give compare-and-swap: ``if_none_match=True`` creates only if absent,
+``if_match=etag`` replaces only the version that was read.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import pathlib
+import re
+from collections.abc import Iterator
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._=+-]+$")
+
+
+class ObjectNotFound(KeyError):
+    """No object at the key."""
+
+
+class PreconditionFailed(Exception):
+    """A conditional put found another version (or an existing object)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectStat:
+    key: str
+    size: int
+    etag: str
+
+
+def check_key(key: str) -> str:
+    """Validates an object key: relative, no empty, ``.`` or ``..`` parts."""
+    parts = key.split("/")
+    if not key or any(p in ("", ".", "..") or not _KEY_PART.match(p) for p in parts):
+        raise ValueError(f"invalid object key {key!r}")
+    return key
+
+
+def sha256_file(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ObjectStore(abc.ABC):
+    """Blob storage with conditional writes (filesystem or S3)."""
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
+        """Writes ``data`` atomically; returns the new ETag.
+
+        Raises:
+            PreconditionFailed: ``if_match`` differs from the current ETag, or
+                ``if_none_match`` and the object exists.
+        """
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        """Returns the object's bytes and ETag. Raises ObjectNotFound."""
+
+    @abc.abstractmethod
+    def put_file(self, key: str, path: pathlib.Path) -> str:
+        """Uploads a local file atomically; returns the ETag."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, path: pathlib.Path) -> None:
+        """Downloads an object to ``path`` (written atomically). Raises ObjectNotFound."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectStat | None:
+        """Size and ETag of an object, or None when absent."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under ``prefix`` (a folder-like prefix ending in ``/``), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Removes an object (absent is fine)."""
+
+    def sha256(self, key: str) -> str:
+        """SHA-256 of an object's bytes (implementations may stream)."""
+        data, _ = self.get_bytes(key)
+        return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,135 @@
+"""Local filesystem object store: the embedded default.
+
+Writes go to a temporary file in the target folder, are fsynced and renamed
+into place, so a crash never leaves a half-written object. Conditional puts
+hold an exclusive ``flock`` on a per-key lock file, so they are atomic across
+processes on one machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+from yieldloop.services.store.base import (
+    ObjectNotFound,
+    ObjectStat,
+    ObjectStore,
+    PreconditionFailed,
+    check_key,
+    sha256_file,
+)
+
+_LOCKS = ".locks"
+
+
+def _md5_file(path: pathlib.Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class FsStore(ObjectStore):
+    """Objects as files under ``root``; ETag is the MD5 of the content (as S3's for simple puts)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = pathlib.Path(root).resolve()
+        (self.root / _LOCKS).mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"FsStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.root / check_key(key)
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        lock_path = self.root / _LOCKS / hashlib.sha256(key.encode()).hexdigest()
+        with lock_path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write_atomic(self, path: pathlib.Path, write: callable) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def put_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
+        path = self._path(key)
+        if if_match is None and not if_none_match:
+            self._write_atomic(path, lambda f: f.write(data))
+            return hashlib.md5(data).hexdigest()
+        with self._locked(key):
+            current = self.stat(key)
+            if if_none_match and current is not None:
+                raise PreconditionFailed(f"{key} exists")
+            if if_match is not None and (current is None or current.etag != if_match):
+                raise PreconditionFailed(f"{key} changed (expected etag {if_match})")
+            self._write_atomic(path, lambda f: f.write(data))
+        return hashlib.md5(data).hexdigest()
+
+    def get_bytes(self, key: str) -> tuple[bytes, str]:
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+        return data, hashlib.md5(data).hexdigest()
+
+    def put_file(self, key: str, path: pathlib.Path) -> str:
+        with open(path, "rb") as src:
+            self._write_atomic(self._path(key), lambda f: shutil.copyfileobj(src, f, 1 << 20))
+        return _md5_file(self._path(key))
+
+    def get_file(self, key: str, path: pathlib.Path) -> None:
+        source = self._path(key)
+        if not source.is_file():
+            raise ObjectNotFound(key)
+        with source.open("rb") as src:
+            self._write_atomic(pathlib.Path(path), lambda f: shutil.copyfileobj(src, f, 1 << 20))
+
+    def stat(self, key: str) -> ObjectStat | None:
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        return ObjectStat(key=key, size=path.stat().st_size, etag=_md5_file(path))
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = self.root / prefix.rstrip("/") if prefix else self.root
+        if not base.is_dir():
+            return iter(())
+        keys = (
+            str(p.relative_to(self.root))
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".tmp-") and _LOCKS not in p.relative_to(self.root).parts
+        )
+        return iter(sorted(keys))
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+    def sha256(self, key: str) -> str:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFound(key)
+        return sha256_file(path)

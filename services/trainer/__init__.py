@@ -1,0 +1,1 @@
+"""TrainerService: weights in training, the optimizer and the losses."""

@@ -1,0 +1,191 @@
+"""The training state of one model: weights, AdamW, gradient accumulation, checkpoints.
+
+Plain Python + torch, no grpc. Calls are synchronous; the servicer runs them
+on one dedicated thread so they apply in order.
+
+Legend: B datums in a micro-batch, T tokens, V vocabulary, N flattened valid tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+from yieldloop.errors import FailedPreconditionError, invalid_field
+from yieldloop.services.trainer import losses
+from yieldloop.services.trainer.datums import Datum
+
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    device: str = "cpu"
+    """torch device for the weights."""
+    dtype: str = "float32"
+    """Training dtype: float32 on CPU, bfloat16 on GPU."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens per forward/backward micro-batch (bounds activation memory)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamConfig:
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+    """0 disables clipping."""
+
+    def validate(self) -> AdamConfig:
+        if not self.learning_rate > 0:
+            raise invalid_field("adam.learning_rate", f"learning_rate must be > 0, got {self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise invalid_field(f"adam.{name}", f"{name} must be in [0, 1)")
+        for name in ("eps", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise invalid_field(f"adam.{name}", f"{name} must be >= 0")
+        return self
+
+
+def micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[Datum]]:
+    """Consecutive groups of datums whose padded size stays within ``max_tokens``."""
+    batches: list[list[Datum]] = []
+    current: list[Datum] = []
+    longest = 0
+    for datum in datums:
+        longest_if_added = max(longest, len(datum.input_tokens))
+        if current and longest_if_added * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest_if_added = [], len(datum.input_tokens)
+        current.append(datum)
+        longest = longest_if_added
+    if current:
+        batches.append(current)
+    return batches
+
+
+class Trainer:
+    """Loads an HF checkpoint folder and trains it."""
+
+    def __init__(self, folder: pathlib.Path, config: TrainerConfig = TrainerConfig()) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, config.dtype))
+        self.model.to(config.device).train()
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=False)
+        state_path = folder / STATE_FILE
+        self.step = json.loads(state_path.read_text())["step"] if state_path.exists() else 0
+        if (folder / OPTIMIZER_FILE).exists():
+            self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=config.device))
+        self.num_pending_datums = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def _logprobs_BT(self, batch: Sequence[Datum]) -> tuple[Any, Any]:
+        """Learner logprobs of each target token (B, T) and the validity mask."""
+        import torch
+
+        num_tokens = max(len(d.input_tokens) for d in batch)
+        tokens_BT = torch.zeros((len(batch), num_tokens), dtype=torch.long)
+        targets_BT = torch.zeros_like(tokens_BT)
+        mask_BT = torch.zeros_like(tokens_BT)
+        for i, datum in enumerate(batch):
+            n = len(datum.input_tokens)
+            tokens_BT[i, :n] = torch.tensor(datum.input_tokens)
+            targets_BT[i, :n] = torch.tensor(datum.target_tokens)
+            mask_BT[i, :n] = 1
+        device = self.config.device
+        logits_BTV = self.model(input_ids=tokens_BT.to(device), attention_mask=mask_BT.to(device)).logits.float()
+        logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BT.to(device)[..., None])[..., 0]
+        return logprobs_BT, mask_BT.to(device).bool()
+
+    def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
+        """Per-token learner logprobs of each datum (no gradient)."""
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for batch in micro_batches(datums, self.config.micro_batch_tokens):
+                logprobs_BT, mask_BT = self._logprobs_BT(batch)
+                out += [row[m].tolist() for row, m in zip(logprobs_BT, mask_BT, strict=True)]
+        return out
+
+    def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]) -> dict[str, float]:
+        """Accumulates the gradient of the summed loss over ``datums``; returns metrics."""
+        import torch
+
+        spec, knobs = losses.resolve(loss_fn, loss_config)
+        if not datums:
+            raise invalid_field("items", "the batch is empty")
+        device = self.config.device
+        totals = {"loss_sum": 0.0, "num_action_tokens": 0.0, "ratio_sum": 0.0, "kl_sum": 0.0, "clipped": 0.0}
+        for batch in micro_batches(datums, self.config.micro_batch_tokens):
+            logprobs_BT, mask_BT = self._logprobs_BT(batch)
+            lp_N = logprobs_BT[mask_BT]
+
+            def flat(name: str) -> Any:
+                return torch.tensor([v for d in batch for v in getattr(d, name)], dtype=lp_N.dtype, device=device)
+
+            q_N, A_N, w_N = flat("sampling_logprobs"), flat("advantages"), flat("weights")
+            loss = spec.fn(lp_N, q_N, A_N, w_N, **knobs)
+            loss.backward()
+            with torch.no_grad():
+                action_N = (w_N != 0) if loss_fn == "cross_entropy" else (A_N != 0)
+                ratio_N = (lp_N - q_N).exp()[action_N]
+                totals["loss_sum"] += float(loss)
+                totals["num_action_tokens"] += float(action_N.sum())
+                totals["ratio_sum"] += float(ratio_N.sum())
+                totals["kl_sum"] += float((q_N - lp_N)[action_N].sum())
+                if "clip_low_threshold" in knobs:
+                    outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
+                    totals["clipped"] += float(outside.sum())
+        self.num_pending_datums += len(datums)
+        num_action = max(totals["num_action_tokens"], 1.0)
+        return {
+            "loss_sum": totals["loss_sum"],
+            "num_action_tokens": totals["num_action_tokens"],
+            "mean_ratio": totals["ratio_sum"] / num_action,
+            "kl_sampler_learner": totals["kl_sum"] / num_action,
+            "clip_fraction": totals["clipped"] / num_action,
+        }
+
+    def optim_step(self, adam: AdamConfig) -> float:
+        """Applies the accumulated gradients; returns the global grad norm (before clipping)."""
+        import torch
+
+        adam.validate()
+        if self.num_pending_datums == 0:
+            raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = adam.max_grad_norm if adam.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_pending_datums = 0
+        self.step += 1
+        return grad_norm
+
+    def save(self, folder: pathlib.Path) -> pathlib.Path:
+        """Writes an HF checkpoint: safetensors, config, tokenizer, optimizer state, step."""
+        import torch
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+        torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        (folder / STATE_FILE).write_text(json.dumps({"step": self.step}))
+        return folder
