@@ -23,7 +23,7 @@ from yieldloop.services.checkpoint.servicer import manifest_from_pb, manifest_pb
 from yieldloop.services.common.grpc_server import rpc
 from yieldloop.services.store import ObjectStore
 from yieldloop.services.trainer import losses
-from yieldloop.services.trainer.datums import Datum, RunData, TurnData, runs_to_datums
+from yieldloop.services.trainer.datums import Datum, RunData, TurnData, run_to_datum, runs_to_datums
 from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig
 from yieldloop.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
@@ -142,6 +142,27 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             num_groups_without_signal=stats.num_groups_without_signal,
             metrics={**metrics, "num_runs_ungraded": num_ungraded},
         )
+
+    @rpc
+    async def Forward(
+        self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
+    ) -> pb.ForwardResponse:
+        assert self.trainer is not None
+        datums: list[Datum] = []
+        async for request in request_iterator:
+            item = request.WhichOneof("item")
+            field = f"items[{len(datums)}]"
+            if item == "datum":
+                datum = datum_from_pb(request.datum)
+            elif item == "run":
+                datum = run_to_datum(run_from_pb(request.run), 0.0, field)
+            else:
+                raise invalid_field(field, "empty request")
+            datums.append(datum.validate(self.trainer.vocab_size, field))
+        if not datums:
+            raise invalid_field("items", "the batch is empty")
+        logprobs = await self._run(self.trainer.logprobs, datums)
+        return pb.ForwardResponse(results=[pb.TokenLogprobs(logprobs=lp) for lp in logprobs])
 
     @rpc
     async def OptimStep(self, request: pb.OptimStepRequest, context: grpc.aio.ServicerContext) -> pb.OptimStepResponse:

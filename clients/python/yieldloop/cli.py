@@ -153,7 +153,6 @@ async def _demo(args: argparse.Namespace) -> None:
 
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from yieldloop.client import Client
     from yieldloop.envs.letters import tasks as letter_tasks
@@ -172,9 +171,7 @@ async def _demo(args: argparse.Namespace) -> None:
             addresses = await stack.start()
         console.print(f"services up: {addresses}")
     tasks = letter_tasks(args.letters)
-    table = Table(title=f"closed loop: {len(tasks)} tasks x group {args.group_size}")
-    for column in ("iter", "mean reward", "loss", "sampled by", "checkpoint", "now serving", "rollout s", "train s", "reload s"):
-        table.add_column(column)
+    console.print(f"closed loop: {len(tasks)} tasks x group {args.group_size}, {args.iterations} iterations")
     try:
         async with Client(**addresses, timeout=300) as client:
             with Progress(console=console, transient=True) as progress:
@@ -184,18 +181,13 @@ async def _demo(args: argparse.Namespace) -> None:
                     learning_rate=args.learning_rate, max_tokens=args.max_tokens,
                 ):
                     progress.console.print(
-                        f"iteration {report.iteration}: mean reward {report.mean_reward:.3f}  loss {report.loss_sum:+.4f}  "
-                        f"sampled by {','.join(report.sampled_weight_versions)}  -> checkpoint {report.checkpoint_id}  "
-                        f"now serving {report.served_weight_version}"
-                    )
-                    table.add_row(
-                        str(report.iteration), f"{report.mean_reward:.3f}", f"{report.loss_sum:+.4f}",
-                        ",".join(report.sampled_weight_versions), report.checkpoint_id,
-                        report.served_weight_version, f"{report.rollout_s:.1f}", f"{report.train_s:.1f}",
-                        f"{report.reload_s:.1f}",
+                        f"iteration {report.iteration}: mean reward {report.mean_reward:.3f}  "
+                        f"loss {report.loss_sum:+.4f}  sampled by {','.join(report.sampled_weight_versions)}  "
+                        f"-> checkpoint {report.checkpoint_id}  now serving {report.served_weight_version}  "
+                        f"(rollout {report.rollout_s:.1f}s, train {report.train_s:.1f}s, reload {report.reload_s:.1f}s)",
+                        soft_wrap=True,
                     )
                     progress.advance(bar)
-        console.print(table)
         if stack is not None:
             console.print(f"data kept in {stack.config.data_dir}")
     finally:

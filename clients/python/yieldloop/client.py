@@ -73,6 +73,7 @@ class Completion:
 
 
 async def _unary(method: Any, request: Any, timeout: float | None = None) -> Any:
+    """Calls a unary-response RPC (``request`` may be an iterator for client streams)."""
     try:
         return await method(request, timeout=timeout)
     except grpc.aio.AioRpcError as err:
@@ -287,10 +288,21 @@ class Client:
             for datum in datums:
                 yield trainer_pb.ForwardBackwardRequest(datum=datum)
 
-        try:
-            return await self.trainer_stub.ForwardBackward(requests(), timeout=self.timeout)
-        except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err) from None
+        return await _unary(self.trainer_stub.ForwardBackward, requests(), self.timeout)
+
+    async def forward(
+        self, *, runs: Iterable[common_pb.Run] = (), datums: Iterable[common_pb.Datum] = ()
+    ) -> list[list[float]]:
+        """The learner's per-target-token logprobs for each run, then each datum (no gradient)."""
+
+        def requests() -> Iterable[trainer_pb.ForwardRequest]:
+            for run in runs:
+                yield trainer_pb.ForwardRequest(run=run)
+            for datum in datums:
+                yield trainer_pb.ForwardRequest(datum=datum)
+
+        response = await _unary(self.trainer_stub.Forward, requests(), self.timeout)
+        return [list(result.logprobs) for result in response.results]
 
     async def optim_step(
         self, learning_rate: float, *, set_head: bool = True, metadata_json: str = "", **adam: float

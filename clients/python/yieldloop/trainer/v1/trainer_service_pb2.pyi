@@ -61,6 +61,26 @@ class ForwardBackwardResponse(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     def __init__(self, loss_sum: _Optional[float] = ..., num_datums: _Optional[int] = ..., num_action_tokens: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_groups_without_signal: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
+class ForwardRequest(_message.Message):
+    __slots__ = ("datum", "run")
+    DATUM_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    datum: _common_pb2.Datum
+    run: _common_pb2.Run
+    def __init__(self, datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ..., run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprobs",)
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
 class AdamParams(_message.Message):
     __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]

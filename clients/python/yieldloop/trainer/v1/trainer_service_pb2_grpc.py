@@ -41,6 +41,11 @@ class TrainerServiceStub:
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardBackwardRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardBackwardResponse.FromString,
                 _registered_method=True)
+        self.Forward = channel.stream_unary(
+                '/yieldloop.trainer.v1.TrainerService/Forward',
+                request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardResponse.FromString,
+                _registered_method=True)
         self.OptimStep = channel.unary_unary(
                 '/yieldloop.trainer.v1.TrainerService/OptimStep',
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.OptimStepRequest.SerializeToString,
@@ -69,6 +74,17 @@ class TrainerServiceServicer:
         Returns: OK with metrics; INVALID_ARGUMENT (DATUM_INVALID, LOSS_UNKNOWN,
         TOKEN_OUT_OF_VOCAB, INVALID_FIELD: the first message is not a config, a
         knob is unknown, the batch is empty); UNIMPLEMENTED (NOT_IMPLEMENTED) for trace ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Forward(self, request_iterator, context):
+        """Client stream of datums or runs; returns the learner's per-token logprob of
+        every target token under the current weights (no gradient). The basis of
+        custom losses and of sampler/trainer consistency checks.
+        Returns: OK; INVALID_ARGUMENT (DATUM_INVALID, TOKEN_OUT_OF_VOCAB, INVALID_FIELD
+        for an empty batch).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +125,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ForwardBackward,
                     request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardBackwardRequest.FromString,
                     response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardBackwardResponse.SerializeToString,
+            ),
+            'Forward': grpc.stream_unary_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardRequest.FromString,
+                    response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardResponse.SerializeToString,
             ),
             'OptimStep': grpc.unary_unary_rpc_method_handler(
                     servicer.OptimStep,
@@ -155,6 +176,33 @@ class TrainerService:
             '/yieldloop.trainer.v1.TrainerService/ForwardBackward',
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardBackwardRequest.SerializeToString,
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardBackwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/yieldloop.trainer.v1.TrainerService/Forward',
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardRequest.SerializeToString,
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardResponse.FromString,
             options,
             channel_credentials,
             insecure,

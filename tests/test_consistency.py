@@ -1,0 +1,43 @@
+"""Sampler/trainer consistency: the logprobs RolloutService streams equal TrainerService's (fp32, 1e-4)."""
+
+from __future__ import annotations
+
+from yieldloop.client import Client, sampling_params
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.envs.letters import tasks
+
+TOLERANCE = 1e-4
+
+
+async def test_generate_logprobs_match_trainer_forward(client: Client) -> None:
+    info = await client.get_serving_info()
+    trainer = await client.get_trainer_info()
+    assert info.weight_version == trainer.checkpoint_id, "both must hold the same weights"
+    prompt = [1, 40, 41, 42, 43, 44]
+    completions = [
+        await client.generate(prompt, sampling=sampling_params(max_tokens=24, temperature=1.0, seed=seed))
+        for seed in (1, 2, 3)
+    ]
+    datums = [
+        common_pb.Datum(
+            input_tokens=(prompt + c.token_ids)[:-1],
+            target_tokens=(prompt + c.token_ids)[1:],
+        )
+        for c in completions
+    ]
+    learner = await client.forward(datums=datums)
+    worst = 0.0
+    for completion, logprobs in zip(completions, learner, strict=True):
+        completion_part = logprobs[len(prompt) - 1:]
+        assert len(completion_part) == len(completion.logprobs)
+        worst = max(worst, max(abs(a - b) for a, b in zip(completion_part, completion.logprobs, strict=True)))
+    assert worst < TOLERANCE, worst
+
+
+async def test_rollout_runs_match_trainer_forward(client: Client) -> None:
+    runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=4)]
+    learner = await client.forward(runs=runs)
+    for run, logprobs in zip(runs, learner, strict=True):
+        turn = run.turns[0]
+        completion_part = logprobs[len(turn.prompt_token_ids) - 1:]
+        assert max(abs(a - b) for a, b in zip(completion_part, turn.completion_logprobs, strict=True)) < TOLERANCE

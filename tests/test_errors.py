@@ -1,0 +1,117 @@
+"""Bad input answers with the right status and reason, and every service keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from yieldloop import errors
+from yieldloop.client import Client, sampling_params
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.envs.letters import repeat
+
+
+async def assert_still_serving(client: Client) -> None:
+    assert (await client.list_scenarios()).scenarios
+    assert (await client.get_head("tiny")).checkpoint_id
+    assert {loss.name for loss in (await client.list_losses()).losses} >= {"importance_sampling", "ppo"}
+    assert (await client.get_serving_info()).weight_version
+
+
+async def test_unknown_scenario_is_not_found(client: Client) -> None:
+    task = common_pb.Task(env="letters", scenario="no_such_scenario", args_json="{}")
+    with pytest.raises(errors.NotFoundError) as err:
+        async with client.episode(task):
+            pass
+    assert err.value.code == "NOT_FOUND" and err.value.reason == "SCENARIO_NOT_FOUND"
+    assert isinstance(err.value, LookupError) and isinstance(err.value, errors.YieldloopError)
+    with pytest.raises(errors.NotFoundError) as err:
+        _ = [run async for run in client.stream_rollouts([task], group_size=2)]
+    assert err.value.reason == "SCENARIO_NOT_FOUND"
+    await assert_still_serving(client)
+
+
+async def test_scenario_args_that_do_not_bind_are_invalid(client: Client) -> None:
+    with pytest.raises(errors.InvalidArgumentError) as err:
+        repeat.task(colour="red")
+    assert err.value.reason == "SCENARIO_ARGS_INVALID"
+    task = common_pb.Task(env="letters", scenario="repeat", args_json='{"colour": "red"}')
+    with pytest.raises(errors.InvalidArgumentError) as err:
+        async with client.episode(task):
+            pass
+    assert err.value.code == "INVALID_ARGUMENT" and err.value.reason == "SCENARIO_ARGS_INVALID"
+    assert isinstance(err.value, ValueError)
+    await assert_still_serving(client)
+
+
+async def test_datum_with_mismatched_logprobs_is_invalid(client: Client) -> None:
+    datum = common_pb.Datum(
+        input_tokens=[1, 2, 3], target_tokens=[2, 3, 4], sampling_logprobs=[-1.0, -1.0], advantages=[0, 1, 1]
+    )
+    with pytest.raises(errors.InvalidArgumentError) as err:
+        await client.forward_backward(datums=[datum])
+    assert err.value.reason == "DATUM_INVALID"
+    assert err.value.field == "datums[0].sampling_logprobs"
+    assert (await client.get_trainer_info()).num_pending_datums == 0, "a rejected batch leaves no gradient"
+    await assert_still_serving(client)
+
+
+async def test_set_head_to_missing_checkpoint_is_not_found(client: Client) -> None:
+    before = await client.get_head("tiny")
+    with pytest.raises(errors.NotFoundError) as err:
+        await client.set_head("tiny", "no-such-checkpoint")
+    assert err.value.reason == "CHECKPOINT_NOT_FOUND"
+    assert await client.get_head("tiny") == before, "HEAD untouched"
+    await assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "reason"),
+    [
+        (lambda c: c.generate([10**6], sampling=sampling_params(max_tokens=2)), errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),
+        (lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=0)), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=2, temperature=-1)), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.generate([1] * 600, sampling=sampling_params(max_tokens=2)), errors.InvalidArgumentError, "PROMPT_TOO_LONG"),
+        (lambda c: c.generate([1, 2], model="other-model"), errors.NotFoundError, "MODEL_NOT_FOUND"),
+        (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2])], loss_fn="nope"), errors.InvalidArgumentError, "LOSS_UNKNOWN"),
+        (lambda c: c.forward_backward(datums=[]), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2], advantages=[float("nan")])]), errors.InvalidArgumentError, "DATUM_INVALID"),
+        (lambda c: c.optim_step(1e-3), errors.FailedPreconditionError, "NO_GRADIENTS"),
+        (lambda c: c.get_head("../etc"), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.get_head("missing-model"), errors.NotFoundError, "MODEL_NOT_FOUND"),
+        (lambda c: c.set_head("tiny", "base", expected_checkpoint_id="not-the-head"), errors.AbortedError, "HEAD_CONFLICT"),
+        (lambda c: c.fork_model("tiny", ""), errors.InvalidArgumentError, "INVALID_FIELD"),
+    ],
+    ids=[
+        "token-out-of-vocab", "max-tokens-zero", "negative-temperature", "prompt-too-long", "unknown-model",
+        "unknown-loss", "empty-batch", "nan-advantage", "step-without-gradients", "slug-with-dots",
+        "missing-model", "lost-head-race", "empty-fork-name",
+    ],
+)
+async def test_bad_input_is_typed(client: Client, call, error, reason) -> None:
+    with pytest.raises(error) as err:
+        await call(client)
+    assert err.value.reason == reason, str(err.value)
+    await assert_still_serving(client)
+
+
+async def test_health_and_reflection(stack) -> None:
+    names = {
+        "checkpoint": "yieldloop.checkpoint.v1.CheckpointService",
+        "env": "yieldloop.env.v1.EnvService",
+        "trainer": "yieldloop.trainer.v1.TrainerService",
+        "rollout": "yieldloop.rollout.v1.RolloutService",
+    }
+    for service, address in stack.addresses.items():
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = await health.Check(health_pb2.HealthCheckRequest(service=names[service]))
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            call = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            async for response in call:
+                listed = {s.name for s in response.list_services_response.service}
+                assert names[service] in listed and "grpc.health.v1.Health" in listed
+                break

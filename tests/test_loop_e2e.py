@@ -1,0 +1,56 @@
+"""End to end: all four services on port 0, driven by the client library."""
+
+from __future__ import annotations
+
+import json
+
+from yieldloop.client import Client, sampling_params
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.envs.letters import letter_fraction, tasks
+from yieldloop.loop import closed_loop
+
+MODEL = "tiny"
+
+
+async def test_one_iteration_commits_moves_head_and_reloads(client: Client) -> None:
+    head_before = await client.get_head(MODEL)
+    reports = [r async for r in closed_loop(client, tasks("abcd"), iterations=1, group_size=4, learning_rate=1e-3)]
+    report = reports[0]
+    assert report.num_runs == 16
+    assert report.sampled_weight_versions == [head_before.checkpoint_id]
+
+    # The checkpoint is committed, with every object the rollout servers need.
+    manifest = await client.get_checkpoint(MODEL, report.checkpoint_id)
+    names = {o.name for o in manifest.objects}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "optimizer.pt"} <= names
+    assert manifest.parent_checkpoint_id == head_before.checkpoint_id
+    assert all(o.sha256 and o.size > 0 for o in manifest.objects)
+
+    # HEAD moved to it, one sequence further.
+    head = await client.get_head(MODEL)
+    assert head.checkpoint_id == report.checkpoint_id
+    assert head.sequence == head_before.sequence + 1
+    listed = (await client.list_checkpoints(MODEL)).checkpoints
+    assert [c.checkpoint_id for c in listed if c.is_head] == [report.checkpoint_id]
+
+    # The next Generate reports that checkpoint as its weight version.
+    completion = await client.generate([1, 2, 3], sampling=sampling_params(max_tokens=4, temperature=1.0))
+    assert completion.weight_version == report.checkpoint_id
+    assert len(completion.token_ids) == len(completion.logprobs) > 0
+    info = await client.get_serving_info()
+    assert info.weight_version == report.checkpoint_id and info.engine == "torch"
+
+
+async def test_rollouts_are_scored_by_the_environment(client: Client) -> None:
+    runs = [run async for run in client.stream_rollouts(tasks("xy"), group_size=3)]
+    assert len(runs) == 6
+    by_group: dict[str, list] = {}
+    for run in runs:
+        assert run.status == common_pb.RUN_STATUS_GRADED
+        turn = run.turns[0]
+        assert len(turn.completion_token_ids) == len(turn.completion_logprobs) > 0
+        assert all(lp <= 0 for lp in turn.completion_logprobs)
+        letter = json.loads(run.task.args_json)["letter"]
+        assert run.reward == letter_fraction(run.answer, letter)
+        by_group.setdefault(run.group_id, []).append(run)
+    assert sorted(len(g) for g in by_group.values()) == [3, 3]

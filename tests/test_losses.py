@@ -1,0 +1,134 @@
+"""The importance_sampling loss: value and gradient against an independent float64 reference."""
+
+from __future__ import annotations
+
+import pathlib
+import random
+
+import pytest
+import torch
+
+from yieldloop.client import Client
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.services.trainer.datums import Datum, RunData, TurnData, group_advantages, runs_to_datums
+from yieldloop.services.trainer.trainer import Trainer
+
+
+def random_datums(vocab_size: int, seed: int = 0) -> list[Datum]:
+    """Sequences with a prompt part (A = 0) and an action part (A != 0), ratios spread around 1."""
+    rng = random.Random(seed)
+    datums = []
+    for length, prompt_len in ((12, 5), (20, 3), (7, 6)):
+        tokens = [rng.randrange(vocab_size) for _ in range(length + 1)]
+        advantages = [0.0] * prompt_len + [rng.uniform(-1.5, 1.5) for _ in range(length - prompt_len)]
+        datums.append(
+            Datum(
+                input_tokens=tokens[:-1],
+                target_tokens=tokens[1:],
+                sampling_logprobs=[-rng.uniform(3.0, 8.0) for _ in range(length)],
+                advantages=advantages,
+                weights=[0.0] * length,
+            )
+        )
+    return datums
+
+
+def reference_is_loss(model: torch.nn.Module, datums: list[Datum]) -> torch.Tensor:
+    """LOSSES.md: -(exp(lp - q) * A).sum() over tokens and datums, float64, one datum at a time."""
+    total = torch.zeros((), dtype=torch.float64)
+    for d in datums:
+        logits = model(input_ids=torch.tensor([d.input_tokens])).logits[0].to(torch.float64)
+        lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(d.target_tokens)), torch.tensor(d.target_tokens)]
+        q = torch.tensor(d.sampling_logprobs, dtype=torch.float64)
+        advantages = torch.tensor(d.advantages, dtype=torch.float64)
+        total = total - (torch.exp(lp - q) * advantages).sum()
+    return total
+
+
+def test_importance_sampling_value_and_gradient(tiny_model_dir: pathlib.Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(tiny_model_dir)
+    datums = random_datums(trainer.vocab_size)
+    metrics = trainer.forward_backward(datums, "importance_sampling", {})
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    expected = reference_is_loss(reference, datums)
+    expected.backward()
+
+    torch.testing.assert_close(torch.tensor(metrics["loss_sum"], dtype=torch.float64), expected.detach(), rtol=1e-5, atol=1e-6)
+    ours = dict(trainer.model.named_parameters())
+    checked = 0
+    for name, param in reference.named_parameters():
+        assert ours[name].grad is not None, name
+        # fp32 learner against the fp64 oracle: relative 1e-4, absolute 1e-6 for near-zero entries.
+        torch.testing.assert_close(ours[name].grad.to(torch.float64), param.grad, rtol=1e-4, atol=1e-6)
+        checked += 1
+    assert checked > 10
+    assert metrics["num_action_tokens"] == sum(sum(1 for a in d.advantages if a) for d in datums)
+
+
+def test_micro_batching_does_not_change_the_gradient(tiny_model_dir: pathlib.Path) -> None:
+    from yieldloop.services.trainer.trainer import TrainerConfig
+
+    whole, split = Trainer(tiny_model_dir), Trainer(tiny_model_dir, TrainerConfig(micro_batch_tokens=16))
+    datums = random_datums(whole.vocab_size, seed=1)
+    a = whole.forward_backward(datums, "importance_sampling", {})
+    b = split.forward_backward(datums, "importance_sampling", {})
+    assert a["loss_sum"] == pytest.approx(b["loss_sum"], rel=1e-5)
+    for (name, p), (_, q) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_grpo_advantages_and_groups_without_signal() -> None:
+    assert group_advantages([1.0, 0.0, 0.5], normalize_by_std=False) == pytest.approx([0.5, -0.5, 0.0])
+    normed = group_advantages([1.0, 0.0], normalize_by_std=True)
+    assert normed == pytest.approx([1.0, -1.0], abs=1e-5)
+
+    def run(group: str, reward: float) -> RunData:
+        return RunData(group, reward, [TurnData([1, 2, 3], [4, 5], [-1.0, -2.0])])
+
+    runs = [run("g1", 1.0), run("g1", 0.0), run("g2", 0.5), run("g2", 0.5)]
+    datums, stats = runs_to_datums(runs)
+    assert (stats.num_groups, stats.num_groups_without_signal, len(datums)) == (2, 1, 4)
+    # Prompt positions carry no advantage; the two completion tokens carry the run's.
+    assert datums[0].input_tokens == [1, 2, 3, 4] and datums[0].target_tokens == [2, 3, 4, 5]
+    assert datums[0].advantages == [0.0, 0.0, 0.5, 0.5]
+    assert datums[1].advantages == [0.0, 0.0, -0.5, -0.5]
+    assert datums[0].sampling_logprobs == [0.0, 0.0, -1.0, -2.0]
+    dropped, stats = runs_to_datums(runs, drop_groups_without_signal=True)
+    assert len(dropped) == 2 and stats.num_groups_without_signal == 1
+
+
+def test_multi_turn_runs_must_extend_the_previous_turn() -> None:
+    from yieldloop.errors import InvalidArgumentError
+    from yieldloop.services.trainer.datums import run_to_datum
+
+    good = RunData("g", 1.0, [TurnData([1, 2], [3], [-0.1]), TurnData([1, 2, 3, 9, 9], [4, 5], [-0.2, -0.3])])
+    datum = run_to_datum(good, 1.0, "run")
+    assert datum.target_tokens == [2, 3, 9, 9, 4, 5]
+    assert datum.advantages == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # tool-output tokens 9, 9 are not actions
+    drifted = RunData("g", 1.0, [TurnData([1, 2], [3], [-0.1]), TurnData([1, 2, 7], [4], [-0.2])])
+    with pytest.raises(InvalidArgumentError) as err:
+        run_to_datum(drifted, 1.0, "run")
+    assert err.value.reason == "DATUM_INVALID"
+
+
+async def test_service_loss_equals_reference(client: Client, stack, tiny_model_dir: pathlib.Path) -> None:
+    """Through the service: ForwardBackward's loss:sum equals the float64 formula on the served weights."""
+    from transformers import AutoModelForCausalLM
+
+    info = await client.get_serving_info()
+    folder = stack.config.data_dir / "work" / "rollout" / "tiny" / info.weight_version
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    datums = random_datums(reference.config.vocab_size, seed=2)
+    result = await client.forward_backward(
+        datums=[common_pb.Datum(**vars(d)) for d in datums], loss_fn="importance_sampling"
+    )
+    with torch.no_grad():
+        expected = float(reference_is_loss(reference, datums))
+    assert result.loss_sum == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert result.num_datums == 3
+    # Apply the step so the session's trainer and rollout stay on the same weights.
+    step = await client.optim_step(1e-4, set_head=True)
+    await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, timeout=60)

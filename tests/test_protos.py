@@ -1,0 +1,63 @@
+"""The checked-in generated code matches the protos, and the protos follow the conventions."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PROTOS = REPO / "protos"
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("gen_protos", PROTOS / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_code_is_up_to_date(tmp_path: pathlib.Path) -> None:
+    generated = _load_generator().generate(tmp_path)
+    assert len(generated) >= 5 * 4
+    stale = [
+        str(rel) for rel in generated
+        if (tmp_path / rel).read_bytes() != (REPO / "clients" / "python" / rel).read_bytes()
+    ]
+    assert not stale, f"run `python protos/generate.py`: stale generated files {stale}"
+
+
+@pytest.mark.parametrize("proto", sorted(PROTOS.rglob("*_service.proto")), ids=lambda p: p.parent.parent.name)
+def test_service_conventions(proto: pathlib.Path) -> None:
+    text = proto.read_text()
+    service = proto.parent.parent.name
+    package = re.search(r"^package ([\w.]+);", text, re.M).group(1)
+    assert package == f"yieldloop.{service}.v1", "package must match the folder"
+    rpcs = re.findall(r"((?:\s*//[^\n]*\n)+)\s*rpc (\w+)\((?:stream )?(\w+)\) returns \((?:stream )?(\w+)\)", text)
+    assert rpcs, "no rpcs found"
+    for comment, name, request, response in rpcs:
+        assert request == f"{name}Request", f"{name} must take its own {name}Request"
+        assert response == f"{name}Response", f"{name} must return its own {name}Response"
+        assert "Returns:" in comment, f"{name}'s comment must list its status codes"
+    assert len(rpcs) == text.count(" rpc "), "every rpc needs a comment"
+
+
+@pytest.mark.parametrize("proto", sorted(PROTOS.rglob("*.proto")), ids=lambda p: p.name)
+def test_enums_start_unspecified(proto: pathlib.Path) -> None:
+    for name, body in re.findall(r"enum (\w+) \{(.*?)\}", proto.read_text(), re.S):
+        first = re.search(r"(\w+) = (\d+);", body)
+        prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+        assert first.group(1) == f"{prefix}_UNSPECIFIED" and first.group(2) == "0", name
+
+
+def test_cli_and_import_stay_light() -> None:
+    import subprocess
+
+    code = "import sys, yieldloop, yieldloop.cli; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    help_text = subprocess.run([sys.executable, "-m", "yieldloop.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "demo" in help_text.stdout and "serve" in help_text.stdout
