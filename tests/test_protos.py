@@ -61,3 +61,16 @@ def test_cli_and_import_stay_light() -> None:
     assert out.stdout.strip() == "[]"
     help_text = subprocess.run([sys.executable, "-m", "yieldloop.cli", "--help"], capture_output=True, text=True, check=True)
     assert "demo" in help_text.stdout and "serve" in help_text.stdout
+
+
+def test_every_package_is_in_the_distribution() -> None:
+    """pyproject lists packages explicitly (two folders, one import root): none may be forgotten."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for root, prefix in ((REPO / "clients" / "python" / "yieldloop", "yieldloop"), (REPO / "services", "yieldloop.services")):
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root).parts
+            found.add(".".join((prefix, *rel)))
+    assert found == listed
