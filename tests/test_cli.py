@@ -28,3 +28,33 @@ def test_demo_runs_the_closed_loop(tmp_path: pathlib.Path) -> None:
     assert [p.name for p in logs] == ["checkpoint.log", "env.log", "rollout.log", "trainer.log"]
     for log in logs:
         assert "stopping" in log.read_text(), log.name
+
+
+def test_up_then_demo_attach(tmp_path: pathlib.Path) -> None:
+    """`yieldloop up` serves until interrupted; `yieldloop demo --attach` drives those services."""
+    import signal
+    import time
+
+    bin_dir = pathlib.Path(sys.executable).parent
+    yieldloop = str(bin_dir / "yieldloop") if (bin_dir / "yieldloop").exists() else "yieldloop"
+    up = subprocess.Popen(
+        [yieldloop, "up", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while len(list((tmp_path / "run").glob("*.json"))) < 4:
+            assert up.poll() is None, up.stdout.read()
+            assert time.monotonic() < deadline, "services not up in time"
+            time.sleep(0.2)
+        demo = subprocess.run(
+            [yieldloop, "demo", "--attach", str(tmp_path), "--iterations", "1", "--group-size", "2", "--letters", "ab"],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        assert re.search(r"iteration 1: .*now serving step-000001-", demo.stdout), demo.stdout
+    finally:
+        up.send_signal(signal.SIGINT)
+        output, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, output
+    for service in ("checkpoint", "env", "trainer", "rollout"):
+        assert service in output

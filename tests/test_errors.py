@@ -115,3 +115,16 @@ async def test_health_and_reflection(stack) -> None:
                 listed = {s.name for s in response.list_services_response.service}
                 assert names[service] in listed and "grpc.health.v1.Health" in listed
                 break
+
+
+async def test_rollout_server_for_unknown_model_fails_fast(stack, tmp_path) -> None:
+    from yieldloop.services.rollout.server import RolloutServer
+    from yieldloop.services.store import open_store
+
+    server = RolloutServer(
+        "no-such-model", open_store(str(stack.config.store_dir)), stack.addresses["checkpoint"],
+        stack.addresses["env"], tmp_path,
+    )
+    with pytest.raises(errors.NotFoundError) as err:
+        await server.start()
+    assert err.value.reason == "MODEL_NOT_FOUND"

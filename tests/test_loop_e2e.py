@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from yieldloop.client import Client, sampling_params
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import letter_fraction, tasks
@@ -54,3 +56,38 @@ async def test_rollouts_are_scored_by_the_environment(client: Client) -> None:
         assert run.reward == letter_fraction(run.answer, letter)
         by_group.setdefault(run.group_id, []).append(run)
     assert sorted(len(g) for g in by_group.values()) == [3, 3]
+
+
+async def test_corrupt_checkpoint_is_refused_and_old_weights_keep_serving(client: Client, stack) -> None:
+    from yieldloop import errors
+    from yieldloop.services.store import open_store
+
+    store = open_store(str(stack.config.store_dir))
+    good = await client.get_head(MODEL)
+    manifest = await client.get_checkpoint(MODEL, good.checkpoint_id)
+    # A copy of the head under a new id, committed without moving HEAD ...
+    manifest.checkpoint_id, manifest.parent_checkpoint_id = "corrupt-copy", good.checkpoint_id
+    for obj in manifest.objects:
+        data, _ = store.get_bytes(obj.key)
+        obj.key = f"models/{MODEL}/checkpoints/corrupt-copy/{obj.name}"
+        store.put_bytes(obj.key, data)
+    await client.commit_checkpoint(manifest, set_head=False)
+    # ... then one flipped byte in its weights, and HEAD moved to it.
+    weights_key = next(o.key for o in manifest.objects if o.name == "model.safetensors")
+    data = bytearray(store.get_bytes(weights_key)[0])
+    data[len(data) // 2] ^= 0x01
+    store.put_bytes(weights_key, bytes(data))
+    await client.set_head(MODEL, "corrupt-copy")
+
+    with pytest.raises(errors.FailedPreconditionError) as err:
+        await client.get_serving_info(wait_for_checkpoint_id="corrupt-copy", timeout=60)
+    assert err.value.reason == "CHECKPOINT_CORRUPT"
+    info = await client.get_serving_info()
+    assert info.weight_version == good.checkpoint_id and "checksum" in info.last_reload_error
+    completion = await client.generate([1, 2, 3], sampling=sampling_params(max_tokens=3))
+    assert completion.weight_version == good.checkpoint_id
+
+    # Rolling HEAD back keeps the good weights serving.
+    await client.set_head(MODEL, good.checkpoint_id)
+    info = await client.get_serving_info(wait_for_checkpoint_id=good.checkpoint_id, timeout=60)
+    assert info.weight_version == good.checkpoint_id

@@ -56,7 +56,13 @@ class RolloutServer:
         """Starts following the head (waiting for the first load by default), then serves."""
         self._follow_task = asyncio.create_task(self.follower.run())
         if wait_for_weights:
-            await self.follower.wait_loaded()
+            loaded = asyncio.create_task(self.follower.wait_loaded())
+            await asyncio.wait({loaded, self._follow_task}, return_when=asyncio.FIRST_COMPLETED)
+            if self._follow_task.done():  # e.g. the model does not exist: fail now, do not hang
+                loaded.cancel()
+                await self.clients.close()
+                await self.engine.close()
+                self._follow_task.result()
         return await self.grpc.start()
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -12,7 +12,7 @@ import pathlib
 
 from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client
-from yieldloop.errors import UnavailableError, YieldloopError
+from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError
 from yieldloop.services.checkpoint.files import download_verified
 from yieldloop.services.checkpoint.servicer import manifest_from_pb
 from yieldloop.services.rollout.engines import Engine
@@ -42,6 +42,8 @@ class WeightFollower:
         self.cache_dir = cache_dir
         self.head_sequence = 0
         self.last_error = ""
+        self.refused: dict[str, str] = {}
+        """Checkpoint id -> why it was refused."""
         self._changed = asyncio.Condition()
 
     async def run(self, retry_s: float = 1.0) -> None:
@@ -65,7 +67,7 @@ class WeightFollower:
             self.last_error = ""
         except YieldloopError as err:  # refuse this head, keep serving the old weights
             log.error("refused checkpoint %s: %s", head.checkpoint_id, err)
-            self.last_error = str(err)
+            self.last_error = self.refused[head.checkpoint_id] = str(err)
         self.head_sequence = head.sequence
         async with self._changed:
             self._changed.notify_all()
@@ -76,6 +78,16 @@ class WeightFollower:
             await self._changed.wait_for(lambda: self.head_sequence > 0)
 
     async def wait_for(self, checkpoint_id: str) -> None:
-        """Returns once the engine serves ``checkpoint_id``."""
+        """Returns once the engine serves ``checkpoint_id``.
+
+        Raises:
+            FailedPreconditionError: CHECKPOINT_CORRUPT when that checkpoint was refused.
+        """
         async with self._changed:
-            await self._changed.wait_for(lambda: self.engine.weight_version == checkpoint_id)
+            await self._changed.wait_for(
+                lambda: self.engine.weight_version == checkpoint_id or checkpoint_id in self.refused
+            )
+        if self.engine.weight_version != checkpoint_id:
+            raise FailedPreconditionError(
+                f"checkpoint {checkpoint_id} was refused: {self.refused[checkpoint_id]}", reason="CHECKPOINT_CORRUPT"
+            )

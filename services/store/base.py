@@ -40,12 +40,17 @@ def check_key(key: str) -> str:
     return key
 
 
-def sha256_file(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
+def hash_file(path: pathlib.Path, algorithm: str = "sha256") -> str:
+    """Hex digest of a file, read in 1 MiB chunks."""
+    digest = hashlib.new(algorithm)
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def sha256_file(path: pathlib.Path) -> str:
+    return hash_file(path, "sha256")
 
 
 class ObjectStore(abc.ABC):

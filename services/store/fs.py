@@ -23,18 +23,11 @@ from yieldloop.services.store.base import (
     ObjectStore,
     PreconditionFailed,
     check_key,
+    hash_file,
     sha256_file,
 )
 
 _LOCKS = ".locks"
-
-
-def _md5_file(path: pathlib.Path) -> str:
-    digest = hashlib.md5()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class FsStore(ObjectStore):
@@ -98,7 +91,7 @@ class FsStore(ObjectStore):
     def put_file(self, key: str, path: pathlib.Path) -> str:
         with open(path, "rb") as src:
             self._write_atomic(self._path(key), lambda f: shutil.copyfileobj(src, f, 1 << 20))
-        return _md5_file(self._path(key))
+        return hash_file(self._path(key), "md5")
 
     def get_file(self, key: str, path: pathlib.Path) -> None:
         source = self._path(key)
@@ -111,7 +104,7 @@ class FsStore(ObjectStore):
         path = self._path(key)
         if not path.is_file():
             return None
-        return ObjectStat(key=key, size=path.stat().st_size, etag=_md5_file(path))
+        return ObjectStat(key=key, size=path.stat().st_size, etag=hash_file(path, "md5"))
 
     def list(self, prefix: str) -> Iterator[str]:
         base = self.root / prefix.rstrip("/") if prefix else self.root

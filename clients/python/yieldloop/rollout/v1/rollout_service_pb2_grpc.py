@@ -91,7 +91,8 @@ class RolloutServiceServicer:
 
     def GetServingInfo(self, request, context):
         """Reports the served model and weight version; optionally waits until a checkpoint is served.
-        Returns: OK; DEADLINE_EXCEEDED while waiting; INVALID_ARGUMENT (INVALID_FIELD).
+        Returns: OK; DEADLINE_EXCEEDED while waiting; FAILED_PRECONDITION (CHECKPOINT_CORRUPT)
+        when the awaited checkpoint failed verification and was refused; INVALID_ARGUMENT (INVALID_FIELD).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
