@@ -5,20 +5,18 @@ The stack (and its tiny model, created offline) is built once per test session.
 
 from __future__ import annotations
 
-import os
 import pathlib
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from yieldloop.cli import quiet_libraries
 
-import pytest
-import pytest_asyncio
-import uvloop
+quiet_libraries()
 
-from yieldloop.client import Client
-from yieldloop.services.stack import InProcessStack, StackConfig
+import pytest  # noqa: E402
+import pytest_asyncio  # noqa: E402
+import uvloop  # noqa: E402
+
+from yieldloop.client import Client  # noqa: E402
+from yieldloop.services.stack import InProcessStack, StackConfig  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,7 +16,7 @@ SERVICES = ("checkpoint", "env", "trainer", "rollout")
 DEFAULT_ENV_SPEC = "yieldloop.envs.letters:env"
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """No hub access and no download/progress chatter from the ML libraries."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -202,7 +202,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    quiet_libraries()
     handlers = {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo}
     return handlers[args.command](args)
 
