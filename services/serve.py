@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 import pathlib
 import signal
-
-from yieldloop.services.stack import write_ready_file
+from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,34 @@ class ServeOptions:
     env_specs: tuple[str, ...] = ("yieldloop.envs.letters:env",)
     engine: str = "torch"
     device: str = "cpu"
+    trainer_dtype: str = "auto"
+    """Trainer weights dtype; "auto" is bfloat16 on CUDA and float32 elsewhere."""
     ready_file: pathlib.Path | None = None
     """Where to write the bound address once serving."""
     grace_s: float = 5.0
 
+    def to_args(self) -> list[str]:
+        """The ``yieldloop serve`` arguments that give these options."""
+        args = [
+            "serve", self.service, "--host", self.host, "--port", str(self.port), "--data-dir", str(self.data_dir),
+            "--model", self.model, "--engine", self.engine, "--device", self.device,
+            "--trainer-dtype", self.trainer_dtype,
+        ]
+        for flag, value in (("--store", self.store), ("--checkpoint-address", self.checkpoint_address),
+                            ("--env-address", self.env_address), ("--ready-file", self.ready_file)):
+            if value:
+                args += [flag, str(value)]
+        for spec in self.env_specs:
+            args += ["--env-spec", spec]
+        return args
 
-async def _build(opts: ServeOptions):
-    """Returns (start, stop) coroutine functions for the service."""
+
+Starter = Callable[[], Awaitable[str]]
+Stopper = Callable[[float], Awaitable[None]]
+
+
+async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
+    """Builds one service; returns its start (-> address) and stop(grace) coroutine functions."""
     from yieldloop.services.store import open_store
 
     store = open_store(opts.store or str(opts.data_dir / "store"))
@@ -55,7 +77,9 @@ async def _build(opts: ServeOptions):
         from yieldloop.services.trainer.server import build
         from yieldloop.services.trainer.trainer import TrainerConfig
 
-        dtype = "bfloat16" if opts.device.startswith("cuda") else "float32"
+        dtype = opts.trainer_dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if opts.device.startswith("cuda") else "float32"
         server, servicer = await build(
             opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=dtype),
             opts.host, opts.port,
@@ -79,7 +103,7 @@ async def _build(opts: ServeOptions):
 
 async def serve(opts: ServeOptions) -> None:
     """Starts the service, writes the ready file, and stops gracefully on SIGTERM/SIGINT."""
-    start, stop = await _build(opts)
+    start, stop = await build_service(opts)
     address = await start()
     if opts.ready_file is not None:
         write_ready_file(opts.ready_file, address)
@@ -91,3 +115,10 @@ async def serve(opts: ServeOptions) -> None:
     await stopping.wait()
     log.info("stopping %s", opts.service)
     await stop(opts.grace_s)
+
+
+def write_ready_file(path: pathlib.Path, address: str) -> None:
+    """Atomically records a started service's address."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    tmp.replace(path)

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import signal
 import sys
@@ -24,6 +23,7 @@ import time
 
 from yieldloop.services.checkpoint.files import upload_folder
 from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
+from yieldloop.services.serve import ServeOptions, Stopper, build_service
 from yieldloop.services.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class StackConfig:
     """Environments EnvService loads (``module:attr`` or ``file.py:attr``)."""
     engine: str = "torch"
     device: str = "cpu"
+    trainer_dtype: str = "auto"
+    """"auto": bfloat16 on CUDA, float32 elsewhere."""
     host: str = "127.0.0.1"
 
     @property
@@ -74,49 +76,43 @@ def ensure_base_model(store: ObjectStore, slug: str = DEFAULT_MODEL) -> bool:
     return True
 
 
+def service_options(config: StackConfig, service: str, addresses: dict[str, str]) -> ServeOptions:
+    """How ``service`` is started in a stack whose earlier services listen at ``addresses``."""
+    return ServeOptions(
+        service=service,
+        data_dir=config.data_dir,
+        host=config.host,
+        model=config.model,
+        checkpoint_address=addresses.get("checkpoint", ""),
+        env_address=addresses.get("env", ""),
+        env_specs=config.env_specs,
+        engine=config.engine,
+        device=config.device,
+        trainer_dtype=config.trainer_dtype,
+    )
+
+
 class InProcessStack:
     """All four services in the current event loop, on free ports (for tests and embedding)."""
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.addresses: dict[str, str] = {}
-        self._stoppers: list = []
+        self._stoppers: list[Stopper] = []
 
     async def start(self) -> dict[str, str]:
-        from yieldloop.services.checkpoint import server as checkpoint_server
-        from yieldloop.services.env import server as env_server
-        from yieldloop.services.env.loader import load_environment
-        from yieldloop.services.rollout.server import RolloutServer
         from yieldloop.services.store import open_store
-        from yieldloop.services.trainer import server as trainer_server
-        from yieldloop.services.trainer.trainer import TrainerConfig
 
-        cfg = self.config
-        store = open_store(str(cfg.store_dir))
-        await asyncio.to_thread(ensure_base_model, store, cfg.model)
-        checkpoint = checkpoint_server.build(store, cfg.host)
-        self.addresses["checkpoint"] = await checkpoint.start()
-        self._stoppers.append(checkpoint.stop)
-        env = env_server.build([load_environment(s) for s in cfg.env_specs], cfg.host)
-        self.addresses["env"] = await env.start()
-        self._stoppers.append(env.stop)
-        trainer, servicer = await trainer_server.build(
-            cfg.model, store, self.addresses["checkpoint"], cfg.data_dir / "work" / "trainer",
-            TrainerConfig(device=cfg.device), cfg.host,
-        )
-        self.addresses["trainer"] = await trainer.start()
-        self._stoppers += [trainer.stop, servicer.close]
-        rollout = RolloutServer(
-            cfg.model, store, self.addresses["checkpoint"], self.addresses["env"],
-            cfg.data_dir / "work" / "rollout", cfg.engine, cfg.host, device=cfg.device,
-        )
-        self.addresses["rollout"] = await rollout.start()
-        self._stoppers.append(rollout.stop)
+        await asyncio.to_thread(ensure_base_model, open_store(str(self.config.store_dir)), self.config.model)
+        for service in SERVICES:  # in dependency order
+            start, stop = await build_service(service_options(self.config, service, self.addresses))
+            self.addresses[service] = await start()
+            self._stoppers.append(stop)
         return self.addresses
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 5.0) -> None:
         for stop in reversed(self._stoppers):
-            await stop()
+            await stop(grace)
         self._stoppers.clear()
 
 
@@ -129,42 +125,28 @@ class ProcessStack:
         self.addresses: dict[str, str] = {}
         self.processes: dict[str, asyncio.subprocess.Process] = {}
 
-    def _command(self, service: str, ready_file: pathlib.Path) -> list[str]:
-        cfg = self.config
-        cmd = [
-            sys.executable, "-m", "yieldloop.cli", "serve", service,
-            "--host", cfg.host, "--port", "0", "--data-dir", str(cfg.data_dir),
-            "--model", cfg.model, "--ready-file", str(ready_file), "--device", cfg.device,
-        ]
-        if service in ("trainer", "rollout"):
-            cmd += ["--checkpoint-address", self.addresses["checkpoint"]]
-        if service == "rollout":
-            cmd += ["--env-address", self.addresses["env"], "--engine", cfg.engine]
-        if service == "env":
-            for spec in cfg.env_specs:
-                cmd += ["--env-spec", spec]
-        return cmd
-
     async def _spawn(self, service: str) -> None:
         run_dir = self.config.data_dir / "run"
         logs_dir = self.config.data_dir / "logs"
         run_dir.mkdir(parents=True, exist_ok=True)
         logs_dir.mkdir(parents=True, exist_ok=True)
-        ready_file = run_dir / f"{service}.json"
-        ready_file.unlink(missing_ok=True)
+        options = service_options(self.config, service, self.addresses)
+        options.ready_file = run_dir / f"{service}.json"
+        options.ready_file.unlink(missing_ok=True)
         with open(logs_dir / f"{service}.log", "ab") as log_file:
             process = await asyncio.create_subprocess_exec(
-                *self._command(service, ready_file), stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL
+                sys.executable, "-m", "yieldloop.cli", *options.to_args(),
+                stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
             )
         self.processes[service] = process
         deadline = time.monotonic() + self.ready_timeout_s
-        while not ready_file.exists():
+        while not options.ready_file.exists():
             if process.returncode is not None:
                 raise RuntimeError(f"{service} exited with {process.returncode}; see {logs_dir / (service + '.log')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{service} not ready after {self.ready_timeout_s}s")
             await asyncio.sleep(0.1)
-        self.addresses[service] = json.loads(ready_file.read_text())["address"]
+        self.addresses[service] = json.loads(options.ready_file.read_text())["address"]
 
     async def start(self) -> dict[str, str]:
         from yieldloop.services.store import open_store
@@ -192,10 +174,3 @@ class ProcessStack:
                     process.kill()
                 await process.wait()
         self.processes.clear()
-
-
-def write_ready_file(path: pathlib.Path, address: str) -> None:
-    """Atomically records a started service's address."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
-    tmp.replace(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import random
 
@@ -10,6 +11,7 @@ import torch
 
 from yieldloop.client import Client
 from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.services.common.hf import load_causal_lm
 from yieldloop.services.trainer.datums import Datum, RunData, TurnData, group_advantages, runs_to_datums
 from yieldloop.services.trainer.trainer import Trainer
 
@@ -46,13 +48,11 @@ def reference_is_loss(model: torch.nn.Module, datums: list[Datum]) -> torch.Tens
 
 
 def test_importance_sampling_value_and_gradient(tiny_model_dir: pathlib.Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     trainer = Trainer(tiny_model_dir)
     datums = random_datums(trainer.vocab_size)
     metrics = trainer.forward_backward(datums, "importance_sampling", {})
 
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    reference, _ = load_causal_lm(tiny_model_dir, "float64", "cpu")
     expected = reference_is_loss(reference, datums)
     expected.backward()
 
@@ -116,11 +116,9 @@ def test_multi_turn_runs_must_extend_the_previous_turn() -> None:
 
 async def test_service_loss_equals_reference(client: Client, stack, tiny_model_dir: pathlib.Path) -> None:
     """Through the service: ForwardBackward's loss:sum equals the float64 formula on the served weights."""
-    from transformers import AutoModelForCausalLM
-
     info = await client.get_serving_info()
     folder = stack.config.data_dir / "work" / "rollout" / "tiny" / info.weight_version
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    reference, _ = await asyncio.to_thread(load_causal_lm, folder, "float64", "cpu")
     datums = random_datums(reference.config.vocab_size, seed=2)
     result = await client.forward_backward(
         datums=[common_pb.Datum(**vars(d)) for d in datums], loss_fn="importance_sampling"
@@ -132,3 +130,16 @@ async def test_service_loss_equals_reference(client: Client, stack, tiny_model_d
     # Apply the step so the session's trainer and rollout stay on the same weights.
     step = await client.optim_step(1e-4, set_head=True)
     await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, timeout=60)
+
+
+def test_concurrent_loads_do_not_interfere(tiny_model_dir: pathlib.Path) -> None:
+    """The trainer, the engine and hot reloads load models from several threads of one process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dtypes = ["float32", "float64"] * 4
+    with ThreadPoolExecutor(len(dtypes)) as pool:
+        models = list(pool.map(lambda d: load_causal_lm(tiny_model_dir, d, "cpu")[0], dtypes))
+    for dtype, model in zip(dtypes, models, strict=True):
+        for param in model.parameters():
+            assert param.device.type == "cpu" and param.dtype == getattr(torch, dtype)
+            assert torch.isfinite(param).all()

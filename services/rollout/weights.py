@@ -65,8 +65,8 @@ class WeightFollower:
             )
             await self.engine.load_weights(folder, manifest.checkpoint_id)
             self.last_error = ""
-        except YieldloopError as err:  # refuse this head, keep serving the old weights
-            log.error("refused checkpoint %s: %s", head.checkpoint_id, err)
+        except Exception as err:  # deliberate degrade: refuse this head, keep serving the old weights
+            log.error("refused checkpoint %s: %s", head.checkpoint_id, err, exc_info=not isinstance(err, YieldloopError))
             self.last_error = self.refused[head.checkpoint_id] = str(err)
         self.head_sequence = head.sequence
         async with self._changed:

@@ -76,12 +76,12 @@ class Trainer:
 
     def __init__(self, folder: pathlib.Path, config: TrainerConfig = TrainerConfig()) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from yieldloop.services.common.hf import load_causal_lm
 
         self.config = config
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, config.dtype))
-        self.model.to(config.device).train()
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model, self.tokenizer = load_causal_lm(folder, config.dtype, config.device)
+        self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=False)
         state_path = folder / STATE_FILE
         self.step = json.loads(state_path.read_text())["step"] if state_path.exists() else 0

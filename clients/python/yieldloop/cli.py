@@ -41,6 +41,8 @@ def _add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help=f"environment module:attr or file.py:attr (repeatable; default {DEFAULT_ENV_SPEC})")
     parser.add_argument("--engine", default="torch", help="rollout engine (default: torch)")
     parser.add_argument("--device", default="cpu", help="torch device for trainer and engine (default: cpu)")
+    parser.add_argument("--trainer-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
     parser.add_argument("--host", default="127.0.0.1")
 
 
@@ -85,6 +87,7 @@ def _stack_config(args: argparse.Namespace, data_dir: pathlib.Path) -> Any:
         env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
         engine=args.engine,
         device=args.device,
+        trainer_dtype=args.trainer_dtype,
         host=args.host,
     )
 
@@ -107,6 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
         engine=args.engine,
         device=args.device,
+        trainer_dtype=args.trainer_dtype,
         ready_file=args.ready_file,
     )
     _run(serve(options))

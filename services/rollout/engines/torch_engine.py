@@ -51,12 +51,10 @@ class _Request:
 
 def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str) -> _Weights:
     """Loads an HF checkpoint folder for inference (eager attention: left padding stays NaN-free)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from yieldloop.services.common.hf import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), attn_implementation="eager")
-    model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model, tokenizer = load_causal_lm(folder, dtype, device, attn_implementation="eager")
+    model.eval()
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:

@@ -1,0 +1,26 @@
+"""Loading Hugging Face models safely when several threads of one process load at once.
+
+``from_pretrained`` changes process-wide state while it runs (the default
+dtype, a meta-device context), so two loads in two threads can corrupt each
+other: the trainer, the rollout engine and its hot reloads share a process in
+the in-process stack. Every load goes through :func:`load_causal_lm`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from typing import Any
+
+_LOAD_LOCK = threading.Lock()
+
+
+def load_causal_lm(folder: pathlib.Path, dtype: str, device: str, **kwargs: Any) -> tuple[Any, Any]:
+    """Loads ``AutoModelForCausalLM`` and its tokenizer from an HF folder onto ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model.to(device), tokenizer
