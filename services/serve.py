@@ -28,6 +28,10 @@ class ServeOptions:
     checkpoint_address: str = ""
     env_address: str = ""
     env_specs: tuple[str, ...] = ("yieldloop.envs.letters:env",)
+    env_workers: int = 2
+    """EnvService worker processes running environment code (0: in the service's own process)."""
+    max_message_bytes: int = 0
+    """Largest gRPC message accepted (0: the client library's default, 64 MiB)."""
     engine: str = "torch"
     device: str = "cpu"
     trainer_dtype: str = "auto"
@@ -43,6 +47,7 @@ class ServeOptions:
             "--model", self.model, "--engine", self.engine, "--device", self.device,
             "--trainer-dtype", self.trainer_dtype,
         ]
+        args += ["--env-workers", str(self.env_workers), "--max-message-bytes", str(self.max_message_bytes)]
         for flag, value in (("--store", self.store), ("--checkpoint-address", self.checkpoint_address),
                             ("--env-address", self.env_address), ("--ready-file", self.ready_file)):
             if value:
@@ -68,10 +73,13 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
         server = build(store, opts.host, opts.port)
         return server.start, server.stop
     if opts.service == "env":
-        from yieldloop.services.env.loader import load_environment
+        from yieldloop.services.env.host import HostConfig, create_host
         from yieldloop.services.env.server import build
 
-        server = build([load_environment(spec) for spec in opts.env_specs], opts.host, opts.port)
+        config = HostConfig(type="workers", num_workers=opts.env_workers) if opts.env_workers else HostConfig("inprocess")
+        server = await build(
+            create_host(opts.env_specs, config), opts.host, opts.port, opts.max_message_bytes or None
+        )
         return server.start, server.stop
     if opts.service == "trainer":
         from yieldloop.services.trainer.server import build

@@ -43,6 +43,8 @@ class StackConfig:
     """Model slug served and trained (created offline when absent)."""
     env_specs: tuple[str, ...] = ("yieldloop.envs.letters:env",)
     """Environments EnvService loads (``module:attr`` or ``file.py:attr``)."""
+    env_workers: int = 2
+    """EnvService worker processes (0: environment code in the service's process)."""
     engine: str = "torch"
     device: str = "cpu"
     trainer_dtype: str = "auto"
@@ -86,6 +88,7 @@ def service_options(config: StackConfig, service: str, addresses: dict[str, str]
         checkpoint_address=addresses.get("checkpoint", ""),
         env_address=addresses.get("env", ""),
         env_specs=config.env_specs,
+        env_workers=config.env_workers,
         engine=config.engine,
         device=config.device,
         trainer_dtype=config.trainer_dtype,

@@ -66,10 +66,12 @@ class GrpcServer:
         port: Port to bind; 0 picks a free one (see :attr:`port` after start).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_message_bytes: int | None = None) -> None:
         self.host = host
         self.port = port
-        self._server = grpc.aio.server(options=channel_options())
+        options = channel_options() if max_message_bytes is None else channel_options(max_message_bytes)
+        self._server = grpc.aio.server(options=options)
+        self._on_stop: list[Callable[[], Any]] = []
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = []
@@ -78,6 +80,10 @@ class GrpcServer:
         """Registers a servicer under its full service name (for health and reflection)."""
         add_to_server(servicer, self._server)
         self._service_names.append(name)
+
+    def on_stop(self, callback: Callable[[], Any]) -> None:
+        """Registers a coroutine function to await after the server stopped (release what it served)."""
+        self._on_stop.append(callback)
 
     @property
     def address(self) -> str:
@@ -99,6 +105,8 @@ class GrpcServer:
         """Marks NOT_SERVING, lets in-flight calls finish for ``grace`` seconds, then stops."""
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        for callback in self._on_stop:
+            await callback()
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()

@@ -7,7 +7,6 @@ import importlib.util
 import pathlib
 
 from yieldloop.environment import Environment
-from yieldloop.errors import NotFoundError
 
 DEFAULT_ENV_SPEC = "yieldloop.envs.letters:env"
 
@@ -29,20 +28,3 @@ def load_environment(spec: str) -> Environment:
     if not isinstance(env, Environment):
         raise ValueError(f"{spec!r} does not name an Environment (found {type(env).__name__})")
     return env
-
-
-class EnvironmentSet:
-    """The environments one EnvService serves, by name."""
-
-    def __init__(self, envs: list[Environment]) -> None:
-        self.envs = {env.name: env for env in envs}
-
-    def get(self, name: str) -> Environment:
-        if not name and len(self.envs) == 1:
-            return next(iter(self.envs.values()))
-        if name not in self.envs:
-            raise NotFoundError(f"no environment {name!r}; loaded: {sorted(self.envs)}", reason="ENVIRONMENT_NOT_FOUND")
-        return self.envs[name]
-
-    def select(self, name: str) -> list[Environment]:
-        return [self.get(name)] if name else list(self.envs.values())

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from yieldloop.env.v1 import env_service_pb2_grpc as pb_grpc
-from yieldloop.environment import Environment
 from yieldloop.services.common.grpc_server import GrpcServer
-from yieldloop.services.env.loader import EnvironmentSet
+from yieldloop.services.env.host import EpisodeHost
 from yieldloop.services.env.servicer import EnvServicer
 
 SERVICE_NAME = "yieldloop.env.v1.EnvService"
 
 
-def build(envs: list[Environment], host: str = "127.0.0.1", port: int = 0) -> GrpcServer:
-    """An EnvService server for ``envs`` (not started)."""
-    server = GrpcServer(host, port)
-    server.add(pb_grpc.add_EnvServiceServicer_to_server, EnvServicer(EnvironmentSet(envs)), SERVICE_NAME)
+async def build(
+    host: EpisodeHost, address_host: str = "127.0.0.1", port: int = 0, max_message_bytes: int | None = None
+) -> GrpcServer:
+    """An EnvService server over a started ``host`` (the server itself is not started)."""
+    await host.start()
+    server = GrpcServer(address_host, port, max_message_bytes=max_message_bytes)
+    server.add(pb_grpc.add_EnvServiceServicer_to_server, EnvServicer(host), SERVICE_NAME)
+    server.on_stop(host.stop)
     return server

@@ -1,40 +1,39 @@
-"""EnvService servicer: protobuf <-> environment SDK translation only."""
+"""EnvService servicer: protobuf <-> EpisodeHost translation, episode deadlines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import grpc
 
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.env.v1 import env_service_pb2 as pb
 from yieldloop.env.v1 import env_service_pb2_grpc as pb_grpc
-from yieldloop.environment import Environment, Episode
-from yieldloop.errors import InvalidArgumentError
+from yieldloop.episode import protocol_error
+from yieldloop.errors import DeadlineExceededError, InvalidArgumentError
 from yieldloop.services.common.grpc_server import rpc
-from yieldloop.services.env.loader import EnvironmentSet
+from yieldloop.services.env.host import EnvInfo, EpisodeHost, resolve_env
 
 
-def _protocol_error(message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(message, reason="EPISODE_PROTOCOL")
-
-
-def _json_object(text: str, reason: str, what: str) -> dict:
+def _json_object(text: str, reason: str, field: str) -> dict[str, Any]:
     try:
         value = json.loads(text or "{}")
     except json.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"{what} is not valid JSON: {exc}", reason=reason) from None
+        raise InvalidArgumentError(f"{field} is not valid JSON: {exc}", reason=reason, field=field) from None
     if not isinstance(value, dict):
-        raise InvalidArgumentError(f"{what} must be a JSON object", reason=reason)
+        raise InvalidArgumentError(f"{field} must be a JSON object", reason=reason, field=field)
     return value
 
 
-def tool_specs(env: Environment) -> list[common_pb.ToolSpec]:
+def tool_specs(info: EnvInfo) -> list[common_pb.ToolSpec]:
     return [
-        common_pb.ToolSpec(name=t.name, description=t.description, parameters_json_schema=json.dumps(t.parameters))
-        for t in env.tools.values()
+        common_pb.ToolSpec(name=t["name"], description=t["description"], parameters_json_schema=json.dumps(t["parameters"]))
+        for t in info.tools
     ]
 
 
@@ -46,65 +45,98 @@ def prompt_messages(prompt: str | list[dict[str, str]]) -> tuple[str, list[commo
     return "\n".join(m.content for m in messages), messages
 
 
+async def _before(deadline: float, awaitable: Awaitable[Any], what: str, reason: str) -> Any:
+    """Awaits ``awaitable`` until the loop time ``deadline`` (inf: none); past it, DEADLINE_EXCEEDED."""
+    if deadline == math.inf:
+        return await awaitable
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await awaitable
+    except TimeoutError:
+        raise DeadlineExceededError(f"{what} exceeded its deadline", reason=reason) from None
+
+
 class EnvServicer(pb_grpc.EnvServiceServicer):
-    def __init__(self, envs: EnvironmentSet) -> None:
-        self.envs = envs
+    def __init__(self, host: EpisodeHost) -> None:
+        self.host = host
 
     @rpc
     async def ListScenarios(self, request: pb.ListScenariosRequest, context: grpc.aio.ServicerContext) -> pb.ListScenariosResponse:
+        infos = [resolve_env(self.host.envs, request.env)] if request.env else list(self.host.envs.values())
         response = pb.ListScenariosResponse()
-        for env in self.envs.select(request.env):
-            for scenario in env.scenarios.values():
+        for info in infos:
+            for scenario in info.scenarios:
                 response.scenarios.add(
-                    env=env.name,
-                    name=scenario.name,
-                    description=scenario.description,
-                    args_json_schema=json.dumps(scenario.args_schema),
+                    env=info.name,
+                    name=scenario["name"],
+                    description=scenario["description"],
+                    args_json_schema=json.dumps(scenario["args_schema"]),
                 )
-            response.tools.extend(tool_specs(env))
+            response.tools.extend(tool_specs(info))
         return response
 
     @rpc
     async def StreamEpisode(
         self, request_iterator: AsyncIterator[pb.StreamEpisodeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamEpisodeResponse]:
-        episode: Episode | None = None
+        loop = asyncio.get_running_loop()
+        remaining = context.time_remaining()
+        deadline = loop.time() + (remaining if remaining is not None else math.inf)
+        requests = aiter(request_iterator)
+        # The host key is ours, so two streams that send the same episode_id never collide.
+        key = uuid.uuid4().hex
+        info: EnvInfo | None = None
+        graded = False
         try:
-            async for request in request_iterator:
+            while True:
+                try:
+                    request = await _before(deadline, anext(requests), "the episode", "EPISODE_DEADLINE")
+                except StopAsyncIteration:
+                    return
                 action = request.WhichOneof("action")
                 if action == "start":
-                    if episode is not None:
-                        raise _protocol_error("the episode was already started")
+                    if info is not None:
+                        raise protocol_error("the episode was already started")
                     task = request.start.task
-                    env = self.envs.get(task.env)
-                    episode = env.episode(task.scenario, _json_object(task.args_json, "SCENARIO_ARGS_INVALID", "args_json"))
-                    text, messages = prompt_messages(await episode.start())
+                    info = resolve_env(self.host.envs, task.env)
+                    deadline = min(deadline, loop.time() + info.episode_timeout_s)
+                    args = _json_object(task.args_json, "SCENARIO_ARGS_INVALID", "start.task.args_json")
+                    prompt = await _before(
+                        deadline, self.host.open(info.name, task.scenario, args, key), "the episode", "EPISODE_DEADLINE"
+                    )
+                    text, messages = prompt_messages(prompt)
                     yield pb.StreamEpisodeResponse(
                         started=pb.EpisodeStarted(
-                            episode_id=request.start.episode_id or uuid.uuid4().hex,
-                            prompt=text,
-                            messages=messages,
-                            tools=tool_specs(env),
+                            episode_id=request.start.episode_id or key, prompt=text, messages=messages,
+                            tools=tool_specs(info),
                         )
                     )
-                elif episode is None:
-                    raise _protocol_error(f"{action or 'an empty message'} before start")
+                elif info is None:
+                    raise protocol_error(f"{action or 'an empty message'} before start")
                 elif action == "call_tool":
                     call = request.call_tool
-                    args = _json_object(call.arguments_json, "EPISODE_PROTOCOL", "arguments_json")
-                    content, is_error = await episode.call_tool(call.name, args)
+                    if graded:
+                        raise protocol_error("tool call after submit")
+                    arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
+                    tool_deadline = min(deadline, loop.time() + info.tool_timeout_s)
+                    content, is_error = await _before(
+                        tool_deadline, self.host.call_tool(key, call.name, arguments), f"tool {call.name!r}",
+                        "TOOL_DEADLINE",
+                    )
                     yield pb.StreamEpisodeResponse(
                         tool_result=pb.ToolResult(call_id=call.call_id, content=content, is_error=is_error)
                     )
                 elif action == "submit":
-                    grade = await episode.submit(request.submit.answer)
-                    info = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info
+                    if graded:
+                        raise protocol_error("the answer was already submitted")
+                    grade = await _before(deadline, self.host.submit(key, request.submit.answer), "the episode", "EPISODE_DEADLINE")
+                    graded = True
+                    info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info
                     yield pb.StreamEpisodeResponse(
-                        graded=pb.EpisodeGraded(reward=grade.reward, info_json=json.dumps(info))
+                        graded=pb.EpisodeGraded(reward=grade.reward, info_json=json.dumps(info_json, default=str))
                     )
-                    return
                 else:
-                    raise _protocol_error("empty request")
+                    raise protocol_error("empty request")
         finally:
-            if episode is not None:
-                await episode.close()
+            # Teardown runs however the stream ends: done, error, deadline or a vanished client.
+            await asyncio.shield(self.host.close(key))

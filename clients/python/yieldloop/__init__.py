@@ -16,7 +16,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "Client": "yieldloop.client",
     "Environment": "yieldloop.environment",
+    "EpisodeContext": "yieldloop.environment",
+    "Grade": "yieldloop.environment",
     "Task": "yieldloop.environment",
+    "Taskset": "yieldloop.taskset",
     "YieldloopError": "yieldloop.errors",
 }
 

@@ -39,6 +39,8 @@ def _add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model slug served and trained (default: tiny)")
     parser.add_argument("--env-spec", action="append", dest="env_specs",
                         help=f"environment module:attr or file.py:attr (repeatable; default {DEFAULT_ENV_SPEC})")
+    parser.add_argument("--env-workers", type=int, default=2,
+                        help="EnvService worker processes running environment code (0: in-process; default 2)")
     parser.add_argument("--engine", default="torch", help="rollout engine (default: torch)")
     parser.add_argument("--device", default="cpu", help="torch device for trainer and engine (default: cpu)")
     parser.add_argument("--trainer-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint-address", default="", help="CheckpointService host:port (trainer, rollout)")
     serve.add_argument("--env-address", default="", help="EnvService host:port (rollout)")
     serve.add_argument("--ready-file", type=pathlib.Path, help="write {address} here once serving")
+    serve.add_argument("--max-message-bytes", type=int, default=0, help="largest gRPC message accepted (0: 64 MiB)")
     _add_stack_args(serve)
 
     up = commands.add_parser("up", help="start all four services on localhost (the embedded default)")
@@ -85,6 +88,7 @@ def _stack_config(args: argparse.Namespace, data_dir: pathlib.Path) -> Any:
         data_dir=data_dir.resolve(),
         model=args.model,
         env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
+        env_workers=args.env_workers,
         engine=args.engine,
         device=args.device,
         trainer_dtype=args.trainer_dtype,
@@ -108,6 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         checkpoint_address=args.checkpoint_address,
         env_address=args.env_address,
         env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
+        env_workers=args.env_workers,
+        max_message_bytes=args.max_message_bytes,
         engine=args.engine,
         device=args.device,
         trainer_dtype=args.trainer_dtype,

@@ -16,7 +16,9 @@ generated protobuf messages. A failed call raises a subclass of
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import itertools
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -104,6 +106,12 @@ class EpisodeSession:
             response = await self._call.read()
         except grpc.aio.AioRpcError as err:
             raise error_from_rpc(err) from None
+        except asyncio.InvalidStateError:  # the call already ended (deadline, server error): say how
+            call = self._call
+            ended = grpc.aio.AioRpcError(
+                await call.code(), grpc.aio.Metadata(), await call.trailing_metadata(), await call.details()
+            )
+            raise error_from_rpc(ended) from None
         if response is grpc.aio.EOF:  # a failed call raises from read(); EOF means an OK close
             raise FailedPreconditionError("episode stream closed early", reason="EPISODE_PROTOCOL")
         return response
@@ -120,7 +128,7 @@ class EpisodeSession:
     async def submit(self, answer: str) -> env_pb.EpisodeGraded:
         request = env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(answer=answer))
         graded = (await self._exchange(request)).graded
-        await self._call.done_writing()
+        await self._call.done_writing()  # the server ends the stream once we half-close
         return graded
 
     async def close(self) -> None:
@@ -140,13 +148,15 @@ class Client:
     Args:
         env, rollout, trainer, checkpoint: ``host:port`` (or ``dns:///host:port``
             for round-robin across replicas) of each service; a service left
-            out raises FailedPreconditionError when used.
+            out raises FailedPreconditionError when used. ``env`` may name
+            several EnvService replicas (a list, or comma-separated): episodes
+            are spread across them in turn.
         timeout: Default deadline in seconds for unary calls (None: no deadline).
     """
 
     def __init__(
         self,
-        env: str | None = None,
+        env: str | Sequence[str] | None = None,
         rollout: str | None = None,
         trainer: str | None = None,
         checkpoint: str | None = None,
@@ -155,19 +165,26 @@ class Client:
     ) -> None:
         self.timeout = timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._addresses = {"env": env, "rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
+        envs = [env] if isinstance(env, str) else list(env or ())
+        self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
+        self._next_env = itertools.count()
+        self._addresses = {"rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
 
-    def _channel(self, service: str) -> grpc.aio.Channel:
-        if service not in self._channels:
-            address = self._addresses[service]
-            if not address:
-                raise FailedPreconditionError(f"no address given for the {service} service", reason="INVALID_FIELD")
-            self._channels[service] = grpc.aio.insecure_channel(address, options=channel_options())
-        return self._channels[service]
+    def _channel(self, service: str, address: str | None = None) -> grpc.aio.Channel:
+        address = address or self._addresses.get(service)
+        if not address:
+            raise FailedPreconditionError(f"no address given for the {service} service", reason="INVALID_FIELD")
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
+        return self._channels[address]
 
     @property
     def env_stub(self) -> env_grpc.EnvServiceStub:
-        return env_grpc.EnvServiceStub(self._channel("env"))
+        """A stub for the next EnvService replica (round robin)."""
+        if not self._env_addresses:
+            return env_grpc.EnvServiceStub(self._channel("env"))  # raises: no address
+        address = self._env_addresses[next(self._next_env) % len(self._env_addresses)]
+        return env_grpc.EnvServiceStub(self._channel("env", address))
 
     @property
     def rollout_stub(self) -> rollout_grpc.RolloutServiceStub:

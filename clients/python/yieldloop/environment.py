@@ -1,12 +1,17 @@
-"""The environment SDK: tools, two-yield scenarios, tasks and the episode runner.
+"""The environment SDK: tools, two-yield scenarios, hooks, tasks.
 
 An environment is written like this::
 
-    env = Environment("letters")
+    env = Environment("letters", tool_timeout_s=10)
+
+    @env.setup()
+    def fresh_state(ctx: EpisodeContext) -> None:
+        ctx.state["calls"] = 0
 
     @env.tool()
-    def count(text: str, letter: str) -> int:
+    def count(text: str, letter: str, ctx: EpisodeContext) -> int:
         "Counts how often `letter` occurs in `text`."
+        ctx.state["calls"] += 1
         return text.count(letter)
 
     @env.scenario()
@@ -16,9 +21,12 @@ An environment is written like this::
 
     task = repeat.task(letter="a")
 
-The first ``yield`` sends the prompt; the agent's answer is sent back in; the
-second ``yield`` returns the reward, a float in [0, 1] or a :class:`Grade`.
-:class:`Episode` drives one scenario instance and enforces that protocol.
+The first ``yield`` sends the prompt (a string or chat messages); the agent's
+answer is sent back in; the second ``yield`` returns the reward, a float in
+[0, 1] or a :class:`Grade`. A parameter annotated :class:`EpisodeContext`
+(on a tool, a scenario or a hook) receives the episode's context, whose
+``state`` is fresh for every episode. :class:`~yieldloop.episode.Episode`
+drives one scenario instance and enforces the protocol.
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import math
-import types
-import typing
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from yieldloop.errors import NotFoundError
+from yieldloop.schema import docstring_args, injected_parameters, signature_schema, validate_arguments
+
+if TYPE_CHECKING:
+    from yieldloop.episode import Episode
 
 Prompt = str | list[dict[str, str]]
 
@@ -65,47 +74,26 @@ class Task:
     def args_json(self) -> str:
         return json.dumps(self.args, sort_keys=True)
 
-
-_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
-
-
-def json_schema_for(annotation: Any) -> dict[str, Any]:
-    """A JSON schema for a Python type hint (the common cases; anything else is unconstrained)."""
-    if annotation in _JSON_TYPES:
-        return {"type": _JSON_TYPES[annotation]}
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (list, tuple, set):
-        return {"type": "array", "items": json_schema_for(args[0]) if args else {}}
-    if origin is dict or annotation is dict:
-        return {"type": "object"}
-    if origin is typing.Literal:
-        return {"enum": list(args)}
-    if origin in (typing.Union, types.UnionType):
-        options = [json_schema_for(a) for a in args if a is not type(None)]
-        return options[0] if len(options) == 1 else {"anyOf": options}
-    return {}
+    def to_dict(self) -> dict[str, Any]:
+        return {"env": self.env, "scenario": self.scenario, "args": self.args}
 
 
-def signature_schema(fn: Callable[..., Any]) -> dict[str, Any]:
-    """JSON schema (object) of a function's parameters, from its type hints."""
-    hints = typing.get_type_hints(fn)
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for name, param in inspect.signature(fn).parameters.items():
-        properties[name] = json_schema_for(hints.get(name, Any))
-        if param.default is inspect.Parameter.empty:
-            required.append(name)
-    return {"type": "object", "properties": properties, "required": required}
+@dataclasses.dataclass
+class EpisodeContext:
+    """What one episode's tools, scenario and hooks share; fresh for every episode."""
+
+    episode_id: str
+    task: Task
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def bind_arguments(fn: Callable[..., Any], args: dict[str, Any], *, what: str) -> dict[str, Any]:
-    """Binds keyword arguments to ``fn``'s signature; a mismatch is INVALID_ARGUMENT."""
-    try:
-        bound = inspect.signature(fn).bind(**args)
-    except TypeError as exc:
-        raise InvalidArgumentError(f"{what}: {exc}", reason="SCENARIO_ARGS_INVALID") from exc
-    return dict(bound.arguments)
+async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Calls a sync or async function; sync ones run in a thread so they never block the event loop."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    import asyncio
+
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -116,12 +104,13 @@ class Tool:
     description: str
     fn: Callable[..., Any]
     parameters: dict[str, Any]
+    context_params: set[str] = dataclasses.field(default_factory=set)
 
-    async def call(self, arguments: dict[str, Any]) -> Any:
-        result = self.fn(**arguments)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+    def validate(self, arguments: dict[str, Any]) -> None:
+        validate_arguments(arguments, self.parameters, what=f"tool {self.name!r}", reason="TOOL_ARGS_INVALID")
+
+    async def call(self, arguments: dict[str, Any], ctx: EpisodeContext) -> Any:
+        return await call_maybe_async(self.fn, **arguments, **{p: ctx for p in self.context_params})
 
 
 @dataclasses.dataclass
@@ -134,45 +123,104 @@ class Scenario:
     fn: Callable[..., AsyncGenerator[Any, Any]]
 
     @property
+    def context_params(self) -> set[str]:
+        return injected_parameters(self.fn, EpisodeContext)
+
+    @property
     def args_schema(self) -> dict[str, Any]:
-        return signature_schema(self.fn)
+        return signature_schema(self.fn, skip=self.context_params)
+
+    def validate(self, args: dict[str, Any]) -> None:
+        """Checks arguments against the signature's schema (INVALID_ARGUMENT / SCENARIO_ARGS_INVALID)."""
+        validate_arguments(args, self.args_schema, what=f"scenario {self.name!r}", reason="SCENARIO_ARGS_INVALID")
 
     def task(self, **args: Any) -> Task:
         """Binds and validates ``args`` against the scenario's signature."""
-        bind_arguments(self.fn, args, what=f"scenario {self.name!r}")
+        self.validate(args)
         return Task(env=self.env.name, scenario=self.name, args=args)
 
 
 class Environment:
-    """A named set of tools and scenarios."""
+    """A named set of tools, scenarios and per-episode hooks.
 
-    def __init__(self, name: str) -> None:
+    Args:
+        name: The environment's name (tasks refer to it).
+        episode_timeout_s: Longest an episode may live, start to grade (a gRPC
+            deadline shorter than this wins).
+        tool_timeout_s: Longest one tool call may take.
+    """
+
+    def __init__(self, name: str, *, episode_timeout_s: float = 600.0, tool_timeout_s: float = 60.0) -> None:
         self.name = name
+        self.episode_timeout_s = episode_timeout_s
+        self.tool_timeout_s = tool_timeout_s
         self.tools: dict[str, Tool] = {}
         self.scenarios: dict[str, Scenario] = {}
+        self.setup_hooks: list[Callable[..., Any]] = []
+        self.teardown_hooks: list[Callable[..., Any]] = []
+        self.mcp_servers: dict[str, dict[str, Any]] = {}
+        self.mcp_connections: dict[str, Any] = {}
+        """Live MCP sessions by server name (see yieldloop.mcp_tools)."""
 
     def tool(self, name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Registers a typed function (sync or async) as a tool; returns it unchanged."""
 
         def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-            tool_name = name or fn.__name__
-            description = inspect.getdoc(fn) or ""
-            self.tools[tool_name] = Tool(tool_name, description, fn, signature_schema(fn))
+            context = injected_parameters(fn, EpisodeContext)
+            summary, _ = docstring_args(inspect.getdoc(fn) or "")
+            self.add_tool(Tool(name or fn.__name__, summary, fn, signature_schema(fn, skip=context), context))
             return fn
 
         return register
+
+    def add_tool(self, tool: Tool) -> None:
+        if tool.name in self.tools:
+            raise ValueError(f"environment {self.name!r} already has a tool {tool.name!r}")
+        self.tools[tool.name] = tool
 
     def scenario(self, name: str | None = None) -> Callable[[Callable[..., Any]], Scenario]:
         """Registers a two-yield async generator function as a scenario."""
 
         def register(fn: Callable[..., Any]) -> Scenario:
             if not inspect.isasyncgenfunction(fn):
-                raise TypeError(f"scenario {fn.__name__!r} must be an async generator function")
-            scenario = Scenario(self, name or fn.__name__, inspect.getdoc(fn) or "", fn)
+                raise TypeError(f"scenario {fn.__name__!r} must be an async generator function (two yields)")
+            summary, _ = docstring_args(inspect.getdoc(fn) or "")
+            scenario = Scenario(self, name or fn.__name__, summary, fn)
             self.scenarios[scenario.name] = scenario
             return scenario
 
         return register
+
+    def setup(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Registers a hook run at the start of every episode, before the scenario (takes the context)."""
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.setup_hooks.append(fn)
+            return fn
+
+        return register
+
+    def teardown(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Registers a hook run when every episode ends, however it ends (takes the context)."""
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.teardown_hooks.append(fn)
+            return fn
+
+        return register
+
+    def connect_mcp_config(self, config: dict[str, Any]) -> None:
+        """Adds the tools of MCP servers, in the common ``{"mcpServers": {name: {...}}}`` form.
+
+        Each server is ``{"command": ..., "args": [...], "env": {...}}`` (stdio) or
+        ``{"url": "http://.../mcp"}`` (streamable HTTP). Servers are connected
+        when the environment is loaded (:meth:`~yieldloop.mcp_tools.connect`).
+        """
+        servers = config.get("mcpServers", config)
+        for name, server in servers.items():
+            if not ("command" in server) ^ ("url" in server):
+                raise ValueError(f"MCP server {name!r} needs exactly one of 'command' (stdio) and 'url' (HTTP)")
+            self.mcp_servers[name] = dict(server)
 
     def get_scenario(self, name: str) -> Scenario:
         if name not in self.scenarios:
@@ -182,87 +230,13 @@ class Environment:
             )
         return self.scenarios[name]
 
-    def episode(self, scenario: str, args: dict[str, Any]) -> Episode:
+    def episode(self, scenario: str, args: dict[str, Any], episode_id: str = "") -> Episode:
         """A fresh episode of ``scenario`` (arguments validated now)."""
+        import uuid
+
+        from yieldloop.episode import Episode
+
         spec = self.get_scenario(scenario)
-        return Episode(self, spec, bind_arguments(spec.fn, args, what=f"scenario {scenario!r}"))
-
-
-def _environment_error(message: str) -> FailedPreconditionError:
-    return FailedPreconditionError(message, reason="ENVIRONMENT_ERROR")
-
-
-def _check_grade(value: Any, scenario: str) -> Grade:
-    grade = value if isinstance(value, Grade) else None
-    if grade is None and isinstance(value, (int, float)) and not isinstance(value, bool):
-        grade = Grade(float(value))
-    if grade is None:
-        raise _environment_error(f"scenario {scenario!r} yielded {type(value).__name__}, not a reward")
-    if not math.isfinite(grade.reward) or not 0.0 <= grade.reward <= 1.0:
-        raise _environment_error(f"scenario {scenario!r} yielded reward {grade.reward!r}, outside [0, 1]")
-    return grade
-
-
-class Episode:
-    """One run of a scenario: prompt, tool calls, then the graded answer."""
-
-    def __init__(self, env: Environment, scenario: Scenario, args: dict[str, Any]) -> None:
-        self.env = env
-        self.scenario = scenario
-        self._gen = scenario.fn(**args)
-        self._started = False
-        self._graded = False
-
-    async def start(self) -> Prompt:
-        """Runs the scenario to its first yield and returns the prompt."""
-        if self._started:
-            raise InvalidArgumentError("episode already started", reason="EPISODE_PROTOCOL")
-        self._started = True
-        try:
-            prompt = await self._gen.__anext__()
-        except StopAsyncIteration:
-            raise _environment_error(f"scenario {self.scenario.name!r} ended without yielding a prompt")
-        except Exception as exc:  # user code: report, never crash the service
-            raise _environment_error(f"scenario {self.scenario.name!r} raised: {exc!r}") from exc
-        if not isinstance(prompt, (str, list)):
-            raise _environment_error(f"scenario {self.scenario.name!r} yielded a {type(prompt).__name__} prompt")
-        return prompt
-
-    async def call_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
-        """Calls a tool; an exception becomes an error result the agent sees."""
-        if not self._started or self._graded:
-            raise InvalidArgumentError("tool call outside a running episode", reason="EPISODE_PROTOCOL")
-        tool = self.env.tools.get(name)
-        if tool is None:
-            raise InvalidArgumentError(
-                f"no tool {name!r}; known: {sorted(self.env.tools)}", reason="TOOL_NOT_FOUND"
-            )
-        try:
-            result = await tool.call(arguments)
-        except Exception as exc:  # the agent sees the error and may recover
-            return f"{type(exc).__name__}: {exc}", True
-        return (result if isinstance(result, str) else json.dumps(result)), False
-
-    async def submit(self, answer: str) -> Grade:
-        """Sends the answer into the scenario and returns its grade."""
-        if not self._started or self._graded:
-            raise InvalidArgumentError("submit outside a running episode", reason="EPISODE_PROTOCOL")
-        self._graded = True
-        try:
-            value = await self._gen.asend(answer)
-        except StopAsyncIteration:
-            raise _environment_error(f"scenario {self.scenario.name!r} ended without yielding a reward")
-        except Exception as exc:
-            raise _environment_error(f"scenario {self.scenario.name!r} raised: {exc!r}") from exc
-        grade = _check_grade(value, self.scenario.name)
-        try:
-            await self._gen.asend(None)
-        except StopAsyncIteration:
-            return grade
-        except Exception as exc:
-            raise _environment_error(f"scenario {self.scenario.name!r} raised after grading: {exc!r}") from exc
-        raise _environment_error(f"scenario {self.scenario.name!r} yielded a third time")
-
-    async def close(self) -> None:
-        """Finalises the generator (runs its ``finally`` blocks)."""
-        await self._gen.aclose()
+        spec.validate(args)
+        ctx = EpisodeContext(episode_id or uuid.uuid4().hex, Task(self.name, scenario, args))
+        return Episode(self, spec, args, ctx)

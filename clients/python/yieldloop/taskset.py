@@ -1,0 +1,76 @@
+"""Tasksets: lists of tasks loaded from ``.py`` modules, ``.json`` and ``.jsonl``, written as ``.json``/``.jsonl``.
+
+A ``.json`` file holds a list of ``{"env", "scenario", "args"}`` objects, a
+``.jsonl`` file one such object per line; a ``.py`` file defines ``tasks``
+(a list of :class:`~yieldloop.environment.Task`, or a callable returning one).
+With an environment given, every task's arguments are validated against its
+scenario on load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+from collections.abc import Iterable
+from typing import Any
+
+from yieldloop.environment import Environment, Task
+from yieldloop.errors import InvalidArgumentError
+
+
+def _task_from_dict(raw: Any, where: str, env: Environment | None) -> Task:
+    if not isinstance(raw, dict) or "scenario" not in raw:
+        raise InvalidArgumentError(f"{where}: a task is an object with 'scenario' and 'args'", reason="INVALID_FIELD")
+    args = raw.get("args", {})
+    if not isinstance(args, dict):
+        raise InvalidArgumentError(f"{where}: 'args' must be an object", reason="INVALID_FIELD")
+    if env is None:
+        return Task(env=raw.get("env", ""), scenario=raw["scenario"], args=args)
+    if raw.get("env", env.name) != env.name:
+        raise InvalidArgumentError(f"{where}: task is for env {raw['env']!r}, not {env.name!r}", reason="INVALID_FIELD")
+    return env.get_scenario(raw["scenario"]).task(**args)
+
+
+class Taskset(list):
+    """A list of :class:`Task` with loaders and writers."""
+
+    def __init__(self, tasks: Iterable[Task] = ()) -> None:
+        super().__init__(tasks)
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path, env: Environment | None = None) -> Taskset:
+        """Loads tasks from a ``.py``, ``.json`` or ``.jsonl`` file (validated against ``env`` when given)."""
+        path = pathlib.Path(path)
+        if path.suffix == ".py":
+            spec = importlib.util.spec_from_file_location(f"yieldloop_tasks_{path.stem}", path)
+            if spec is None or spec.loader is None:
+                raise ValueError(f"cannot import {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            tasks = getattr(module, "tasks", None)
+            tasks = tasks() if callable(tasks) else tasks
+            if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks):
+                raise ValueError(f"{path} must define `tasks`: a list of Task (or a function returning one)")
+            return cls(tasks)
+        if path.suffix == ".json":
+            raws = json.loads(path.read_text())
+            if not isinstance(raws, list):
+                raise ValueError(f"{path}: a .json taskset is a list of task objects")
+            return cls(_task_from_dict(raw, f"{path}[{i}]", env) for i, raw in enumerate(raws))
+        if path.suffix == ".jsonl":
+            lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+            return cls(_task_from_dict(json.loads(line), f"{path}:{n}", env) for n, line in lines)
+        raise ValueError(f"unsupported taskset file {path} (use .py, .json or .jsonl)")
+
+    def save(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Writes the tasks as ``.json`` (a list) or ``.jsonl`` (one per line)."""
+        path = pathlib.Path(path)
+        rows = [task.to_dict() for task in self]
+        if path.suffix == ".json":
+            path.write_text(json.dumps(rows, indent=1) + "\n")
+        elif path.suffix == ".jsonl":
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        else:
+            raise ValueError(f"unsupported taskset file {path} (use .json or .jsonl)")
+        return path

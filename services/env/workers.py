@@ -1,0 +1,320 @@
+"""A pool of worker processes running environment code.
+
+Each worker is a spawned process with its own event loop and an
+:class:`~.inprocess.InProcessHost`; the service talks to it over a pipe with
+``(request_id, op, args)`` messages. Episodes go to the least-loaded worker.
+A worker that dies (crash, ``os._exit``, a kill) or stops answering its
+heartbeat fails only its own episodes, with UNAVAILABLE / WORKER_DIED (a
+retryable status), and is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from yieldloop.environment import Grade, Prompt
+from yieldloop.episode import protocol_error
+from yieldloop.errors import ERRORS_BY_CODE, UnavailableError, YieldloopError
+from yieldloop.services.env.host import EnvInfo, EpisodeHost
+
+log = logging.getLogger(__name__)
+_SPAWN = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
+
+
+def worker_main(conn: Connection, env_specs: tuple[str, ...]) -> None:
+    """Entry point of a worker process."""
+    try:
+        import uvloop
+
+        uvloop.run(_serve_worker(conn, env_specs))
+    except ImportError:
+        asyncio.run(_serve_worker(conn, env_specs))
+
+
+async def _serve_worker(conn: Connection, env_specs: tuple[str, ...]) -> None:
+    from yieldloop.services.env.inprocess import InProcessHost
+    from yieldloop.services.env.loader import load_environment
+
+    host = InProcessHost([load_environment(spec) for spec in env_specs])
+    await host.start()
+    conn.send(("ready", host.envs))
+    loop = asyncio.get_running_loop()
+    finished = asyncio.Event()
+    in_flight: dict[str, set[asyncio.Task]] = {}
+
+    async def handle(request_id: int, op: str, args: tuple) -> None:
+        if op == "ping":
+            conn.send((request_id, True, None))
+            return
+        if op == "close":  # stop whatever this episode still runs before its teardown
+            for task in in_flight.pop(args[0], set()):
+                task.cancel()
+        try:
+            reply = (request_id, True, await getattr(host, op)(*args))
+        except YieldloopError as err:
+            reply = (request_id, False, (err.code, err.message, err.reason, err.field))
+        except asyncio.CancelledError:
+            return
+        except Exception as err:  # unexpected: report it, keep the worker serving
+            log.exception("worker op %s failed", op)
+            reply = (request_id, False, ("INTERNAL", f"{type(err).__name__}: {err}", "INTERNAL", ""))
+        conn.send(reply)
+
+    def on_readable() -> None:
+        while conn.poll():
+            try:
+                message = conn.recv()
+            except EOFError:
+                message = None
+            if message is None:
+                loop.remove_reader(conn.fileno())
+                finished.set()
+                return
+            request_id, op, args = message
+            task = loop.create_task(handle(request_id, op, args))
+            if op in ("open", "call_tool", "submit"):
+                tasks = in_flight.setdefault(args[0], set())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+    loop.add_reader(conn.fileno(), on_readable)
+    await finished.wait()
+    await host.stop()
+
+
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    index: int
+    process: Any
+    conn: Connection
+    pending: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
+    episodes: set[str] = dataclasses.field(default_factory=set)
+    last_pong: float = dataclasses.field(default_factory=time.monotonic)
+    alive: bool = True
+
+
+def _wait_ready(conn: Connection, timeout_s: float) -> Any:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"environment worker not ready after {timeout_s}s")
+    kind, payload = conn.recv()  # EOFError if the worker died while loading
+    assert kind == "ready"
+    return payload
+
+
+class WorkerPoolHost(EpisodeHost):
+    """Episodes spread over ``num_workers`` processes.
+
+    Args:
+        env_specs: Environments each worker loads (``module:attr`` or ``file.py:attr``).
+        num_workers: Pool size.
+        hang_timeout_s: A worker silent for this long is killed and replaced.
+        ready_timeout_s: How long a new worker may take to load the environments.
+    """
+
+    def __init__(
+        self, env_specs: tuple[str, ...], num_workers: int, hang_timeout_s: float = 10.0, ready_timeout_s: float = 120.0
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        self.env_specs = tuple(env_specs)
+        self.num_workers = num_workers
+        self.hang_timeout_s = hang_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+        self.envs: dict[str, EnvInfo] = {}
+        self.workers: list[_Worker | None] = [None] * num_workers
+        self.num_replaced = 0
+        self._episode_worker: dict[str, _Worker] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._worker_ready = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+
+    # Lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._spawn(i) for i in range(self.num_workers)))
+        self._keep(self._watchdog())
+
+    def _keep(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _spawn(self, index: int) -> None:
+        parent, child = _SPAWN.Pipe()
+        process = _SPAWN.Process(target=worker_main, args=(child, self.env_specs), daemon=True, name=f"env-worker-{index}")
+        process.start()
+        child.close()
+        try:
+            self.envs = await asyncio.to_thread(_wait_ready, parent, self.ready_timeout_s)
+        except (EOFError, TimeoutError) as err:
+            process.kill()
+            raise RuntimeError(f"environment worker {index} failed to start ({err!r}); see its stderr") from None
+        worker = _Worker(index, process, parent)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(parent.fileno(), self._drain, worker)
+        loop.add_reader(process.sentinel, self._on_death, worker, "the process exited")
+        self.workers[index] = worker
+        self._worker_ready.set()
+        log.info("environment worker %d ready (pid %d)", index, process.pid)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in list(self._background):
+            task.cancel()
+        for worker in self.workers:
+            if worker is not None and worker.alive:
+                self._detach(worker)
+                with contextlib.suppress(OSError):
+                    worker.conn.send(None)
+        for worker in self.workers:
+            if worker is not None:
+                await asyncio.to_thread(worker.process.join, 5)
+                if worker.process.is_alive():
+                    worker.process.kill()
+
+    # Messaging ---------------------------------------------------------------------------
+
+    def _drain(self, worker: _Worker) -> None:
+        try:
+            while worker.conn.poll():
+                request_id, ok, payload = worker.conn.recv()
+                future = worker.pending.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_result((ok, payload))
+        except (EOFError, OSError):
+            self._on_death(worker, "its pipe closed")
+
+    async def _request(self, worker: _Worker, op: str, *args: Any) -> Any:
+        if not worker.alive:
+            raise UnavailableError(f"environment worker {worker.index} died", reason="WORKER_DIED")
+        request_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        worker.pending[request_id] = future
+        try:
+            worker.conn.send((request_id, op, args))
+            ok, payload = await future
+        except OSError:
+            self._on_death(worker, "its pipe broke")
+            raise UnavailableError(f"environment worker {worker.index} died", reason="WORKER_DIED") from None
+        finally:
+            worker.pending.pop(request_id, None)
+        if ok:
+            return payload
+        code, message, reason, field = payload
+        raise ERRORS_BY_CODE[code](message, reason=reason, field=field)
+
+    # Failure handling ------------------------------------------------------------------------
+
+    def _detach(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(worker.conn.fileno())
+        loop.remove_reader(worker.process.sentinel)
+
+    def _on_death(self, worker: _Worker, why: str) -> None:
+        if not worker.alive:
+            return
+        worker.alive = False
+        self._detach(worker)
+        if worker.process.is_alive():
+            worker.process.kill()
+        log.error("environment worker %d died (%s); failing its %d episode(s)", worker.index, why, len(worker.episodes))
+        error = UnavailableError(f"environment worker {worker.index} died ({why})", reason="WORKER_DIED")
+        for future in worker.pending.values():
+            if not future.done():
+                future.set_exception(error)
+        worker.pending.clear()
+        if self.workers[worker.index] is worker:
+            self.workers[worker.index] = None
+        if not any(w is not None and w.alive for w in self.workers):
+            self._worker_ready.clear()
+        if not self._stopping:
+            self.num_replaced += 1
+            self._keep(self._spawn(worker.index))
+
+    async def _watchdog(self) -> None:
+        interval = min(1.0, self.hang_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for worker in list(self.workers):
+                if worker is None or not worker.alive:
+                    continue
+                if now - worker.last_pong > self.hang_timeout_s:
+                    self._on_death(worker, f"no heartbeat for {self.hang_timeout_s}s")
+                else:
+                    self._keep(self._ping(worker))
+
+    async def _ping(self, worker: _Worker) -> None:
+        with contextlib.suppress(UnavailableError):
+            await self._request(worker, "ping")
+            worker.last_pong = time.monotonic()
+
+    # Episodes ----------------------------------------------------------------------------------
+
+    async def _pick_worker(self) -> _Worker:
+        alive = [w for w in self.workers if w is not None and w.alive]
+        if not alive:
+            try:
+                await asyncio.wait_for(self._worker_ready.wait(), self.ready_timeout_s)
+            except TimeoutError:
+                raise UnavailableError("no environment worker is available", reason="WORKER_DIED") from None
+            alive = [w for w in self.workers if w is not None and w.alive]
+        return min(alive, key=lambda w: len(w.episodes))
+
+    def _worker_of(self, episode_id: str) -> _Worker:
+        worker = self._episode_worker.get(episode_id)
+        if worker is None:
+            raise protocol_error(f"no live episode {episode_id!r}")
+        return worker
+
+    async def open(self, env: str, scenario: str, args: dict[str, Any], episode_id: str) -> Prompt:
+        if episode_id in self._episode_worker:
+            raise protocol_error(f"episode {episode_id!r} is already live")
+        worker = await self._pick_worker()
+        self._episode_worker[episode_id] = worker
+        worker.episodes.add(episode_id)
+        try:
+            return await self._request(worker, "open", env, scenario, args, episode_id)
+        except YieldloopError:
+            self._forget(episode_id)  # the worker closed it already (or is gone)
+            raise
+        except BaseException:  # cancelled or timed out: the worker may still open it, so close it there
+            self._forget(episode_id)
+            self._keep(self._close_on(worker, episode_id))
+            raise
+
+    async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        return await self._request(self._worker_of(episode_id), "call_tool", episode_id, name, arguments)
+
+    async def submit(self, episode_id: str, answer: str) -> Grade:
+        return await self._request(self._worker_of(episode_id), "submit", episode_id, answer)
+
+    def _forget(self, episode_id: str) -> _Worker | None:
+        worker = self._episode_worker.pop(episode_id, None)
+        if worker is not None:
+            worker.episodes.discard(episode_id)
+        return worker
+
+    async def close(self, episode_id: str) -> None:
+        worker = self._forget(episode_id)
+        if worker is not None:
+            await self._close_on(worker, episode_id)
+
+    async def _close_on(self, worker: _Worker, episode_id: str) -> None:
+        """Teardown in the worker; a dead worker took the episode with it."""
+        if worker.alive:
+            with contextlib.suppress(UnavailableError):
+                await self._request(worker, "close", episode_id)
+
+    @property
+    def num_live_episodes(self) -> int:
+        return len(self._episode_worker)
