@@ -1,4 +1,8 @@
-"""A small MCP server for the tests: ``python tests/mcp_server.py stdio`` or ``... http PORT``."""
+"""A small MCP server for the tests.
+
+``python tests/mcp_server.py stdio [PREFIX]`` or ``python tests/mcp_server.py http PORT [PREFIX]``;
+every tool name starts with PREFIX (so two servers can serve one environment).
+"""
 
 from __future__ import annotations
 
@@ -6,29 +10,33 @@ import sys
 
 from mcp.server.mcpserver import MCPServer
 
-server = MCPServer("yieldloop-test-tools", log_level="CRITICAL")
 
-
-@server.tool()
 def add(a: int, b: int) -> int:
     """Adds two integers."""
     return a + b
 
 
-@server.tool()
 def shout(text: str) -> str:
     """Upper-cases text."""
     return text.upper()
 
 
-@server.tool()
 def refuse(reason: str) -> str:
     """Always fails."""
     raise ValueError(reason)
 
 
+def make_server(prefix: str) -> MCPServer:
+    server = MCPServer("yieldloop-test-tools", log_level="CRITICAL")
+    for fn in (add, shout, refuse):
+        server.tool(name=prefix + fn.__name__)(fn)
+    return server
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "stdio":
-        server.run("stdio")
+        make_server(sys.argv[2] if len(sys.argv) > 2 else "").run("stdio")
     else:
-        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+        make_server(sys.argv[3] if len(sys.argv) > 3 else "").run(
+            "streamable-http", host="127.0.0.1", port=int(sys.argv[2])
+        )

@@ -41,11 +41,13 @@ class McpConnection:
         )
 
     async def open(self, timeout_s: float = 60.0) -> None:
+        try:
+            from mcp import Client
+        except ImportError:
+            raise ImportError("MCP tools need the mcp SDK: pip install 'yieldloop[mcp]'") from None
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
 
         async def run() -> None:
-            from mcp import Client
-
             try:
                 async with Client(self._target()) as client:
                     self.client = client
