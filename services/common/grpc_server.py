@@ -17,10 +17,29 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from yieldloop._status import to_rpc_status
-from yieldloop.client import channel_options
+from yieldloop.client import MAX_MESSAGE_BYTES
 from yieldloop.errors import InternalError, YieldloopError
 
 log = logging.getLogger(__name__)
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """Server options for thousands of concurrent streams.
+
+    - gRPC core rejects new streams once 1000 calls wait for the application (hard limit 3000):
+      2048 episodes opened at once would fail with INTERNAL/CANCELLED on the clients;
+    - clients send keepalive pings every 30 s (``channel_options``); the default server answers
+      them with GOAWAY ``too_many_pings`` on long runs.
+    """
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.server.max_pending_requests", 1 << 16),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
 
 
 def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,8 +88,7 @@ class GrpcServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_message_bytes: int | None = None) -> None:
         self.host = host
         self.port = port
-        options = channel_options() if max_message_bytes is None else channel_options(max_message_bytes)
-        self._server = grpc.aio.server(options=options)
+        self._server = grpc.aio.server(options=server_options(max_message_bytes or MAX_MESSAGE_BYTES))
         self._on_stop: list[Callable[[], Any]] = []
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -1,8 +1,9 @@
 """A pool of worker processes running environment code.
 
 Each worker is a spawned process with its own event loop and an
-:class:`~.inprocess.InProcessHost`; the service talks to it over a pipe with
-``(request_id, op, args)`` messages. Episodes go to the least-loaded worker.
+:class:`~.inprocess.InProcessHost`; the service talks to it over a socket pair
+with length-prefixed pickled ``(request_id, op, args)`` messages, through
+asyncio streams on both sides, so a busy peer never blocks an event loop. Episodes go to the least-loaded worker.
 A worker that dies (crash, ``os._exit``, a kill) or stops answering its
 heartbeat fails only its own episodes, with UNAVAILABLE / WORKER_DIED (a
 retryable status), and is replaced.
@@ -16,8 +17,9 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import pickle
+import socket
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 from yieldloop.environment import Grade, Prompt
@@ -29,36 +31,44 @@ log = logging.getLogger(__name__)
 _SPAWN = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
 
 
-def worker_main(conn: Connection, env_specs: tuple[str, ...]) -> None:
+def _frame(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(4, "big") + data
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next message; asyncio.IncompleteReadError when the peer is gone."""
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    return pickle.loads(await reader.readexactly(size))
+
+
+def worker_main(sock: socket.socket, env_specs: tuple[str, ...]) -> None:
     """Entry point of a worker process."""
     try:
         import uvloop
 
-        uvloop.run(_serve_worker(conn, env_specs))
+        uvloop.run(_serve_worker(sock, env_specs))
     except ImportError:
-        asyncio.run(_serve_worker(conn, env_specs))
+        asyncio.run(_serve_worker(sock, env_specs))
 
 
-async def _serve_worker(conn: Connection, env_specs: tuple[str, ...]) -> None:
+async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None:
     from yieldloop.services.env.inprocess import InProcessHost
     from yieldloop.services.env.loader import load_environment
 
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
     host = InProcessHost([load_environment(spec) for spec in env_specs])
     await host.start()
-    conn.send(("ready", host.envs))
-    loop = asyncio.get_running_loop()
-    finished = asyncio.Event()
+    writer.write(_frame(("ready", host.envs)))
     in_flight: dict[str, set[asyncio.Task]] = {}
+    tasks: set[asyncio.Task] = set()
 
     async def handle(request_id: int, op: str, args: tuple) -> None:
-        if op == "ping":
-            conn.send((request_id, True, None))
-            return
         if op == "close":  # stop whatever this episode still runs before its teardown
             for task in in_flight.pop(args[0], set()):
                 task.cancel()
         try:
-            reply = (request_id, True, await getattr(host, op)(*args))
+            reply = (request_id, True, None if op == "ping" else await getattr(host, op)(*args))
         except YieldloopError as err:
             reply = (request_id, False, (err.code, err.message, err.reason, err.field))
         except asyncio.CancelledError:
@@ -66,27 +76,23 @@ async def _serve_worker(conn: Connection, env_specs: tuple[str, ...]) -> None:
         except Exception as err:  # unexpected: report it, keep the worker serving
             log.exception("worker op %s failed", op)
             reply = (request_id, False, ("INTERNAL", f"{type(err).__name__}: {err}", "INTERNAL", ""))
-        conn.send(reply)
+        writer.write(_frame(reply))  # buffered: a busy peer never blocks this loop
 
-    def on_readable() -> None:
-        while conn.poll():
-            try:
-                message = conn.recv()
-            except EOFError:
-                message = None
-            if message is None:
-                loop.remove_reader(conn.fileno())
-                finished.set()
-                return
-            request_id, op, args = message
-            task = loop.create_task(handle(request_id, op, args))
-            if op in ("open", "call_tool", "submit"):
-                tasks = in_flight.setdefault(args[0], set())
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-
-    loop.add_reader(conn.fileno(), on_readable)
-    await finished.wait()
+    while True:
+        try:
+            message = await _read_frame(reader)
+        except asyncio.IncompleteReadError:
+            break  # the service went away
+        if message is None:
+            break
+        request_id, op, args = message
+        task = asyncio.create_task(handle(request_id, op, args))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        if op in ("open", "call_tool", "submit"):
+            episode_tasks = in_flight.setdefault(args[0], set())
+            episode_tasks.add(task)
+            task.add_done_callback(episode_tasks.discard)
     await host.stop()
 
 
@@ -94,19 +100,12 @@ async def _serve_worker(conn: Connection, env_specs: tuple[str, ...]) -> None:
 class _Worker:
     index: int
     process: Any
-    conn: Connection
+    writer: asyncio.StreamWriter
+    reader_task: asyncio.Task | None = None
     pending: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
     episodes: set[str] = dataclasses.field(default_factory=set)
     last_pong: float = dataclasses.field(default_factory=time.monotonic)
     alive: bool = True
-
-
-def _wait_ready(conn: Connection, timeout_s: float) -> Any:
-    if not conn.poll(timeout_s):
-        raise TimeoutError(f"environment worker not ready after {timeout_s}s")
-    kind, payload = conn.recv()  # EOFError if the worker died while loading
-    assert kind == "ready"
-    return payload
 
 
 class WorkerPoolHost(EpisodeHost):
@@ -149,19 +148,21 @@ class WorkerPoolHost(EpisodeHost):
         task.add_done_callback(self._background.discard)
 
     async def _spawn(self, index: int) -> None:
-        parent, child = _SPAWN.Pipe()
+        parent, child = socket.socketpair()
         process = _SPAWN.Process(target=worker_main, args=(child, self.env_specs), daemon=True, name=f"env-worker-{index}")
-        process.start()
+        await asyncio.to_thread(process.start)
         child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent)
         try:
-            self.envs = await asyncio.to_thread(_wait_ready, parent, self.ready_timeout_s)
-        except (EOFError, TimeoutError) as err:
+            kind, self.envs = await asyncio.wait_for(_read_frame(reader), self.ready_timeout_s)
+        except (asyncio.IncompleteReadError, TimeoutError) as err:
             process.kill()
+            writer.close()
             raise RuntimeError(f"environment worker {index} failed to start ({err!r}); see its stderr") from None
-        worker = _Worker(index, process, parent)
-        loop = asyncio.get_running_loop()
-        loop.add_reader(parent.fileno(), self._drain, worker)
-        loop.add_reader(process.sentinel, self._on_death, worker, "the process exited")
+        assert kind == "ready"
+        worker = _Worker(index, process, writer)
+        worker.reader_task = asyncio.get_running_loop().create_task(self._read_replies(worker, reader))
+        asyncio.get_running_loop().add_reader(process.sentinel, self._on_death, worker, "the process exited")
         self.workers[index] = worker
         self._worker_ready.set()
         log.info("environment worker %d ready (pid %d)", index, process.pid)
@@ -173,8 +174,9 @@ class WorkerPoolHost(EpisodeHost):
         for worker in self.workers:
             if worker is not None and worker.alive:
                 self._detach(worker)
+                worker.writer.write(_frame(None))
                 with contextlib.suppress(OSError):
-                    worker.conn.send(None)
+                    await worker.writer.drain()
         for worker in self.workers:
             if worker is not None:
                 await asyncio.to_thread(worker.process.join, 5)
@@ -183,15 +185,16 @@ class WorkerPoolHost(EpisodeHost):
 
     # Messaging ---------------------------------------------------------------------------
 
-    def _drain(self, worker: _Worker) -> None:
-        try:
-            while worker.conn.poll():
-                request_id, ok, payload = worker.conn.recv()
-                future = worker.pending.pop(request_id, None)
-                if future is not None and not future.done():
-                    future.set_result((ok, payload))
-        except (EOFError, OSError):
-            self._on_death(worker, "its pipe closed")
+    async def _read_replies(self, worker: _Worker, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                request_id, ok, payload = await _read_frame(reader)
+            except (asyncio.IncompleteReadError, OSError):
+                self._on_death(worker, "its connection closed")
+                return
+            future = worker.pending.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_result((ok, payload))
 
     async def _request(self, worker: _Worker, op: str, *args: Any) -> Any:
         if not worker.alive:
@@ -200,11 +203,8 @@ class WorkerPoolHost(EpisodeHost):
         future = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = future
         try:
-            worker.conn.send((request_id, op, args))
+            worker.writer.write(_frame((request_id, op, args)))
             ok, payload = await future
-        except OSError:
-            self._on_death(worker, "its pipe broke")
-            raise UnavailableError(f"environment worker {worker.index} died", reason="WORKER_DIED") from None
         finally:
             worker.pending.pop(request_id, None)
         if ok:
@@ -215,15 +215,16 @@ class WorkerPoolHost(EpisodeHost):
     # Failure handling ------------------------------------------------------------------------
 
     def _detach(self, worker: _Worker) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(worker.conn.fileno())
-        loop.remove_reader(worker.process.sentinel)
+        asyncio.get_running_loop().remove_reader(worker.process.sentinel)
+        if worker.reader_task is not None and worker.reader_task is not asyncio.current_task():
+            worker.reader_task.cancel()
 
     def _on_death(self, worker: _Worker, why: str) -> None:
         if not worker.alive:
             return
         worker.alive = False
         self._detach(worker)
+        worker.writer.close()
         if worker.process.is_alive():
             worker.process.kill()
         log.error("environment worker %d died (%s); failing its %d episode(s)", worker.index, why, len(worker.episodes))

@@ -49,6 +49,9 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.lb_policy_name", "round_robin"),
+        # Each channel gets its own connections: channels to one address otherwise share one TCP
+        # connection, and thousands of streams on one HTTP/2 connection fail under load.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 
