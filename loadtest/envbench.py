@@ -68,6 +68,20 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its children so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for stat in [pathlib.Path(f"/proc/{pid}/stat"), *pathlib.Path("/proc").glob("[0-9]*/stat")]:
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if stat.parent.name == str(pid) or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 class Stats:
     def __init__(self) -> None:
         self.latencies: list[float] = []
@@ -273,6 +287,8 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
             await asyncio.sleep(0.1)
 
     sampler = asyncio.create_task(sample()) if server else None
+    server_cpu = tree_cpu_s(server.process.pid) if server else 0.0
+    client_cpu = sum(os.times()[:2])
     started = time.perf_counter()
     tasks = [asyncio.create_task(make_agent(i)) for i in range(episodes)]
     done, pending = await asyncio.wait(tasks, timeout=timeout_s)
@@ -281,6 +297,8 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
     if pending:
         stats.errors["timeout"] += len(pending)
     wall = time.perf_counter() - started
+    client_cpu = sum(os.times()[:2]) - client_cpu
+    server_cpu = (tree_cpu_s(server.process.pid) - server_cpu) if server else 0.0
     if sampler:
         sampler.cancel()
         await asyncio.sleep(0.5)  # let the server finish tearing down
@@ -296,9 +314,11 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
         "errors": dict(stats.errors),
         "error_samples": stats.samples,
         "num_errors": sum(stats.errors.values()),
+        "client_cpu_us_per_call": round(client_cpu / max(len(stats.latencies), 1) * 1e6, 1),
     }
     if server:
         result["server_rss_mb"] = {k: round(v / 2**20, 1) for k, v in (("before", rss_before), ("peak", peak), ("after", rss_after))}
+        result["server_cpu_us_per_call"] = round(server_cpu / max(len(stats.latencies), 1) * 1e6, 1)
         result["server_rss_kb_per_live_episode"] = round((peak - rss_before) / episodes / 1024, 1)
     return result
 

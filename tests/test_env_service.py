@@ -263,3 +263,25 @@ async def test_client_spreads_episodes_across_replicas(tmp_path) -> None:
         for served in (first, second):
             await served.client.close()
             await served.server.stop(1.0)
+
+
+def test_load_harness_small_run(tmp_path) -> None:
+    """The load harness end to end (128 episodes): every run completes with 0 errors and reports its figures."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    harness = pathlib.Path(__file__).parents[1] / "loadtest" / "envbench.py"
+    result = subprocess.run(
+        [sys.executable, str(harness), "--episodes", "128", "--calls", "8", "--out", str(out), "--timeout", "120"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(out.read_text())
+    for run in ("inprocess", "echo", "ours", "ours-workers"):
+        assert figures[run]["num_errors"] == 0, (run, figures[run]["errors"])
+        assert figures[run]["episodes_ok"] == 128 and figures[run]["tool_calls"] == 128 * 8
+        assert figures[run]["latency_ms"]["p99"] >= figures[run]["latency_ms"]["p50"] >= 0
+    for run in ("ours", "ours-workers"):
+        assert figures[run]["calls_per_s_vs_echo"] > 0 and figures[run]["server_rss_mb"]["peak"] > 0
+    assert "calls/s" in result.stdout and "vs echo" in result.stdout

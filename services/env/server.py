@@ -16,6 +16,8 @@ async def build(
     """An EnvService server over a started ``host`` (the server itself is not started)."""
     await host.start()
     server = GrpcServer(address_host, port, max_message_bytes=max_message_bytes)
-    server.add(pb_grpc.add_EnvServiceServicer_to_server, EnvServicer(host), SERVICE_NAME)
+    servicer = EnvServicer(host)
+    server.add(pb_grpc.add_EnvServiceServicer_to_server, servicer, SERVICE_NAME)
+    server.on_stop(servicer.deadlines.close)
     server.on_stop(host.stop)
     return server

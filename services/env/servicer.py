@@ -6,7 +6,7 @@ import asyncio
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -45,20 +45,62 @@ def prompt_messages(prompt: str | list[dict[str, str]]) -> tuple[str, list[commo
     return "\n".join(m.content for m in messages), messages
 
 
-async def _before(deadline: float, awaitable: Awaitable[Any], what: str, reason: str) -> Any:
-    """Awaits ``awaitable`` until the loop time ``deadline`` (inf: none); past it, DEADLINE_EXCEEDED."""
-    if deadline == math.inf:
-        return await awaitable
-    try:
-        async with asyncio.timeout_at(deadline):
-            return await awaitable
-    except TimeoutError:
-        raise DeadlineExceededError(f"{what} exceeded its deadline", reason=reason) from None
+class Deadlines:
+    """Cancels the streams whose current deadline passed; one timer serves every stream.
+
+    A per-call ``asyncio.timeout`` costs a timer per message, measurable at thousands
+    of calls per second; here each stream only updates a dict entry, and one sweep every
+    ``tick_s`` seconds cancels what expired (deadlines are honoured within ``tick_s``).
+    """
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self.tick_s = tick_s
+        self._watched: dict[asyncio.Task, tuple[float, str, str]] = {}
+        self._fired: dict[asyncio.Task, tuple[str, str]] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    def watch(self, task: asyncio.Task, when: float, what: str, reason: str) -> None:
+        """(Re)arms ``task``'s deadline at loop time ``when`` (inf: none)."""
+        if when == math.inf:
+            self._watched.pop(task, None)
+            return
+        self._watched[task] = (when, what, reason)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    def forget(self, task: asyncio.Task) -> None:
+        self._watched.pop(task, None)
+        self._fired.pop(task, None)
+
+    def expired(self, task: asyncio.Task) -> DeadlineExceededError | None:
+        """The deadline error when this task's cancellation came from a deadline (and un-cancels it)."""
+        fired = self._fired.pop(task, None)
+        if fired is None:
+            return None
+        task.uncancel()
+        what, reason = fired
+        return DeadlineExceededError(f"{what} exceeded its deadline", reason=reason)
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = loop.time()
+            for task, (when, what, reason) in list(self._watched.items()):
+                if now >= when:
+                    del self._watched[task]
+                    self._fired[task] = (what, reason)
+                    task.cancel()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
 
 
 class EnvServicer(pb_grpc.EnvServiceServicer):
     def __init__(self, host: EpisodeHost) -> None:
         self.host = host
+        self.deadlines = Deadlines()
 
     @rpc
     async def ListScenarios(self, request: pb.ListScenariosRequest, context: grpc.aio.ServicerContext) -> pb.ListScenariosResponse:
@@ -78,65 +120,74 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
     @rpc
     async def StreamEpisode(
         self, request_iterator: AsyncIterator[pb.StreamEpisodeRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.StreamEpisodeResponse]:
+    ) -> None:
+        # The reader/writer API (context.read/write), not an async generator: at thousands
+        # of messages per second every generator layer a message passes through shows.
+        me = asyncio.current_task()
+        try:
+            await self._episode(context, me)
+        except asyncio.CancelledError:
+            error = self.deadlines.expired(me)
+            if error is None:
+                raise  # the client went away
+            raise error from None
+        finally:
+            self.deadlines.forget(me)
+
+    async def _episode(self, context: grpc.aio.ServicerContext, me: asyncio.Task) -> None:
         loop = asyncio.get_running_loop()
         remaining = context.time_remaining()
         deadline = loop.time() + (remaining if remaining is not None else math.inf)
-        requests = aiter(request_iterator)
+        watch, read, write = self.deadlines.watch, context.read, context.write
         # The host key is ours, so two streams that send the same episode_id never collide.
         key = uuid.uuid4().hex
         info: EnvInfo | None = None
         graded = False
         try:
-            while True:
-                try:
-                    request = await _before(deadline, anext(requests), "the episode", "EPISODE_DEADLINE")
-                except StopAsyncIteration:
-                    return
+            watch(me, deadline, "the episode", "EPISODE_DEADLINE")
+            while (request := await read()) is not grpc.aio.EOF:
                 action = request.WhichOneof("action")
-                if action == "start":
+                if action == "call_tool" and info is not None and not graded:
+                    call = request.call_tool
+                    arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
+                    watch(me, min(deadline, loop.time() + info.tool_timeout_s), f"tool {call.name!r}", "TOOL_DEADLINE")
+                    content, is_error = await self.host.call_tool(key, call.name, arguments)
+                    watch(me, deadline, "the episode", "EPISODE_DEADLINE")
+                    await write(pb.StreamEpisodeResponse(
+                        tool_result=pb.ToolResult(call_id=call.call_id, content=content, is_error=is_error)
+                    ))
+                elif action == "start":
                     if info is not None:
                         raise protocol_error("the episode was already started")
                     task = request.start.task
                     info = resolve_env(self.host.envs, task.env)
                     deadline = min(deadline, loop.time() + info.episode_timeout_s)
+                    watch(me, deadline, "the episode", "EPISODE_DEADLINE")
                     args = _json_object(task.args_json, "SCENARIO_ARGS_INVALID", "start.task.args_json")
-                    prompt = await _before(
-                        deadline, self.host.open(info.name, task.scenario, args, key), "the episode", "EPISODE_DEADLINE"
-                    )
-                    text, messages = prompt_messages(prompt)
-                    yield pb.StreamEpisodeResponse(
+                    text, messages = prompt_messages(await self.host.open(info.name, task.scenario, args, key))
+                    await write(pb.StreamEpisodeResponse(
                         started=pb.EpisodeStarted(
                             episode_id=request.start.episode_id or key, prompt=text, messages=messages,
                             tools=tool_specs(info),
                         )
-                    )
+                    ))
                 elif info is None:
                     raise protocol_error(f"{action or 'an empty message'} before start")
                 elif action == "call_tool":
-                    call = request.call_tool
-                    if graded:
-                        raise protocol_error("tool call after submit")
-                    arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
-                    tool_deadline = min(deadline, loop.time() + info.tool_timeout_s)
-                    content, is_error = await _before(
-                        tool_deadline, self.host.call_tool(key, call.name, arguments), f"tool {call.name!r}",
-                        "TOOL_DEADLINE",
-                    )
-                    yield pb.StreamEpisodeResponse(
-                        tool_result=pb.ToolResult(call_id=call.call_id, content=content, is_error=is_error)
-                    )
+                    raise protocol_error("tool call after submit")
                 elif action == "submit":
                     if graded:
                         raise protocol_error("the answer was already submitted")
-                    grade = await _before(deadline, self.host.submit(key, request.submit.answer), "the episode", "EPISODE_DEADLINE")
+                    grade = await self.host.submit(key, request.submit.answer)
                     graded = True
                     info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info
-                    yield pb.StreamEpisodeResponse(
+                    await write(pb.StreamEpisodeResponse(
                         graded=pb.EpisodeGraded(reward=grade.reward, info_json=json.dumps(info_json, default=str))
-                    )
+                    ))
                 else:
                     raise protocol_error("empty request")
         finally:
-            # Teardown runs however the stream ends: done, error, deadline or a vanished client.
+            # Teardown runs however the stream ends: done, error, deadline or a vanished client,
+            # and no deadline interrupts it.
+            watch(me, math.inf, "", "")
             await asyncio.shield(self.host.close(key))

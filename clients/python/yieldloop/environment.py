@@ -87,9 +87,9 @@ class EpisodeContext:
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-async def call_maybe_async(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+async def call_maybe_async(fn: Callable[..., Any], *args: Any, is_async: bool | None = None, **kwargs: Any) -> Any:
     """Calls a sync or async function; sync ones run in a thread so they never block the event loop."""
-    if inspect.iscoroutinefunction(fn):
+    if inspect.iscoroutinefunction(fn) if is_async is None else is_async:
         return await fn(*args, **kwargs)
     import asyncio
 
@@ -106,11 +106,16 @@ class Tool:
     parameters: dict[str, Any]
     context_params: set[str] = dataclasses.field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        self.is_async = inspect.iscoroutinefunction(self.fn)
+
     def validate(self, arguments: dict[str, Any]) -> None:
         validate_arguments(arguments, self.parameters, what=f"tool {self.name!r}", reason="TOOL_ARGS_INVALID")
 
     async def call(self, arguments: dict[str, Any], ctx: EpisodeContext) -> Any:
-        return await call_maybe_async(self.fn, **arguments, **{p: ctx for p in self.context_params})
+        if self.context_params:
+            arguments = {**arguments, **{p: ctx for p in self.context_params}}
+        return await call_maybe_async(self.fn, is_async=self.is_async, **arguments)
 
 
 @dataclasses.dataclass
@@ -122,13 +127,10 @@ class Scenario:
     description: str
     fn: Callable[..., AsyncGenerator[Any, Any]]
 
-    @property
-    def context_params(self) -> set[str]:
-        return injected_parameters(self.fn, EpisodeContext)
-
-    @property
-    def args_schema(self) -> dict[str, Any]:
-        return signature_schema(self.fn, skip=self.context_params)
+    def __post_init__(self) -> None:
+        # Computed once: type-hint resolution is far too slow for every episode.
+        self.context_params = injected_parameters(self.fn, EpisodeContext)
+        self.args_schema = signature_schema(self.fn, skip=self.context_params)
 
     def validate(self, args: dict[str, Any]) -> None:
         """Checks arguments against the signature's schema (INVALID_ARGUMENT / SCENARIO_ARGS_INVALID)."""

@@ -12,7 +12,7 @@ env = Environment("bench", episode_timeout_s=600, tool_timeout_s=30)
 
 
 @env.setup()
-def reset(ctx: EpisodeContext) -> None:
+async def reset(ctx: EpisodeContext) -> None:
     ctx.state["count"] = 0
 
 
