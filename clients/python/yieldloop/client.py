@@ -125,8 +125,10 @@ class EpisodeSession:
         return response.started
 
     async def call_tool(self, name: str, arguments_json: str = "{}", call_id: str = "") -> env_pb.ToolResult:
-        request = env_pb.CallTool(call_id=call_id, name=name, arguments_json=arguments_json)
-        return (await self._exchange(env_pb.StreamEpisodeRequest(call_tool=request))).tool_result
+        request = env_pb.StreamEpisodeRequest()
+        call = request.call_tool  # filled in place: no copy of a nested message
+        call.call_id, call.name, call.arguments_json = call_id, name, arguments_json
+        return (await self._exchange(request)).tool_result
 
     async def submit(self, answer: str) -> env_pb.EpisodeGraded:
         request = env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(answer=answer))

@@ -8,6 +8,7 @@ FAILED_PRECONDITION / ENVIRONMENT_ERROR; so does a scenario or hook that raises.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -137,6 +138,6 @@ class Episode:
 
 
 def _to_json(value: Any) -> str:
-    import json
-
+    if type(value) is int or type(value) is float:  # the common case, without the encoder's machinery
+        return repr(value)
     return json.dumps(value, default=str)
