@@ -119,22 +119,38 @@ def run_to_datum(run: RunData, advantage: float, field: str) -> Datum:
 
 
 def runs_to_datums(
-    runs: Sequence[RunData], *, normalize_by_std: bool = False, drop_groups_without_signal: bool = False
+    runs: Sequence[RunData],
+    *,
+    normalize_by_std: bool = False,
+    drop_groups_without_signal: bool = False,
+    reward_scale: float = 1.0,
+    group_size: int = 0,
+    allow_incomplete_groups: bool = False,
 ) -> tuple[list[Datum], GroupStats]:
-    """Datums with group-centred advantages; groups with equal rewards are counted (and optionally dropped)."""
+    """Datums with group-centred advantages; groups with equal rewards are counted (and optionally dropped).
+
+    With ``group_size``, a group of another size is refused (GROUP_INCOMPLETE) unless
+    ``allow_incomplete_groups``: a missing rollout silently shifts every advantage of its group.
+    """
     groups: dict[str, list[int]] = defaultdict(list)
     for i, run in enumerate(runs):
         if not math.isfinite(run.reward):
             raise _datum_error(f"run {i} has a non-finite reward", f"runs[{i}].reward")
         groups[run.group_id or f"__single_{i}"].append(i)
     stats = GroupStats(num_groups=len(groups))
-    datums: list[Datum] = []
-    for members in groups.values():
-        rewards = [runs[i].reward for i in members]
+    by_run: dict[int, Datum] = {}
+    for group_id, members in groups.items():
+        if group_size and len(members) != group_size and not allow_incomplete_groups:
+            raise InvalidArgumentError(
+                f"group {group_id!r} has {len(members)} runs, not {group_size} (allow_incomplete_groups to accept)",
+                reason="GROUP_INCOMPLETE",
+                field="runs",
+            )
+        rewards = [runs[i].reward * reward_scale for i in members]
         if max(rewards) == min(rewards):
             stats.num_groups_without_signal += 1
             if drop_groups_without_signal:
                 continue
         for i, advantage in zip(members, group_advantages(rewards, normalize_by_std), strict=True):
-            datums.append(run_to_datum(runs[i], advantage, f"runs[{i}]"))
-    return datums, stats
+            by_run[i] = run_to_datum(runs[i], advantage, f"runs[{i}]")
+    return [by_run[i] for i in sorted(by_run)], stats  # in the runs' order

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -23,7 +24,7 @@ from yieldloop.services.checkpoint.servicer import manifest_from_pb, manifest_pb
 from yieldloop.services.common.grpc_server import rpc
 from yieldloop.services.store import ObjectStore
 from yieldloop.services.trainer import losses
-from yieldloop.services.trainer.datums import Datum, RunData, TurnData, run_to_datum, runs_to_datums
+from yieldloop.services.trainer.datums import Datum, RunData, TurnData, runs_to_datums
 from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig
 from yieldloop.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
@@ -37,6 +38,10 @@ def datum_from_pb(message: common_pb.Datum) -> Datum:
         advantages=list(message.advantages),
         weights=list(message.weights),
     )
+
+
+def datum_pb(datum: Datum) -> common_pb.Datum:
+    return common_pb.Datum(**dataclasses.asdict(datum))
 
 
 def run_from_pb(message: common_pb.Run) -> RunData:
@@ -125,6 +130,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             runs,
             normalize_by_std=config.normalize_advantages_by_std,
             drop_groups_without_signal=config.drop_groups_without_signal,
+            reward_scale=config.reward_scale or 1.0,
+            group_size=config.group_size,
+            allow_incomplete_groups=config.allow_incomplete_groups,
         )
         for i, datum in enumerate(run_datums):
             datum.validate(self.trainer.vocab_size, f"runs[{i}]")
@@ -148,21 +156,43 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.ForwardResponse:
         assert self.trainer is not None
+        items: list[Datum | int] = []  # a datum, or the index of a run
+        runs: list[RunData] = []
+        async for request in request_iterator:
+            kind = request.WhichOneof("item")
+            if kind == "datum":
+                items.append(datum_from_pb(request.datum).validate(self.trainer.vocab_size, f"items[{len(items)}]"))
+            elif kind == "run":
+                items.append(len(runs))
+                runs.append(run_from_pb(request.run))
+            else:
+                raise invalid_field(f"items[{len(items)}]", "empty request")
+        if not items:
+            raise invalid_field("items", "the batch is empty")
+        run_datums, _ = runs_to_datums(runs)
+        datums = [run_datums[item] if isinstance(item, int) else item for item in items]
+        for i, datum in enumerate(datums):
+            datum.validate(self.trainer.vocab_size, f"items[{i}]")
+        logprobs = await self._run(self.trainer.logprobs, datums)
+        return pb.ForwardResponse(
+            results=[pb.TokenLogprobs(logprobs=lp, datum=datum_pb(d)) for lp, d in zip(logprobs, datums, strict=True)]
+        )
+
+    @rpc
+    async def Backward(
+        self, request_iterator: AsyncIterator[pb.BackwardRequest], context: grpc.aio.ServicerContext
+    ) -> pb.BackwardResponse:
+        assert self.trainer is not None
         datums: list[Datum] = []
         async for request in request_iterator:
-            item = request.WhichOneof("item")
-            field = f"items[{len(datums)}]"
-            if item == "datum":
-                datum = datum_from_pb(request.datum)
-            elif item == "run":
-                datum = run_to_datum(run_from_pb(request.run), 0.0, field)
-            else:
-                raise invalid_field(field, "empty request")
-            datums.append(datum.validate(self.trainer.vocab_size, field))
+            datum = datum_from_pb(request.datum)
+            datum.sampling_logprobs, datum.advantages = [], []  # only the weights count here
+            datums.append(datum.validate(self.trainer.vocab_size, f"datums[{len(datums)}]"))
         if not datums:
             raise invalid_field("items", "the batch is empty")
-        logprobs = await self._run(self.trainer.logprobs, datums)
-        return pb.ForwardResponse(results=[pb.TokenLogprobs(logprobs=lp) for lp in logprobs])
+        # -(weights * lp).sum() is exactly the cross_entropy loss with these weights.
+        metrics = await self._run(self.trainer.forward_backward, datums, "cross_entropy", {})
+        return pb.BackwardResponse(num_datums=len(datums), num_tokens=int(metrics["num_action_tokens"]))
 
     @rpc
     async def OptimStep(self, request: pb.OptimStepRequest, context: grpc.aio.ServicerContext) -> pb.OptimStepResponse:

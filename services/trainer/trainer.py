@@ -93,8 +93,8 @@ class Trainer:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def _logprobs_BT(self, batch: Sequence[Datum]) -> tuple[Any, Any]:
-        """Learner logprobs of each target token (B, T) and the validity mask."""
+    def _logprobs_BT(self, batch: Sequence[Datum], with_entropy: bool = False) -> tuple[Any, ...]:
+        """Learner logprobs of each target token (B, T), the validity mask, and optionally the entropy (B, T)."""
         import torch
 
         num_tokens = max(len(d.input_tokens) for d in batch)
@@ -108,8 +108,13 @@ class Trainer:
             mask_BT[i, :n] = 1
         device = self.config.device
         logits_BTV = self.model(input_ids=tokens_BT.to(device), attention_mask=mask_BT.to(device)).logits.float()
-        logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BT.to(device)[..., None])[..., 0]
-        return logprobs_BT, mask_BT.to(device).bool()
+        all_logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
+        logprobs_BT = all_logprobs_BTV.gather(-1, targets_BT.to(device)[..., None])[..., 0]
+        if not with_entropy:
+            return logprobs_BT, mask_BT.to(device).bool()
+        with torch.no_grad():
+            entropy_BT = -(all_logprobs_BTV.exp() * all_logprobs_BTV).sum(-1)
+        return logprobs_BT, mask_BT.to(device).bool(), entropy_BT
 
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Per-token learner logprobs of each datum (no gradient)."""
@@ -130,9 +135,9 @@ class Trainer:
         if not datums:
             raise invalid_field("items", "the batch is empty")
         device = self.config.device
-        totals = {"loss_sum": 0.0, "num_action_tokens": 0.0, "ratio_sum": 0.0, "kl_sum": 0.0, "clipped": 0.0}
+        totals = dict.fromkeys(("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "clipped", "entropy_sum"), 0.0)
         for batch in micro_batches(datums, self.config.micro_batch_tokens):
-            logprobs_BT, mask_BT = self._logprobs_BT(batch)
+            logprobs_BT, mask_BT, entropy_BT = self._logprobs_BT(batch, with_entropy=True)
             lp_N = logprobs_BT[mask_BT]
 
             def flat(name: str) -> Any:
@@ -148,6 +153,7 @@ class Trainer:
                 totals["num_action_tokens"] += float(action_N.sum())
                 totals["ratio_sum"] += float(ratio_N.sum())
                 totals["kl_sum"] += float((q_N - lp_N)[action_N].sum())
+                totals["entropy_sum"] += float(entropy_BT[mask_BT][action_N].sum())
                 if "clip_low_threshold" in knobs:
                     outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
                     totals["clipped"] += float(outside.sum())
@@ -159,6 +165,7 @@ class Trainer:
             "mean_ratio": totals["ratio_sum"] / num_action,
             "kl_sampler_learner": totals["kl_sum"] / num_action,
             "clip_fraction": totals["clipped"] / num_action,
+            "entropy": totals["entropy_sum"] / num_action,
         }
 
     def optim_step(self, adam: AdamConfig) -> float:

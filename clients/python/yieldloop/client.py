@@ -294,13 +294,24 @@ class Client:
         loss_fn_config: Mapping[str, float] | None = None,
         normalize_advantages_by_std: bool = False,
         drop_groups_without_signal: bool = False,
+        reward_scale: float = 1.0,
+        group_size: int = 0,
+        allow_incomplete_groups: bool = False,
     ) -> trainer_pb.ForwardBackwardResponse:
-        """Streams a config then runs and/or datums; gradients accumulate until optim_step."""
+        """Streams a config then runs and/or datums; gradients accumulate until optim_step.
+
+        Runs become datums with GRPO advantages (reward * reward_scale minus the group mean, optionally
+        divided by the group's std); with ``group_size`` a group of another size is refused unless
+        ``allow_incomplete_groups``.
+        """
         config = trainer_pb.ForwardBackwardConfig(
             loss_fn=loss_fn,
             loss_fn_config=dict(loss_fn_config or {}),
             normalize_advantages_by_std=normalize_advantages_by_std,
             drop_groups_without_signal=drop_groups_without_signal,
+            reward_scale=reward_scale,
+            group_size=group_size,
+            allow_incomplete_groups=allow_incomplete_groups,
         )
 
         def requests() -> Iterable[trainer_pb.ForwardBackwardRequest]:
@@ -312,10 +323,10 @@ class Client:
 
         return await _unary(self.trainer_stub.ForwardBackward, requests(), self.timeout)
 
-    async def forward(
+    async def forward_scored(
         self, *, runs: Iterable[common_pb.Run] = (), datums: Iterable[common_pb.Datum] = ()
-    ) -> list[list[float]]:
-        """The learner's per-target-token logprobs for each run, then each datum (no gradient)."""
+    ) -> list[trainer_pb.TokenLogprobs]:
+        """For each run, then each datum: the datum scored and the learner's logprob of each target (no gradient)."""
 
         def requests() -> Iterable[trainer_pb.ForwardRequest]:
             for run in runs:
@@ -323,8 +334,50 @@ class Client:
             for datum in datums:
                 yield trainer_pb.ForwardRequest(datum=datum)
 
-        response = await _unary(self.trainer_stub.Forward, requests(), self.timeout)
-        return [list(result.logprobs) for result in response.results]
+        return list((await _unary(self.trainer_stub.Forward, requests(), self.timeout)).results)
+
+    async def forward(
+        self, *, runs: Iterable[common_pb.Run] = (), datums: Iterable[common_pb.Datum] = ()
+    ) -> list[list[float]]:
+        """The learner's per-target-token logprobs for each run, then each datum (no gradient)."""
+        return [list(result.logprobs) for result in await self.forward_scored(runs=runs, datums=datums)]
+
+    async def backward(self, datums: Iterable[common_pb.Datum]) -> trainer_pb.BackwardResponse:
+        """Accumulates the gradient of -(weights * logprob).sum() for datums whose weights are -d loss / d logprob."""
+        requests = (trainer_pb.BackwardRequest(datum=d) for d in datums)
+        return await _unary(self.trainer_stub.Backward, requests, self.timeout)
+
+    async def forward_backward_custom(
+        self,
+        loss_fn: Any,
+        *,
+        runs: Iterable[common_pb.Run] = (),
+        datums: Iterable[common_pb.Datum] = (),
+    ) -> tuple[float, dict[str, float]]:
+        """Trains on any loss that depends on the weights only through the logprobs.
+
+        ``loss_fn(datums, logprobs)`` gets the scored datums (runs carry their group-centred advantages) and one
+        float64 tensor of learner logprobs per datum, and returns a scalar tensor, or ``(tensor, metrics)``.
+        The client differentiates it with autograd and sends ``weights = -d loss / d logprob`` to Backward, so
+        the gradient applied equals the custom loss's. Returns the loss value and the metrics.
+        """
+        import torch  # only this method needs it
+
+        scored = await self.forward_scored(runs=runs, datums=datums)
+        logprobs = [torch.tensor(list(s.logprobs), dtype=torch.float64, requires_grad=True) for s in scored]
+        result = loss_fn([s.datum for s in scored], logprobs)
+        loss, metrics = result if isinstance(result, tuple) else (result, {})
+        loss.backward()
+        backward = [
+            common_pb.Datum(
+                input_tokens=s.datum.input_tokens,
+                target_tokens=s.datum.target_tokens,
+                weights=(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).tolist(),
+            )
+            for s, lp in zip(scored, logprobs, strict=True)
+        ]
+        await self.backward(backward)
+        return float(loss.detach()), dict(metrics)
 
     async def optim_step(
         self, learning_rate: float, *, set_head: bool = True, metadata_json: str = "", **adam: float

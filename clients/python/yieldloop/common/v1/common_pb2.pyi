@@ -48,6 +48,11 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WEIGHTS_NOT_LOADED: _ClassVar[ErrorReason]
     NOT_IMPLEMENTED: _ClassVar[ErrorReason]
     INTERNAL: _ClassVar[ErrorReason]
+    TOOL_ARGS_INVALID: _ClassVar[ErrorReason]
+    WORKER_DIED: _ClassVar[ErrorReason]
+    EPISODE_DEADLINE: _ClassVar[ErrorReason]
+    TOOL_DEADLINE: _ClassVar[ErrorReason]
+    GROUP_INCOMPLETE: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -81,6 +86,11 @@ TOKEN_OUT_OF_VOCAB: ErrorReason
 WEIGHTS_NOT_LOADED: ErrorReason
 NOT_IMPLEMENTED: ErrorReason
 INTERNAL: ErrorReason
+TOOL_ARGS_INVALID: ErrorReason
+WORKER_DIED: ErrorReason
+EPISODE_DEADLINE: ErrorReason
+TOOL_DEADLINE: ErrorReason
+GROUP_INCOMPLETE: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

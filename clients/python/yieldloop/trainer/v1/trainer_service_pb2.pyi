@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardBackwardConfig(_message.Message):
-    __slots__ = ("loss_fn", "loss_fn_config", "normalize_advantages_by_std", "drop_groups_without_signal")
+    __slots__ = ("loss_fn", "loss_fn_config", "normalize_advantages_by_std", "drop_groups_without_signal", "reward_scale", "group_size", "allow_incomplete_groups")
     class LossFnConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -20,11 +20,17 @@ class ForwardBackwardConfig(_message.Message):
     LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_ADVANTAGES_BY_STD_FIELD_NUMBER: _ClassVar[int]
     DROP_GROUPS_WITHOUT_SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_INCOMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     loss_fn: str
     loss_fn_config: _containers.ScalarMap[str, float]
     normalize_advantages_by_std: bool
     drop_groups_without_signal: bool
-    def __init__(self, loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., normalize_advantages_by_std: _Optional[bool] = ..., drop_groups_without_signal: _Optional[bool] = ...) -> None: ...
+    reward_scale: float
+    group_size: int
+    allow_incomplete_groups: bool
+    def __init__(self, loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., normalize_advantages_by_std: _Optional[bool] = ..., drop_groups_without_signal: _Optional[bool] = ..., reward_scale: _Optional[float] = ..., group_size: _Optional[int] = ..., allow_incomplete_groups: _Optional[bool] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("config", "datum", "run", "trace_id")
@@ -70,16 +76,32 @@ class ForwardRequest(_message.Message):
     def __init__(self, datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ..., run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
-    __slots__ = ("logprobs",)
+    __slots__ = ("logprobs", "datum")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DATUM_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    datum: _common_pb2.Datum
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(self, results: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("datum",)
+    DATUM_FIELD_NUMBER: _ClassVar[int]
+    datum: _common_pb2.Datum
+    def __init__(self, datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ...) -> None: ...
+
+class BackwardResponse(_message.Message):
+    __slots__ = ("num_datums", "num_tokens")
+    NUM_DATUMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_datums: int
+    num_tokens: int
+    def __init__(self, num_datums: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class AdamParams(_message.Message):
     __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")

@@ -46,6 +46,11 @@ class TrainerServiceStub:
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.Backward = channel.stream_unary(
+                '/yieldloop.trainer.v1.TrainerService/Backward',
+                request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.BackwardRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.BackwardResponse.FromString,
+                _registered_method=True)
         self.OptimStep = channel.unary_unary(
                 '/yieldloop.trainer.v1.TrainerService/OptimStep',
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.OptimStepRequest.SerializeToString,
@@ -73,7 +78,7 @@ class TrainerServiceServicer:
         are turned into datums with GRPO group-centred advantages.
         Returns: OK with metrics; INVALID_ARGUMENT (DATUM_INVALID, LOSS_UNKNOWN,
         TOKEN_OUT_OF_VOCAB, INVALID_FIELD: the first message is not a config, a
-        knob is unknown, the batch is empty); UNIMPLEMENTED (NOT_IMPLEMENTED) for trace ids.
+        knob is unknown, the batch is empty; GROUP_INCOMPLETE); UNIMPLEMENTED (NOT_IMPLEMENTED) for trace ids.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,6 +90,17 @@ class TrainerServiceServicer:
         custom losses and of sampler/trainer consistency checks.
         Returns: OK; INVALID_ARGUMENT (DATUM_INVALID, TOKEN_OUT_OF_VOCAB, INVALID_FIELD
         for an empty batch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Backward(self, request_iterator, context):
+        """Custom losses, second half: client stream of datums whose `weights` are
+        -d loss / d logprob (from the client's autograd over Forward's logprobs);
+        accumulates the gradient of -(weights * logprob).sum(), which equals the
+        custom loss's gradient. Returns: OK; INVALID_ARGUMENT (DATUM_INVALID,
+        TOKEN_OUT_OF_VOCAB, INVALID_FIELD for an empty batch).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,6 +146,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardRequest.FromString,
                     response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardResponse.SerializeToString,
+            ),
+            'Backward': grpc.stream_unary_rpc_method_handler(
+                    servicer.Backward,
+                    request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.BackwardRequest.FromString,
+                    response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.BackwardResponse.SerializeToString,
             ),
             'OptimStep': grpc.unary_unary_rpc_method_handler(
                     servicer.OptimStep,
@@ -203,6 +224,33 @@ class TrainerService:
             '/yieldloop.trainer.v1.TrainerService/Forward',
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardRequest.SerializeToString,
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Backward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/yieldloop.trainer.v1.TrainerService/Backward',
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.BackwardRequest.SerializeToString,
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.BackwardResponse.FromString,
             options,
             channel_credentials,
             insecure,
