@@ -79,6 +79,11 @@ async def test_set_head_to_missing_checkpoint_is_not_found(client: Client) -> No
         (lambda c: c.forward_backward(datums=[]), errors.InvalidArgumentError, "INVALID_FIELD"),
         (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2], advantages=[float("nan")])]), errors.InvalidArgumentError, "DATUM_INVALID"),
         (lambda c: c.optim_step(1e-3), errors.FailedPreconditionError, "NO_GRADIENTS"),
+        (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2])], loss_fn="ppo",
+                                      loss_fn_config={"beta": 0.1}), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.forward_backward(runs=[common_pb.Run(group_id="g", reward=1.0, turns=[common_pb.Turn(
+            prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-1.0])])], group_size=4),
+         errors.InvalidArgumentError, "GROUP_INCOMPLETE"),
         (lambda c: c.get_head("../etc"), errors.InvalidArgumentError, "INVALID_FIELD"),
         (lambda c: c.get_head("missing-model"), errors.NotFoundError, "MODEL_NOT_FOUND"),
         (lambda c: c.set_head("tiny", "base", expected_checkpoint_id="not-the-head"), errors.AbortedError, "HEAD_CONFLICT"),
@@ -86,7 +91,8 @@ async def test_set_head_to_missing_checkpoint_is_not_found(client: Client) -> No
     ],
     ids=[
         "token-out-of-vocab", "max-tokens-zero", "negative-temperature", "prompt-too-long", "unknown-model",
-        "unknown-loss", "empty-batch", "nan-advantage", "step-without-gradients", "slug-with-dots",
+        "unknown-loss", "empty-batch", "nan-advantage", "step-without-gradients", "unknown-knob", "incomplete-group",
+        "slug-with-dots",
         "missing-model", "lost-head-race", "empty-fork-name",
     ],
 )

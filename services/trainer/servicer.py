@@ -208,6 +208,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         )
         grad_norm = await self._run(self.trainer.optim_step, config)
         step = self.trainer.step
+        if request.skip_checkpoint:
+            return pb.OptimStepResponse(step=step, grad_norm=grad_norm)
         checkpoint_id = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
         scratch = pathlib.Path(tempfile.mkdtemp(dir=self.work_dir, prefix=".save-"))
         try:

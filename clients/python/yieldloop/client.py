@@ -380,13 +380,20 @@ class Client:
         return float(loss.detach()), dict(metrics)
 
     async def optim_step(
-        self, learning_rate: float, *, set_head: bool = True, metadata_json: str = "", **adam: float
+        self,
+        learning_rate: float,
+        *,
+        set_head: bool = True,
+        metadata_json: str = "",
+        skip_checkpoint: bool = False,
+        **adam: float,
     ) -> trainer_pb.OptimStepResponse:
         """AdamW step (beta1, beta2, eps, weight_decay, max_grad_norm as keywords) and checkpoint commit."""
         request = trainer_pb.OptimStepRequest(
             adam=trainer_pb.AdamParams(learning_rate=learning_rate, **adam),
             set_head=set_head,
             metadata_json=metadata_json,
+            skip_checkpoint=skip_checkpoint,
         )
         return await _unary(self.trainer_stub.OptimStep, request, self.timeout)
 

@@ -1,0 +1,173 @@
+"""Trainer step through TrainerService versus a bare torch loop: same model, batch and loss, same run.
+
+A Qwen2 model is built locally (random weights, ``--hidden``/``--layers``), published as the base checkpoint
+of a fresh filesystem store, and trained two ways, alternating step by step:
+
+- ``bare``: forward, the loss, backward and AdamW in plain torch (``yieldloop.services.trainer.losses``);
+- ``service``: ``ForwardBackward`` (datums streamed over gRPC) + ``OptimStep`` through the real client and a
+  TrainerService in this process (its own worker thread), without and with the checkpoint commit.
+
+Usage: ``python loadtest/trainerbench.py [--steps 8] [--batch 32] [--tokens 128] [--device cpu|cuda] [--out r.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import random
+import statistics
+import tempfile
+import time
+
+
+def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: int = 0, seed: int = 0) -> pathlib.Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from yieldloop.services.common.tiny_model import TinyModelConfig, train_tokenizer
+
+    tokenizer = train_tokenizer(TinyModelConfig())
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 3, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
+        max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_batch(num_datums: int, num_tokens: int, vocab_size: int, seed: int = 0) -> list:
+    from yieldloop.services.trainer.datums import Datum
+
+    rng = random.Random(seed)
+    datums = []
+    for _ in range(num_datums):
+        tokens = [rng.randrange(vocab_size) for _ in range(num_tokens + 1)]
+        prompt = num_tokens // 4
+        datums.append(Datum(
+            tokens[:-1], tokens[1:], [-rng.uniform(4, 7) for _ in range(num_tokens)],
+            [0.0] * prompt + [rng.uniform(-1, 1) for _ in range(num_tokens - prompt)], [0.0] * num_tokens,
+        ))
+    return datums
+
+
+def bare_step(model, optimizer, datums, device: str) -> float:
+    """The same work as the service's step, with nothing around it."""
+    import torch
+
+    from yieldloop.services.trainer.losses import importance_sampling
+
+    started = time.perf_counter()
+    tokens = torch.tensor([d.input_tokens for d in datums], device=device)
+    targets = torch.tensor([d.target_tokens for d in datums], device=device)
+    logits = model(input_ids=tokens).logits.float()
+    lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].flatten()
+    q = torch.tensor([v for d in datums for v in d.sampling_logprobs], device=device)
+    A = torch.tensor([v for d in datums for v in d.advantages], device=device)
+    importance_sampling(lp, q, A, None).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    import torch
+
+    from yieldloop.client import Client
+    from yieldloop.common.v1 import common_pb2 as common_pb
+    from yieldloop.services.checkpoint import server as checkpoint_server
+    from yieldloop.services.checkpoint.files import upload_folder
+    from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
+    from yieldloop.services.common.hf import load_causal_lm
+    from yieldloop.services.store import open_store
+    from yieldloop.services.trainer import server as trainer_server
+    from yieldloop.services.trainer.trainer import TrainerConfig
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="yl-trainerbench-"))
+    folder = build_model(root / "model", args.hidden, args.layers, args.intermediate)
+    store = open_store(str(root / "store"))
+    registry = CheckpointRegistry(store)
+    registry.create_model(ModelInfo(slug="bench", base="bench"))
+    registry.commit(Manifest("bench", "base", upload_folder(store, "bench", "base", folder)), set_head=True)
+    checkpoints = checkpoint_server.build(store)
+    address = await checkpoints.start()
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    config = TrainerConfig(device=args.device, dtype=dtype, micro_batch_tokens=args.batch * args.tokens)
+    server, servicer = await trainer_server.build("bench", store, address, root / "trainer", config)
+    client = Client(trainer=await server.start(), checkpoint=address, timeout=600)
+
+    model, _ = load_causal_lm(folder, dtype, args.device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    num_params = sum(p.numel() for p in model.parameters())
+    datums = make_batch(args.batch, args.tokens, model.config.vocab_size)
+    messages = [common_pb.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
+                                sampling_logprobs=d.sampling_logprobs, advantages=d.advantages) for d in datums]
+
+    async def service_step(checkpoint: bool) -> float:
+        started = time.perf_counter()
+        await client.forward_backward(datums=messages, loss_fn="importance_sampling")
+        await client.optim_step(1e-5, set_head=checkpoint, skip_checkpoint=not checkpoint)
+        return time.perf_counter() - started
+
+    times: dict[str, list[float]] = {"bare": [], "service": [], "service_with_checkpoint": []}
+    for i in range(args.warmup + args.steps):  # interleaved, so machine noise hits all three alike
+        bare = bare_step(model, optimizer, datums, args.device)
+        plain = await service_step(False)
+        full = await service_step(True)
+        if i >= args.warmup:
+            times["bare"].append(bare)
+            times["service"].append(plain)
+            times["service_with_checkpoint"].append(full)
+    await client.close()
+    await server.stop(1.0)
+    await servicer.close()
+    await checkpoints.stop(1.0)
+
+    median = {k: statistics.median(v) for k, v in times.items()}
+    tokens = args.batch * args.tokens
+    result = {
+        "device": args.device, "dtype": dtype, "params": num_params, "batch": args.batch, "tokens_per_datum": args.tokens,
+        "steps": args.steps,
+        "median_step_s": {k: round(v, 4) for k, v in median.items()},
+        "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
+        "service_vs_bare": round(median["service"] / median["bare"], 3),
+        "service_with_checkpoint_vs_bare": round(median["service_with_checkpoint"] / median["bare"], 3),
+    }
+    if args.device.startswith("cuda"):
+        flops = 6 * num_params * tokens  # forward + backward, dense matmuls
+        peak = args.peak_tflops * 1e12
+        result["mfu"] = {k: round(flops / v / peak, 3) for k, v in median.items()}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=0, help="MLP width (default 3 x hidden)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H100 SXM: 989)")
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args()
+    from yieldloop.cli import quiet_libraries
+
+    quiet_libraries()
+    result = asyncio.run(bench(args))
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
