@@ -37,6 +37,8 @@ class ServeOptions:
     device: str = "cpu"
     trainer_dtype: str = "auto"
     """Trainer weights dtype; "auto" is bfloat16 on CUDA and float32 elsewhere."""
+    nproc: int = 1
+    """Trainer ranks (data parallel: gloo on CPU, NCCL on CUDA, one GPU per rank)."""
     ready_file: pathlib.Path | None = None
     """Where to write the bound address once serving."""
     grace_s: float = 5.0
@@ -46,7 +48,7 @@ class ServeOptions:
         args = [
             "serve", self.service, "--host", self.host, "--port", str(self.port), "--data-dir", str(self.data_dir),
             "--model", self.model, "--engine", self.engine, "--device", self.device,
-            "--trainer-dtype", self.trainer_dtype,
+            "--trainer-dtype", self.trainer_dtype, "--nproc", str(self.nproc),
         ]
         args += ["--env-workers", str(self.env_workers), "--max-message-bytes", str(self.max_message_bytes)]
         for flag, value in (("--store", self.store), ("--checkpoint-address", self.checkpoint_address),
@@ -91,7 +93,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             dtype = "bfloat16" if opts.device.startswith("cuda") else "float32"
         server, servicer = await build(
             opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=dtype),
-            opts.host, opts.port,
+            opts.host, opts.port, opts.nproc,
         )
 
         async def stop(grace: float) -> None:

@@ -22,10 +22,11 @@ async def build(
     config: TrainerConfig = TrainerConfig(),
     host: str = "127.0.0.1",
     port: int = 0,
+    nproc: int = 1,
 ) -> tuple[GrpcServer, TrainerServicer]:
-    """A TrainerService server with the model's head loaded (not started)."""
+    """A TrainerService server with the model's head loaded (not started); ``nproc`` > 1 trains data-parallel."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    servicer = TrainerServicer(model, store, Client(checkpoint=checkpoint_address), work_dir, config)
+    servicer = TrainerServicer(model, store, Client(checkpoint=checkpoint_address), work_dir, config, nproc)
     await servicer.load_head()
     server = GrpcServer(host, port)
     server.add(pb_grpc.add_TrainerServiceServicer_to_server, servicer, SERVICE_NAME)

@@ -67,14 +67,21 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     """
 
     def __init__(
-        self, model: str, store: ObjectStore, checkpoints: Client, work_dir: pathlib.Path, config: TrainerConfig
+        self,
+        model: str,
+        store: ObjectStore,
+        checkpoints: Client,
+        work_dir: pathlib.Path,
+        config: TrainerConfig,
+        nproc: int = 1,
     ) -> None:
         self.model = model
         self.store = store
         self.checkpoints = checkpoints
         self.work_dir = work_dir
         self.config = config
-        self.trainer: Trainer | None = None
+        self.nproc = nproc
+        self.trainer: Trainer | Any | None = None
         self.checkpoint_id = ""
         # One thread owns the weights, so calls apply in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
@@ -89,10 +96,17 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         folder = await asyncio.to_thread(
             download_verified, self.store, manifest, self.work_dir / "cache" / self.model / manifest.checkpoint_id
         )
-        self.trainer = await self._run(Trainer, folder, self.config)
+        if self.nproc > 1:  # data parallel: rank 0 here, the other ranks in spawned processes
+            from yieldloop.services.trainer.distributed import DistributedTrainer
+
+            self.trainer = await self._run(DistributedTrainer, folder, self.config, self.nproc)
+        else:
+            self.trainer = await self._run(Trainer, folder, self.config)
         self.checkpoint_id = manifest.checkpoint_id
 
     async def close(self) -> None:
+        if self.trainer is not None and hasattr(self.trainer, "close"):
+            await self._run(self.trainer.close)
         self._executor.shutdown(wait=True)
 
     @rpc

@@ -27,7 +27,7 @@ class TrainerConfig:
     device: str = "cpu"
     """torch device for the weights."""
     dtype: str = "float32"
-    """Training dtype: float32 on CPU, bfloat16 on GPU."""
+    """Training dtype: float32 on CPU, bfloat16 on GPU (float64 for exact comparisons in tests)."""
     micro_batch_tokens: int = 8192
     """Padded tokens per forward/backward micro-batch (bounds activation memory)."""
 
@@ -107,7 +107,9 @@ class Trainer:
             targets_BT[i, :n] = torch.tensor(datum.target_tokens)
             mask_BT[i, :n] = 1
         device = self.config.device
-        logits_BTV = self.model(input_ids=tokens_BT.to(device), attention_mask=mask_BT.to(device)).logits.float()
+        logits_BTV = self.model(input_ids=tokens_BT.to(device), attention_mask=mask_BT.to(device)).logits
+        if logits_BTV.dtype != torch.float64:  # bf16/fp32 models: the softmax in fp32; fp64 stays fp64
+            logits_BTV = logits_BTV.float()
         all_logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
         logprobs_BT = all_logprobs_BTV.gather(-1, targets_BT.to(device)[..., None])[..., 0]
         if not with_entropy:
@@ -129,13 +131,21 @@ class Trainer:
 
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]) -> dict[str, float]:
         """Accumulates the gradient of the summed loss over ``datums``; returns metrics."""
+        if not datums:
+            raise invalid_field("items", "the batch is empty")
+        totals = self.forward_backward_totals(datums, loss_fn, loss_config)
+        self.num_pending_datums += len(datums)
+        return metrics_from_totals(totals)
+
+    def forward_backward_totals(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
+    ) -> dict[str, float]:
+        """Accumulates gradients; returns additive totals (so shards on several ranks can be summed)."""
         import torch
 
         spec, knobs = losses.resolve(loss_fn, loss_config)
-        if not datums:
-            raise invalid_field("items", "the batch is empty")
         device = self.config.device
-        totals = dict.fromkeys(("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "clipped", "entropy_sum"), 0.0)
+        totals = zero_totals()
         for batch in micro_batches(datums, self.config.micro_batch_tokens):
             logprobs_BT, mask_BT, entropy_BT = self._logprobs_BT(batch, with_entropy=True)
             lp_N = logprobs_BT[mask_BT]
@@ -157,24 +167,19 @@ class Trainer:
                 if "clip_low_threshold" in knobs:
                     outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
                     totals["clipped"] += float(outside.sum())
-        self.num_pending_datums += len(datums)
-        num_action = max(totals["num_action_tokens"], 1.0)
-        return {
-            "loss_sum": totals["loss_sum"],
-            "num_action_tokens": totals["num_action_tokens"],
-            "mean_ratio": totals["ratio_sum"] / num_action,
-            "kl_sampler_learner": totals["kl_sum"] / num_action,
-            "clip_fraction": totals["clipped"] / num_action,
-            "entropy": totals["entropy_sum"] / num_action,
-        }
+        return totals
 
     def optim_step(self, adam: AdamConfig) -> float:
         """Applies the accumulated gradients; returns the global grad norm (before clipping)."""
-        import torch
-
         adam.validate()
         if self.num_pending_datums == 0:
             raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
+        return self.apply_step(adam)
+
+    def apply_step(self, adam: AdamConfig) -> float:
+        """The AdamW step itself (no precondition checks; data-parallel ranks call it in lockstep)."""
+        import torch
+
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = adam.max_grad_norm if adam.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -196,3 +201,20 @@ class Trainer:
         torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         (folder / STATE_FILE).write_text(json.dumps({"step": self.step}))
         return folder
+
+
+def metrics_from_totals(totals: dict[str, float]) -> dict[str, float]:
+    """Per-call metrics from the additive totals of :meth:`Trainer.forward_backward_totals`."""
+    num_action = max(totals["num_action_tokens"], 1.0)
+    return {
+        "loss_sum": totals["loss_sum"],
+        "num_action_tokens": totals["num_action_tokens"],
+        "mean_ratio": totals["ratio_sum"] / num_action,
+        "kl_sampler_learner": totals["kl_sum"] / num_action,
+        "clip_fraction": totals["clipped"] / num_action,
+        "entropy": totals["entropy_sum"] / num_action,
+    }
+
+
+def zero_totals() -> dict[str, float]:
+    return dict.fromkeys(("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "clipped", "entropy_sum"), 0.0)

@@ -43,6 +43,8 @@ def _add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help="EnvService worker processes running environment code (0: in-process; default 2)")
     parser.add_argument("--engine", default="torch", help="rollout engine (default: torch)")
     parser.add_argument("--device", default="cpu", help="torch device for trainer and engine (default: cpu)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="trainer ranks, data parallel (gloo on CPU, NCCL on CUDA; default 1)")
     parser.add_argument("--trainer-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -117,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine=args.engine,
         device=args.device,
         trainer_dtype=args.trainer_dtype,
+        nproc=args.nproc,
         ready_file=args.ready_file,
     )
     _run(serve(options))

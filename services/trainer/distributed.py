@@ -1,0 +1,186 @@
+"""Data-parallel training over torch.distributed: gloo on CPU, NCCL on GPU.
+
+Rank 0 is the TrainerService process; ranks 1..N-1 are spawned worker
+processes holding the same weights. Every trainer call on rank 0 is broadcast
+to all ranks over a gloo control group; each rank runs the forward/backward of
+its shard (``datums[rank::world_size]``); at ``optim_step`` the accumulated
+gradients are summed with one flat all-reduce and every rank applies the same
+AdamW step, so the weights stay identical. The loss is a plain sum over tokens
+and datums, so the summed shard gradients equal the single-process gradient of
+the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from yieldloop.errors import FailedPreconditionError, invalid_field
+from yieldloop.services.trainer import losses
+from yieldloop.services.trainer.datums import Datum
+from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig, metrics_from_totals, zero_totals
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass
+class _Groups:
+    control: Any
+    """gloo group for commands and metrics (works whatever the device)."""
+    rank: int
+    world_size: int
+
+
+def _init(rank: int, world_size: int, address: str, port: int, config: TrainerConfig) -> _Groups:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return _Groups(dist.new_group(backend="gloo"), rank, world_size)
+
+
+def _device_for(config: TrainerConfig, rank: int) -> TrainerConfig:
+    return dataclasses.replace(config, device=f"cuda:{rank}") if config.device.startswith("cuda") else config
+
+
+def _forward_backward(trainer: Trainer, groups: _Groups, datums: list[Datum], loss_fn: str, config: dict) -> dict:
+    import torch.distributed as dist
+
+    shard = datums[groups.rank :: groups.world_size]
+    totals = trainer.forward_backward_totals(shard, loss_fn, config) if shard else zero_totals()
+    gathered: list[Any] = [None] * groups.world_size
+    dist.all_gather_object(gathered, totals, group=groups.control)
+    return {key: sum(t[key] for t in gathered) for key in totals}
+
+
+def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig) -> float:
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    params = list(trainer.model.parameters())
+    for param in params:
+        if param.grad is None:  # a rank whose shards were empty still joins the sum
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(reduced)
+    return trainer.apply_step(adam)
+
+
+def worker_main(rank: int, world_size: int, folder: str, config: TrainerConfig, address: str, port: int) -> None:
+    """Ranks 1..N-1: load the weights, then follow rank 0's commands until told to stop."""
+    import torch.distributed as dist
+
+    groups = _init(rank, world_size, address, port, config)
+    trainer = Trainer(pathlib.Path(folder), _device_for(config, rank))
+    while True:
+        command: list[Any] = [None]
+        dist.broadcast_object_list(command, src=0, group=groups.control)
+        op, *args = command[0]
+        if op == "forward_backward":
+            _forward_backward(trainer, groups, *args)
+        elif op == "optim_step":
+            _optim_step(trainer, groups, *args)
+        elif op == "stop":
+            break
+    dist.destroy_process_group()
+
+
+class DistributedTrainer:
+    """Rank 0's trainer: the :class:`Trainer` interface, every call run on all ranks.
+
+    Args:
+        folder: HF checkpoint folder every rank loads (a shared filesystem on one machine).
+        config: Device and dtype; on CUDA rank r uses ``cuda:r``.
+        world_size: Number of ranks (>= 2).
+    """
+
+    def __init__(self, folder: pathlib.Path, config: TrainerConfig, world_size: int) -> None:
+        import torch.multiprocessing as mp
+
+        if world_size < 2:
+            raise ValueError("a distributed trainer needs world_size >= 2")
+        self.world_size = world_size
+        address, port = "127.0.0.1", free_port()
+        context = mp.get_context("spawn")
+        self._workers = [
+            context.Process(target=worker_main, args=(rank, world_size, str(folder), config, address, port), daemon=True)
+            for rank in range(1, world_size)
+        ]
+        for worker in self._workers:
+            worker.start()
+        self._groups = _init(0, world_size, address, port, config)
+        self.local = Trainer(folder, _device_for(config, 0))
+        self.num_pending_datums = 0
+
+    # The Trainer interface -------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.local.step
+
+    @property
+    def vocab_size(self) -> int:
+        return self.local.vocab_size
+
+    @property
+    def model(self) -> Any:
+        return self.local.model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.local.optimizer
+
+    def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
+        return self.local.logprobs(datums)  # the weights are the same on every rank
+
+    def save(self, folder: pathlib.Path) -> pathlib.Path:
+        return self.local.save(folder)
+
+    def _broadcast(self, *command: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([command], src=0, group=self._groups.control)
+
+    def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]) -> dict[str, float]:
+        losses.resolve(loss_fn, loss_config)  # fail here, before any rank starts
+        if not datums:
+            raise invalid_field("items", "the batch is empty")
+        datums = list(datums)
+        self._broadcast("forward_backward", datums, loss_fn, dict(loss_config))
+        totals = _forward_backward(self.local, self._groups, datums, loss_fn, dict(loss_config))
+        self.num_pending_datums += len(datums)
+        return metrics_from_totals(totals)
+
+    def optim_step(self, adam: AdamConfig) -> float:
+        adam.validate()
+        if self.num_pending_datums == 0:
+            raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
+        self._broadcast("optim_step", adam)
+        grad_norm = _optim_step(self.local, self._groups, adam)
+        self.num_pending_datums = 0
+        return grad_norm
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self._broadcast("stop")
+        dist.destroy_process_group()
+        for worker in self._workers:
+            worker.join(30)
