@@ -91,3 +91,35 @@ async def test_corrupt_checkpoint_is_refused_and_old_weights_keep_serving(client
     await client.set_head(MODEL, good.checkpoint_id)
     info = await client.get_serving_info(wait_for_checkpoint_id=good.checkpoint_id, timeout=60)
     assert info.weight_version == good.checkpoint_id
+
+
+async def test_runs_are_persisted_and_trainable_by_trace_id(client: Client) -> None:
+    from yieldloop import errors
+
+    runs = [run async for run in client.stream_rollouts(tasks("m"), group_size=3, job_id="trace-test")]
+    assert all(run.trace_id for run in runs)
+    stored = await client.get_runs([run.trace_id for run in runs])
+    assert [r.SerializeToString() for r in stored] == [r.SerializeToString() for r in runs]
+    # Runs and trace ids are interchangeable for training: the same batch gives the same loss.
+    by_id = await client.forward_backward(runs=[run.trace_id for run in runs])
+    inline = await client.forward_backward(runs=runs)
+    assert by_id.loss_sum == pytest.approx(inline.loss_sum) and by_id.num_datums == inline.num_datums == 3
+    step = await client.optim_step(1e-4)
+    await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, timeout=60)
+    with pytest.raises(errors.NotFoundError) as err:
+        await client.get_runs(["0" * 32])
+    assert err.value.reason == "TRACE_NOT_FOUND"
+    with pytest.raises(errors.InvalidArgumentError):
+        await client.forward_backward(runs=["../etc/passwd"])
+
+
+async def test_train_step_with_substeps(client: Client) -> None:
+    before = await client.get_trainer_info()
+    runs = [run async for run in client.stream_rollouts(tasks("pq"), group_size=2)]
+    step, metrics = await client.train_step(runs, 1e-4, num_substeps=2)
+    assert [m.num_datums for m in metrics] == [2, 2], "each substep trains whole groups"
+    assert step.step == before.step + 2
+    head = await client.get_head(MODEL)
+    assert head.checkpoint_id == step.checkpoint.checkpoint_id
+    assert (await client.get_checkpoint(MODEL, step.checkpoint.checkpoint_id)).step == before.step + 2
+    await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, timeout=60)

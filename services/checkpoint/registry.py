@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import time
 from collections.abc import AsyncIterator
 
@@ -27,16 +26,9 @@ from yieldloop.errors import (
     invalid_field,
 )
 from yieldloop.services.store import ObjectNotFound, ObjectStore, PreconditionFailed
+from yieldloop.services.store.base import check_name
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MANIFEST = "manifest.json"
-
-
-def check_name(value: str, field: str) -> str:
-    """Validates a model slug or checkpoint id (no separators, no ``..``, 1-128 chars)."""
-    if not _NAME.match(value) or ".." in value:
-        raise invalid_field(field, f"{field} {value!r} must match {_NAME.pattern} and not contain '..'")
-    return value
 
 
 @dataclasses.dataclass

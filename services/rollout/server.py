@@ -13,6 +13,7 @@ from yieldloop.services.rollout.engines import create_engine
 from yieldloop.services.rollout.servicer import RolloutServicer
 from yieldloop.services.rollout.weights import WeightFollower
 from yieldloop.services.store import ObjectStore
+from yieldloop.services.store.traces import TraceStore
 
 SERVICE_NAME = "yieldloop.rollout.v1.RolloutService"
 
@@ -47,7 +48,7 @@ class RolloutServer:
         self.grpc = GrpcServer(host, port)
         self.grpc.add(
             pb_grpc.add_RolloutServiceServicer_to_server,
-            RolloutServicer(model, self.engine, self.follower, self.clients),
+            RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store)),
             SERVICE_NAME,
         )
         self._follow_task: asyncio.Task | None = None

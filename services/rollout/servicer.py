@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 
 from yieldloop.client import Client
-from yieldloop.errors import NotFoundError, UnimplementedError, invalid_field
+from yieldloop.errors import NotFoundError, invalid_field
 from yieldloop.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.services.common.grpc_server import rpc
 from yieldloop.services.rollout.engines import Engine, SamplingConfig
 from yieldloop.services.rollout.rollouts import STOP_REASONS, stream_rollouts
 from yieldloop.services.rollout.weights import WeightFollower
+from yieldloop.services.store.traces import TraceStore
 
 
 def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
@@ -30,11 +32,12 @@ def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
     """Serves one model with ``engine``; episodes run against EnvService through ``env``."""
 
-    def __init__(self, model: str, engine: Engine, follower: WeightFollower, env: Client) -> None:
+    def __init__(self, model: str, engine: Engine, follower: WeightFollower, env: Client, traces: TraceStore) -> None:
         self.model = model
         self.engine = engine
         self.follower = follower
         self.env = env
+        self.traces = traces
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
@@ -90,11 +93,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             sampling=sampling_from_pb(request.sampling),
             model=self.model,
         ):
+            # Persisted before it is streamed: a run the client saw always has its trace.
+            await asyncio.to_thread(self.traces.put, run, request.job_id or "default")
             yield pb.StreamRolloutsResponse(run=run)
 
     @rpc
     async def GetRuns(self, request: pb.GetRunsRequest, context: grpc.aio.ServicerContext) -> pb.GetRunsResponse:
-        raise UnimplementedError("this rollout server has no trace store configured", reason="NOT_IMPLEMENTED")
+        runs = [await asyncio.to_thread(self.traces.get, trace_id) for trace_id in request.trace_ids]
+        return pb.GetRunsResponse(runs=runs)
 
     @rpc
     async def GetServingInfo(

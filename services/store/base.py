@@ -14,7 +14,10 @@ import pathlib
 import re
 from collections.abc import Iterator
 
+from yieldloop.errors import invalid_field
+
 _KEY_PART = re.compile(r"^[A-Za-z0-9._=+-]+$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class ObjectNotFound(KeyError):
@@ -30,6 +33,14 @@ class ObjectStat:
     key: str
     size: int
     etag: str
+
+
+def check_name(value: str, field: str) -> str:
+    """Validates a name used as one key part (model slug, checkpoint id, trace id): no separators,
+    no ``..``, 1-128 characters; INVALID_ARGUMENT naming ``field`` otherwise."""
+    if not _NAME.match(value) or ".." in value:
+        raise invalid_field(field, f"{field} {value!r} must match {_NAME.pattern} and not contain '..'")
+    return value
 
 
 def check_key(key: str) -> str:

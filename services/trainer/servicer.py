@@ -17,12 +17,13 @@ import grpc
 
 from yieldloop.client import Client
 from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.errors import UnimplementedError, invalid_field
+from yieldloop.errors import invalid_field
 from yieldloop.services.checkpoint.files import download_verified, upload_folder
 from yieldloop.services.checkpoint.registry import Manifest
 from yieldloop.services.checkpoint.servicer import manifest_from_pb, manifest_pb
 from yieldloop.services.common.grpc_server import rpc
 from yieldloop.services.store import ObjectStore
+from yieldloop.services.store.traces import TraceStore
 from yieldloop.services.trainer import losses
 from yieldloop.services.trainer.datums import Datum, RunData, TurnData, runs_to_datums
 from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig
@@ -118,6 +119,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         runs: list[RunData] = []
         datums: list[Datum] = []
         num_ungraded = 0
+        traces = TraceStore(self.store)
         async for request in request_iterator:
             item = request.WhichOneof("item")
             if config is None and item != "config":
@@ -129,13 +131,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 losses.resolve(config.loss_fn, dict(config.loss_fn_config))  # fail before the data arrives
             elif item == "datum":
                 datums.append(datum_from_pb(request.datum).validate(self.trainer.vocab_size, f"datums[{len(datums)}]"))
-            elif item == "run":
-                if request.run.status in (common_pb.RUN_STATUS_GRADED, common_pb.RUN_STATUS_UNSPECIFIED):
-                    runs.append(run_from_pb(request.run))
+            elif item in ("run", "trace_id"):
+                run = request.run if item == "run" else await asyncio.to_thread(traces.get, request.trace_id)
+                if run.status in (common_pb.RUN_STATUS_GRADED, common_pb.RUN_STATUS_UNSPECIFIED):
+                    runs.append(run_from_pb(run))
                 else:  # env or infra failures carry no reward signal
                     num_ungraded += 1
-            elif item == "trace_id":
-                raise UnimplementedError("trace ids need a trace store (not configured)", reason="NOT_IMPLEMENTED")
             else:
                 raise invalid_field("item", "empty request")
         if config is None:

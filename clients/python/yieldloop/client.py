@@ -277,6 +277,11 @@ class Client:
         async for response in _stream(self.rollout_stub.StreamRollouts(request, timeout=timeout)):
             yield response.run
 
+    async def get_runs(self, trace_ids: Iterable[str]) -> list[common_pb.Run]:
+        """Reads persisted runs back from the trace store."""
+        request = rollout_pb.GetRunsRequest(trace_ids=list(trace_ids))
+        return list((await _unary(self.rollout_stub.GetRuns, request, self.timeout)).runs)
+
     async def get_serving_info(
         self, wait_for_checkpoint_id: str = "", timeout: float | None = None
     ) -> rollout_pb.GetServingInfoResponse:
@@ -288,7 +293,7 @@ class Client:
     async def forward_backward(
         self,
         *,
-        runs: Iterable[common_pb.Run] = (),
+        runs: Iterable[common_pb.Run | str] = (),
         datums: Iterable[common_pb.Datum] = (),
         loss_fn: str = "importance_sampling",
         loss_fn_config: Mapping[str, float] | None = None,
@@ -298,7 +303,9 @@ class Client:
         group_size: int = 0,
         allow_incomplete_groups: bool = False,
     ) -> trainer_pb.ForwardBackwardResponse:
-        """Streams a config then runs and/or datums; gradients accumulate until optim_step.
+        """Streams a config then runs (Run messages or trace ids, interchangeably) and/or datums.
+
+        Gradients accumulate until optim_step.
 
         Runs become datums with GRPO advantages (reward * reward_scale minus the group mean, optionally
         divided by the group's std); with ``group_size`` a group of another size is refused unless
@@ -317,7 +324,10 @@ class Client:
         def requests() -> Iterable[trainer_pb.ForwardBackwardRequest]:
             yield trainer_pb.ForwardBackwardRequest(config=config)
             for run in runs:
-                yield trainer_pb.ForwardBackwardRequest(run=run)
+                if isinstance(run, str):
+                    yield trainer_pb.ForwardBackwardRequest(trace_id=run)
+                else:
+                    yield trainer_pb.ForwardBackwardRequest(run=run)
             for datum in datums:
                 yield trainer_pb.ForwardBackwardRequest(datum=datum)
 
@@ -396,6 +406,43 @@ class Client:
             skip_checkpoint=skip_checkpoint,
         )
         return await _unary(self.trainer_stub.OptimStep, request, self.timeout)
+
+    async def train_step(
+        self,
+        runs: Sequence[common_pb.Run | str],
+        learning_rate: float,
+        *,
+        loss_fn: str = "importance_sampling",
+        num_substeps: int = 1,
+        set_head: bool = True,
+        adam: Mapping[str, float] | None = None,
+        **forward_backward_options: Any,
+    ) -> tuple[trainer_pb.OptimStepResponse, list[trainer_pb.ForwardBackwardResponse]]:
+        """One training step on a batch: ``num_substeps`` optimizer steps on consecutive slices of it.
+
+        The runs are split into ``num_substeps`` slices of whole groups (GRPO groups are never cut); each
+        slice gets a forward_backward and an optimizer step; the last step writes the checkpoint (and moves
+        HEAD when ``set_head``). Returns the last OptimStep response and every slice's metrics.
+        """
+        if num_substeps < 1:
+            raise invalid_field("num_substeps", "num_substeps must be >= 1")
+        groups: dict[str, list[common_pb.Run | str]] = {}
+        for index, run in enumerate(runs):
+            key = run if isinstance(run, str) else (run.group_id or f"__{index}")
+            groups.setdefault(key, []).append(run)
+        ordered = list(groups.values())
+        if num_substeps > len(ordered):
+            raise invalid_field("num_substeps", f"{num_substeps} substeps for {len(ordered)} group(s)")
+        slices = [ordered[i::num_substeps] for i in range(num_substeps)]
+        metrics, step = [], None
+        for i, groups_of_slice in enumerate(slices):
+            batch = [run for group in groups_of_slice for run in group]
+            metrics.append(await self.forward_backward(runs=batch, loss_fn=loss_fn, **forward_backward_options))
+            last = i == len(slices) - 1
+            step = await self.optim_step(
+                learning_rate, set_head=set_head and last, skip_checkpoint=not last, **dict(adam or {})
+            )
+        return step, metrics
 
     async def list_losses(self) -> trainer_pb.ListLossesResponse:
         return await _unary(self.trainer_stub.ListLosses, trainer_pb.ListLossesRequest(), self.timeout)

@@ -53,6 +53,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EPISODE_DEADLINE: _ClassVar[ErrorReason]
     TOOL_DEADLINE: _ClassVar[ErrorReason]
     GROUP_INCOMPLETE: _ClassVar[ErrorReason]
+    TRACE_NOT_FOUND: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -91,6 +92,7 @@ WORKER_DIED: ErrorReason
 EPISODE_DEADLINE: ErrorReason
 TOOL_DEADLINE: ErrorReason
 GROUP_INCOMPLETE: ErrorReason
+TRACE_NOT_FOUND: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

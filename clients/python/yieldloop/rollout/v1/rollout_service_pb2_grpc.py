@@ -81,9 +81,9 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetRuns(self, request, context):
-        """Reads back runs by trace id from the trace store.
-        Returns: OK; NOT_FOUND when an id is unknown; UNIMPLEMENTED (NOT_IMPLEMENTED)
-        when the service has no trace store.
+        """Reads back runs by trace id from the trace store (every run StreamRollouts
+        streams was persisted there first, its trace_id set).
+        Returns: OK; NOT_FOUND (TRACE_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD) for a malformed id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -78,7 +78,8 @@ class TrainerServiceServicer:
         are turned into datums with GRPO group-centred advantages.
         Returns: OK with metrics; INVALID_ARGUMENT (DATUM_INVALID, LOSS_UNKNOWN,
         TOKEN_OUT_OF_VOCAB, INVALID_FIELD: the first message is not a config, a
-        knob is unknown, the batch is empty; GROUP_INCOMPLETE); UNIMPLEMENTED (NOT_IMPLEMENTED) for trace ids.
+        knob is unknown, the batch is empty; GROUP_INCOMPLETE); NOT_FOUND (TRACE_NOT_FOUND)
+        for a trace id the trace store does not hold.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
