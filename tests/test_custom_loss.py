@@ -74,7 +74,7 @@ async def test_ppo_as_a_custom_loss_gives_the_builtin_update(two_trainers) -> No
     store, (builtin, custom) = two_trainers
     datums = await ppo_datums(builtin)
     expected = await builtin.forward_backward(datums=datums, loss_fn="ppo")
-    value, metrics = await custom.forward_backward_custom(ppo_as_custom_loss, datums=datums)
+    value, metrics = await custom.forward_backward_custom(datums=datums, loss_fn=ppo_as_custom_loss)
     assert value == pytest.approx(expected.loss_sum, rel=1e-5)
     assert metrics["clipped_tokens"] >= 4, "the batch exercises the clip bounds"
     # eps=1 keeps AdamW's first step linear in the gradient, so equal gradients mean equal weights.

@@ -359,9 +359,9 @@ class Client:
 
     async def forward_backward_custom(
         self,
-        loss_fn: Any,
-        *,
         runs: Iterable[common_pb.Run] = (),
+        loss_fn: Any = None,
+        *,
         datums: Iterable[common_pb.Datum] = (),
     ) -> tuple[float, dict[str, float]]:
         """Trains on any loss that depends on the weights only through the logprobs.
@@ -373,6 +373,8 @@ class Client:
         """
         import torch  # only this method needs it
 
+        if loss_fn is None:
+            raise invalid_field("loss_fn", "forward_backward_custom needs a loss_fn(datums, logprobs)")
         scored = await self.forward_scored(runs=runs, datums=datums)
         logprobs = [torch.tensor(list(s.logprobs), dtype=torch.float64, requires_grad=True) for s in scored]
         result = loss_fn([s.datum for s in scored], logprobs)
