@@ -49,6 +49,8 @@ class StackConfig:
     device: str = "cpu"
     trainer_dtype: str = "auto"
     """"auto": bfloat16 on CUDA, float32 elsewhere."""
+    nproc: int = 1
+    """Trainer ranks (data parallel)."""
     host: str = "127.0.0.1"
 
     @property
@@ -92,6 +94,7 @@ def service_options(config: StackConfig, service: str, addresses: dict[str, str]
         engine=config.engine,
         device=config.device,
         trainer_dtype=config.trainer_dtype,
+        nproc=config.nproc,
     )
 
 

@@ -83,19 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stack_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The options every service of a stack shares (the `_add_stack_args` flags)."""
+    return {
+        "model": args.model,
+        "env_specs": tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
+        "env_workers": args.env_workers,
+        "engine": args.engine,
+        "device": args.device,
+        "trainer_dtype": args.trainer_dtype,
+        "nproc": args.nproc,
+        "host": args.host,
+    }
+
+
 def _stack_config(args: argparse.Namespace, data_dir: pathlib.Path) -> Any:
     from yieldloop.services.stack import StackConfig
 
-    return StackConfig(
-        data_dir=data_dir.resolve(),
-        model=args.model,
-        env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
-        env_workers=args.env_workers,
-        engine=args.engine,
-        device=args.device,
-        trainer_dtype=args.trainer_dtype,
-        host=args.host,
-    )
+    return StackConfig(data_dir=data_dir.resolve(), **_stack_fields(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -107,20 +112,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         service=args.service,
         data_dir=args.data_dir.resolve(),
-        host=args.host,
         port=args.port,
         store=args.store,
-        model=args.model,
         checkpoint_address=args.checkpoint_address,
         env_address=args.env_address,
-        env_specs=tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
-        env_workers=args.env_workers,
         max_message_bytes=args.max_message_bytes,
-        engine=args.engine,
-        device=args.device,
-        trainer_dtype=args.trainer_dtype,
-        nproc=args.nproc,
         ready_file=args.ready_file,
+        **_stack_fields(args),
     )
     _run(serve(options))
     return 0
