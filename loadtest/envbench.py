@@ -34,10 +34,8 @@ import tempfile
 import time
 from typing import Any
 
+import yieldloop  # noqa: F401  (sets gRPC's fork handling before grpc loads)
 import grpc
-
-# The harness starts server processes while gRPC threads run; it never forks into gRPC code.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 ECHO_SERVICE = "yieldloop.loadtest.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"

@@ -9,7 +9,13 @@ below are imported lazily so ``import yieldloop`` stays fast.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# yieldloop forks only to exec (service processes, environment workers, MCP stdio servers,
+# trainer ranks). gRPC's fork handlers, on by default, act in the parent at every fork while
+# gRPC threads run; they must be off before gRPC's core is loaded.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 __version__ = "0.1.0"
 
