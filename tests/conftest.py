@@ -36,6 +36,61 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 @pytest.fixture(scope="session")
+def moto_endpoint() -> str:
+    """A real S3 HTTP endpoint: moto_server on 127.0.0.1, started for this test session."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "yieldloop-test")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "yieldloop-test")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert server.poll() is None and time.monotonic() < deadline, "moto_server did not start"
+        time.sleep(0.1)
+    yield f"http://127.0.0.1:{port}"
+    server.terminate()
+    server.wait(10)
+
+
+@pytest.fixture
+def s3_store(moto_endpoint: str):
+    """An S3Store on a fresh bucket of the session's moto_server."""
+    import uuid
+
+    import boto3
+
+    from yieldloop.services.store.s3 import S3Store
+
+    bucket = f"yl-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+    return S3Store(bucket, "checkpoints-root", endpoint_url=moto_endpoint)
+
+
+@pytest.fixture(params=["fs", "s3"])
+def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path):
+    """Each object store implementation: the filesystem one and S3 against moto_server."""
+    if request.param == "s3":
+        return request.getfixturevalue("s3_store")
+    from yieldloop.services.store.fs import FsStore
+
+    return FsStore(tmp_path / "store")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A tiny HF model folder (tokenizer + Qwen2 weights) made offline."""
     from yieldloop.services.common.tiny_model import create_tiny_model

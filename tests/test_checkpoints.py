@@ -14,8 +14,8 @@ from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest,
 from yieldloop.services.store import PreconditionFailed, open_store
 
 
-def test_conditional_puts(tmp_path: pathlib.Path) -> None:
-    store = open_store(str(tmp_path))
+def test_conditional_puts(any_store) -> None:
+    store = any_store
     etag = store.put_bytes("models/m/HEAD", b"one", if_none_match=True)
     with pytest.raises(PreconditionFailed):
         store.put_bytes("models/m/HEAD", b"two", if_none_match=True)
@@ -36,8 +36,8 @@ def _commit(registry: CheckpointRegistry, model: str, cid: str, payload: bytes, 
     return registry.commit(Manifest(model=model, checkpoint_id=cid, objects=[obj], **kwargs), set_head=True)[0]
 
 
-def test_commit_protocol_and_heads(tmp_path: pathlib.Path) -> None:
-    registry = CheckpointRegistry(open_store(str(tmp_path)))
+def test_commit_protocol_and_heads(any_store) -> None:
+    registry = CheckpointRegistry(any_store)
     registry.create_model(ModelInfo(slug="m", base="m"))
     with pytest.raises(errors.AlreadyExistsError):
         registry.create_model(ModelInfo(slug="m", base="m"))
@@ -68,8 +68,8 @@ def test_commit_protocol_and_heads(tmp_path: pathlib.Path) -> None:
     assert registry.get_manifest("m-fork", "c1").objects[0].key.startswith("models/m/")
 
 
-def test_download_verifies_checksums(tmp_path: pathlib.Path) -> None:
-    registry = CheckpointRegistry(open_store(str(tmp_path / "store")))
+def test_download_verifies_checksums(any_store, tmp_path: pathlib.Path) -> None:
+    registry = CheckpointRegistry(any_store)
     registry.create_model(ModelInfo(slug="m", base="m"))
     manifest = _commit(registry, "m", "c1", b"weights")
     folder = download_verified(registry.store, manifest, tmp_path / "cache" / "c1")
@@ -81,8 +81,8 @@ def test_download_verifies_checksums(tmp_path: pathlib.Path) -> None:
     assert not (tmp_path / "cache" / "c1-again").exists(), "no half-downloaded folder is left"
 
 
-async def test_watch_head_sees_every_move(tmp_path: pathlib.Path) -> None:
-    registry = CheckpointRegistry(open_store(str(tmp_path)), poll_interval=5.0)
+async def test_watch_head_sees_every_move(any_store) -> None:
+    registry = CheckpointRegistry(any_store, poll_interval=5.0)
     registry.create_model(ModelInfo(slug="m", base="m"))
     _commit(registry, "m", "c1", b"1")
     seen = []
@@ -100,3 +100,40 @@ async def test_watch_head_sees_every_move(tmp_path: pathlib.Path) -> None:
     await asyncio.to_thread(registry.set_head, "m", "c1")  # from another thread, as CommitCheckpoint does
     await asyncio.wait_for(watcher, 2.0)  # well under the 5 s poll: woken, not polled
     assert seen == [("c1", 1), ("c2", 2), ("c1", 3)]
+
+
+def test_head_race_has_one_winner_per_round(any_store) -> None:
+    """16 writers move the same HEAD with compare-and-swap for many rounds: one winner, no lost update."""
+    import threading
+
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="race", base="race"))
+    writers, rounds = 16, 12
+    for w in range(writers):
+        _commit(registry, "race", f"w{w}", f"weights-{w}".encode())
+    registry.set_head("race", "w0")
+    barrier = threading.Barrier(writers)
+    for round_ in range(rounds):
+        before = registry.get_head("race")
+        outcomes: list = [None] * writers
+
+        def write(w: int) -> None:
+            barrier.wait()
+            try:
+                outcomes[w] = registry.set_head("race", f"w{w}", expected=before.checkpoint_id)
+            except errors.AbortedError as err:
+                outcomes[w] = err
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        winners = [o for o in outcomes if not isinstance(o, errors.AbortedError)]
+        assert len(winners) == 1, f"round {round_}: {len(winners)} winners"
+        after = registry.get_head("race")
+        assert after.sequence == before.sequence + 1, "no lost or extra update"
+        assert after.checkpoint_id == winners[0].checkpoint_id
+        for outcome in outcomes:
+            if isinstance(outcome, errors.AbortedError):
+                assert outcome.reason == "HEAD_CONFLICT" and repr(after.checkpoint_id) in outcome.message

@@ -1,7 +1,8 @@
 """Object stores: one interface (:mod:`.base`), one module per implementation, a factory.
 
 ``open_store("/path")`` or ``open_store("file:///path")`` gives the local
-filesystem store, the embedded default.
+filesystem store, the embedded default; ``open_store("s3://bucket/prefix")``
+the S3 store (endpoint and credentials from the usual AWS configuration).
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ from yieldloop.services.store.base import ObjectNotFound, ObjectStat, ObjectStor
 
 
 def open_store(url: str) -> ObjectStore:
-    """Opens the object store named by ``url`` (a path or ``file://`` URL)."""
+    """Opens the object store named by ``url``: a path, ``file://path`` or ``s3://bucket[/prefix]``."""
+    if url.startswith("s3://"):
+        from yieldloop.services.store.s3 import S3Store
+
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        return S3Store(bucket, prefix)
     if url.startswith("file://"):
         url = url[len("file://"):]
     if "://" in url:
-        raise ValueError(f"unsupported object store URL {url!r} (supported: a path or file://)")
+        raise ValueError(f"unsupported object store URL {url!r} (supported: a path, file://, s3://)")
     from yieldloop.services.store.fs import FsStore
 
     return FsStore(url)
