@@ -39,6 +39,9 @@ class ServeOptions:
     """Trainer weights dtype; "auto" is bfloat16 on CUDA and float32 elsewhere."""
     nproc: int = 1
     """Trainer ranks (data parallel: gloo on CPU, NCCL on CUDA, one GPU per rank)."""
+    keep_last: int = 0
+    """CheckpointService retention: keep the last K checkpoints of a model plus every one that was ever
+    head (0: keep everything)."""
     ready_file: pathlib.Path | None = None
     """Where to write the bound address once serving."""
     grace_s: float = 5.0
@@ -48,7 +51,7 @@ class ServeOptions:
         args = [
             "serve", self.service, "--host", self.host, "--port", str(self.port), "--data-dir", str(self.data_dir),
             "--model", self.model, "--engine", self.engine, "--device", self.device,
-            "--trainer-dtype", self.trainer_dtype, "--nproc", str(self.nproc),
+            "--trainer-dtype", self.trainer_dtype, "--nproc", str(self.nproc), "--keep-last", str(self.keep_last),
         ]
         args += ["--env-workers", str(self.env_workers), "--max-message-bytes", str(self.max_message_bytes)]
         for flag, value in (("--store", self.store), ("--checkpoint-address", self.checkpoint_address),
@@ -73,7 +76,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
     if opts.service == "checkpoint":
         from yieldloop.services.checkpoint.server import build
 
-        server = build(store, opts.host, opts.port)
+        server = build(store, opts.host, opts.port, opts.keep_last)
         return server.start, server.stop
     if opts.service == "env":
         from yieldloop.services.env.host import HostConfig, create_host

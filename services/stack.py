@@ -39,6 +39,8 @@ class StackConfig:
 
     data_dir: pathlib.Path
     """Root of the store, scratch space, address files and logs."""
+    store: str = ""
+    """Object store URL (``s3://bucket/prefix``, a path); default: the filesystem store in data_dir."""
     model: str = DEFAULT_MODEL
     """Model slug served and trained (created offline when absent)."""
     env_specs: tuple[str, ...] = ("yieldloop.envs.letters:env",)
@@ -51,11 +53,13 @@ class StackConfig:
     """"auto": bfloat16 on CUDA, float32 elsewhere."""
     nproc: int = 1
     """Trainer ranks (data parallel)."""
+    keep_last: int = 0
+    """Checkpoint retention: the last K plus every checkpoint that was ever head (0: all)."""
     host: str = "127.0.0.1"
 
     @property
-    def store_dir(self) -> pathlib.Path:
-        return self.data_dir / "store"
+    def store_url(self) -> str:
+        return self.store or str(self.data_dir / "store")
 
 
 def ensure_base_model(store: ObjectStore, slug: str = DEFAULT_MODEL) -> bool:
@@ -85,6 +89,7 @@ def service_options(config: StackConfig, service: str, addresses: dict[str, str]
     return ServeOptions(
         service=service,
         data_dir=config.data_dir,
+        store=config.store,
         host=config.host,
         model=config.model,
         checkpoint_address=addresses.get("checkpoint", ""),
@@ -95,6 +100,7 @@ def service_options(config: StackConfig, service: str, addresses: dict[str, str]
         device=config.device,
         trainer_dtype=config.trainer_dtype,
         nproc=config.nproc,
+        keep_last=config.keep_last,
     )
 
 
@@ -109,7 +115,7 @@ class InProcessStack:
     async def start(self) -> dict[str, str]:
         from yieldloop.services.store import open_store
 
-        await asyncio.to_thread(ensure_base_model, open_store(str(self.config.store_dir)), self.config.model)
+        await asyncio.to_thread(ensure_base_model, open_store(self.config.store_url), self.config.model)
         for service in SERVICES:  # in dependency order
             start, stop = await build_service(service_options(self.config, service, self.addresses))
             self.addresses[service] = await start()
@@ -157,7 +163,7 @@ class ProcessStack:
     async def start(self) -> dict[str, str]:
         from yieldloop.services.store import open_store
 
-        await asyncio.to_thread(ensure_base_model, open_store(str(self.config.store_dir)), self.config.model)
+        await asyncio.to_thread(ensure_base_model, open_store(self.config.store_url), self.config.model)
         try:
             await asyncio.gather(self._spawn("checkpoint"), self._spawn("env"))
             await asyncio.gather(self._spawn("trainer"), self._spawn("rollout"))

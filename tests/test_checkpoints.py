@@ -120,7 +120,7 @@ def test_head_race_has_one_winner_per_round(any_store) -> None:
         def write(w: int) -> None:
             barrier.wait()
             try:
-                outcomes[w] = registry.set_head("race", f"w{w}", expected=before.checkpoint_id)
+                outcomes[w] = registry.set_head("race", f"w{w}", expected_sequence=before.sequence)
             except errors.AbortedError as err:
                 outcomes[w] = err
 
@@ -137,3 +137,93 @@ def test_head_race_has_one_winner_per_round(any_store) -> None:
         for outcome in outcomes:
             if isinstance(outcome, errors.AbortedError):
                 assert outcome.reason == "HEAD_CONFLICT" and repr(after.checkpoint_id) in outcome.message
+                assert f"sequence {after.sequence}" in outcome.message
+
+
+def test_retention_keeps_recent_ever_head_and_shared_objects(any_store) -> None:
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="m", base="m"))
+    for i in range(6):
+        _commit(registry, "m", f"c{i}", f"weights-{i}".encode())  # each commit moves HEAD ...
+    registry.set_head("m", "c2")  # ... then a rollback: c2 is head again
+    registry.store.put_bytes("models/m/checkpoints/n6/model.safetensors", b"never-head")
+    registry.commit(Manifest("m", "n6", [ObjectInfo("model.safetensors", 10, hashlib.sha256(b"never-head").hexdigest(),
+                                                    "models/m/checkpoints/n6/model.safetensors")]))
+    registry.store.put_bytes("models/m/checkpoints/n7/model.safetensors", b"never-head-7")
+    registry.commit(Manifest("m", "n7", [ObjectInfo("model.safetensors", 12, hashlib.sha256(b"never-head-7").hexdigest(),
+                                                    "models/m/checkpoints/n7/model.safetensors")]))
+    registry.store.put_bytes("models/m/checkpoints/n8/model.safetensors", b"never-head-8")
+    registry.commit(Manifest("m", "n8", [ObjectInfo("model.safetensors", 12, hashlib.sha256(b"never-head-8").hexdigest(),
+                                                    "models/m/checkpoints/n8/model.safetensors")]))
+    registry.fork_model("m", "m-fork")  # shares c2's objects
+    deleted = registry.apply_retention("m", keep_last=1)
+    assert deleted == ["n6", "n7"]  # never head and not among the last 1; every c* was head once
+    assert [m.checkpoint_id for m in registry.list_checkpoints("m")] == ["c0", "c1", "c2", "c3", "c4", "c5", "n8"]
+    assert registry.store.stat("models/m/checkpoints/n6/model.safetensors") is None
+    assert registry.store.get_bytes("models/m/checkpoints/c2/model.safetensors")[0] == b"weights-2"
+    assert registry.get_head("m").checkpoint_id == "c2"
+
+
+def test_retention_never_deletes_objects_a_fork_references(any_store) -> None:
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="p", base="p"))
+    _commit(registry, "p", "a", b"A")
+    registry.fork_model("p", "child")  # child's checkpoint "a" points at p's objects
+    registry.store.delete("models/p/head-history/a")  # pretend "a" was never head of p, so p may drop it
+    registry.store.put_bytes("models/p/checkpoints/b/model.safetensors", b"B")
+    registry.commit(Manifest("p", "b", [ObjectInfo("model.safetensors", 1, hashlib.sha256(b"B").hexdigest(),
+                                                   "models/p/checkpoints/b/model.safetensors")]), set_head=True)
+    assert registry.apply_retention("p", keep_last=1) == ["a"]
+    assert registry.store.get_bytes("models/p/checkpoints/a/model.safetensors")[0] == b"A", "the fork still uses it"
+    assert registry.get_manifest("child", "a").objects[0].key == "models/p/checkpoints/a/model.safetensors"
+
+
+UPLOADER = """
+import pathlib, sys, time
+from yieldloop.services.checkpoint.files import upload_folder
+from yieldloop.services.store import open_store
+from yieldloop.services.store.s3 import S3Store
+url, endpoint, folder = sys.argv[1:4]
+store = S3Store(url[5:].split("/", 1)[0], url[5:].split("/", 1)[1], endpoint_url=endpoint) if url.startswith("s3://") else open_store(url)
+print("uploading", flush=True)
+upload_folder(store, "m", "killed", pathlib.Path(folder))  # the parent kills us part-way
+print("finished", flush=True)
+"""
+
+
+def test_trainer_killed_during_upload_leaves_everything_intact(any_store, tmp_path: pathlib.Path, request) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="m", base="m"))
+    _commit(registry, "m", "c1", b"good")
+    before = (registry.get_head("m"), [m.checkpoint_id for m in registry.list_checkpoints("m")])
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    for i in range(400):
+        (folder / f"shard-{i:03d}.bin").write_bytes(bytes([i % 256]) * (256 << 10))
+    if hasattr(any_store, "bucket"):
+        url, endpoint = f"s3://{any_store.bucket}/{any_store.prefix.rstrip('/')}", request.getfixturevalue("moto_endpoint")
+    else:
+        url, endpoint = str(any_store.root), ""
+    uploader = subprocess.Popen([sys.executable, "-c", UPLOADER, url, endpoint, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert uploader.stdout.readline().strip() == "uploading"
+    prefix = "models/m/checkpoints/killed/"
+    deadline = time.monotonic() + 60
+    while not list(any_store.list(prefix)):  # wait until some objects are written, then kill
+        assert time.monotonic() < deadline and uploader.poll() is None
+        time.sleep(0.01)
+    uploader.send_signal(signal.SIGKILL)
+    uploader.wait(10)
+    written = len(list(any_store.list(prefix)))
+    assert 0 < written < 400, "killed part-way"
+
+    assert (registry.get_head("m"), [m.checkpoint_id for m in registry.list_checkpoints("m")]) == before
+    with pytest.raises(errors.NotFoundError):
+        registry.get_manifest("m", "killed")  # objects without a manifest are not a checkpoint
+    _commit(registry, "m", "c2", b"next", parent_checkpoint_id="c1")
+    assert registry.get_head("m").checkpoint_id == "c2"
+    assert [m.checkpoint_id for m in registry.list_checkpoints("m")] == ["c1", "c2"]

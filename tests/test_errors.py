@@ -128,7 +128,7 @@ async def test_rollout_server_for_unknown_model_fails_fast(stack, tmp_path) -> N
     from yieldloop.services.store import open_store
 
     server = RolloutServer(
-        "no-such-model", open_store(str(stack.config.store_dir)), stack.addresses["checkpoint"],
+        "no-such-model", open_store(stack.config.store_url), stack.addresses["checkpoint"],
         stack.addresses["env"], tmp_path,
     )
     with pytest.raises(errors.NotFoundError) as err:

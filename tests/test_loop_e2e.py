@@ -62,7 +62,7 @@ async def test_corrupt_checkpoint_is_refused_and_old_weights_keep_serving(client
     from yieldloop import errors
     from yieldloop.services.store import open_store
 
-    store = open_store(str(stack.config.store_dir))
+    store = open_store(stack.config.store_url)
     good = await client.get_head(MODEL)
     manifest = await client.get_checkpoint(MODEL, good.checkpoint_id)
     # A copy of the head under a new id, committed without moving HEAD ...

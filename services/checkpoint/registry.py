@@ -95,9 +95,10 @@ class CheckpointRegistry:
             watchers at once).
     """
 
-    def __init__(self, store: ObjectStore, poll_interval: float = 0.5) -> None:
+    def __init__(self, store: ObjectStore, poll_interval: float = 0.5, keep_last: int = 0) -> None:
         self.store = store
         self.poll_interval = poll_interval
+        self.keep_last = keep_last
         # Per model: the event current watchers wait on, and the loop it belongs to
         # (commit may run in a worker thread, so waking goes through the loop).
         self._head_moved: dict[str, tuple[asyncio.Event, asyncio.AbstractEventLoop]] = {}
@@ -189,7 +190,35 @@ class CheckpointRegistry:
                 f"checkpoint {manifest.checkpoint_id!r} exists", reason="CHECKPOINT_ALREADY_EXISTS"
             ) from None
         head = self.set_head(manifest.model, manifest.checkpoint_id, expected_head) if set_head else None
+        if self.keep_last:
+            self.apply_retention(manifest.model, self.keep_last)
         return manifest, head
+
+    def apply_retention(self, model: str, keep_last: int) -> list[str]:
+        """Deletes checkpoints beyond the last ``keep_last``, except any that was ever head.
+
+        Manifests go first (a checkpoint without one does not exist), then only the objects no
+        surviving checkpoint of any model references (forks share their parent's objects).
+        Returns the deleted checkpoint ids.
+        """
+        manifests = self.list_checkpoints(model)
+        ever_head = {key.rsplit("/", 1)[1] for key in self.store.list(model_prefix(model) + "head-history/")}
+        keep = {m.checkpoint_id for m in manifests[-keep_last:]} | ever_head
+        doomed = [m for m in manifests if m.checkpoint_id not in keep]
+        for manifest in doomed:
+            self.store.delete(checkpoint_prefix(model, manifest.checkpoint_id) + MANIFEST)
+        if doomed:
+            referenced = {
+                obj.key
+                for info in self.list_models()
+                for surviving in self.list_checkpoints(info.slug)
+                for obj in surviving.objects
+            }
+            for manifest in doomed:
+                for obj in manifest.objects:
+                    if obj.key not in referenced:
+                        self.store.delete(obj.key)
+        return [m.checkpoint_id for m in doomed]
 
     # Heads ----------------------------------------------------------------------
 
@@ -211,15 +240,18 @@ class CheckpointRegistry:
             raise NotFoundError(f"model {model!r} has no head yet", reason="CHECKPOINT_NOT_FOUND")
         return head
 
-    def set_head(self, model: str, checkpoint_id: str, expected: str = "") -> Head:
-        """Moves HEAD by conditional put; with ``expected``, a lost race is ABORTED."""
+    def set_head(self, model: str, checkpoint_id: str, expected: str = "", expected_sequence: int = 0) -> Head:
+        """Moves HEAD by conditional put; with ``expected`` (id) or ``expected_sequence``, a lost race is ABORTED."""
         self.get_manifest(model, checkpoint_id)
         while True:
             current, etag = self._read_head(model)
             actual = current.checkpoint_id if current else ""
-            if expected and actual != expected:
+            sequence = current.sequence if current else 0
+            if (expected and actual != expected) or (expected_sequence and sequence != expected_sequence):
                 raise AbortedError(
-                    f"head of {model!r} is {actual!r}, not the expected {expected!r}", reason="HEAD_CONFLICT"
+                    f"head of {model!r} is {actual!r} (sequence {sequence}), not the expected "
+                    f"{expected or '-'!r} (sequence {expected_sequence or '-'})",
+                    reason="HEAD_CONFLICT",
                 )
             new = Head(model, checkpoint_id, (current.sequence if current else 0) + 1, time.time())
             try:
@@ -231,6 +263,8 @@ class CheckpointRegistry:
                 )
             except PreconditionFailed:
                 continue  # someone moved it between our read and write: re-read and re-check
+            # Checkpoints that were ever head survive retention (rollback targets, what was served).
+            self.store.put_bytes(model_prefix(model) + f"head-history/{checkpoint_id}", b"")
             self._wake(model)
             return new
 

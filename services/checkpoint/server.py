@@ -11,8 +11,9 @@ from yieldloop.services.store import ObjectStore
 SERVICE_NAME = "yieldloop.checkpoint.v1.CheckpointService"
 
 
-def build(store: ObjectStore, host: str = "127.0.0.1", port: int = 0) -> GrpcServer:
-    """A CheckpointService server over ``store`` (not started)."""
+def build(store: ObjectStore, host: str = "127.0.0.1", port: int = 0, keep_last: int = 0) -> GrpcServer:
+    """A CheckpointService server over ``store`` (not started); ``keep_last`` > 0 applies retention on commit."""
     server = GrpcServer(host, port)
-    server.add(pb_grpc.add_CheckpointServiceServicer_to_server, CheckpointServicer(CheckpointRegistry(store)), SERVICE_NAME)
+    registry = CheckpointRegistry(store, keep_last=keep_last)
+    server.add(pb_grpc.add_CheckpointServiceServicer_to_server, CheckpointServicer(registry), SERVICE_NAME)
     return server

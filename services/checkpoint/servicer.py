@@ -96,7 +96,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @rpc
     async def SetHead(self, request: pb.SetHeadRequest, context: grpc.aio.ServicerContext) -> pb.SetHeadResponse:
-        head = self.registry.set_head(request.model, request.checkpoint_id, request.expected_checkpoint_id)
+        head = self.registry.set_head(
+            request.model, request.checkpoint_id, request.expected_checkpoint_id, request.expected_sequence
+        )
         return pb.SetHeadResponse(head=head_pb(head))
 
     @rpc

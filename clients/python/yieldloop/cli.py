@@ -48,6 +48,10 @@ def _add_stack_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainer-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--keep-last", type=int, default=0,
+                        help="checkpoint retention: keep the last K plus every one that was ever head (0: all)")
+    parser.add_argument("--store", default="",
+                        help="object store: a path or s3://bucket/prefix (default: DATA_DIR/store)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("service", choices=SERVICES)
     serve.add_argument("--port", type=int, default=0, help="port to bind (0: a free one; see --ready-file)")
     serve.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
-    serve.add_argument("--store", default="", help="object store path/URL (default: DATA_DIR/store)")
     serve.add_argument("--checkpoint-address", default="", help="CheckpointService host:port (trainer, rollout)")
     serve.add_argument("--env-address", default="", help="EnvService host:port (rollout)")
     serve.add_argument("--ready-file", type=pathlib.Path, help="write {address} here once serving")
@@ -94,6 +97,8 @@ def _stack_fields(args: argparse.Namespace) -> dict[str, Any]:
         "trainer_dtype": args.trainer_dtype,
         "nproc": args.nproc,
         "host": args.host,
+        "store": args.store,
+        "keep_last": args.keep_last,
     }
 
 
@@ -113,7 +118,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         service=args.service,
         data_dir=args.data_dir.resolve(),
         port=args.port,
-        store=args.store,
         checkpoint_address=args.checkpoint_address,
         env_address=args.env_address,
         max_message_bytes=args.max_message_bytes,

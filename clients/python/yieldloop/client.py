@@ -480,9 +480,13 @@ class Client:
     async def get_head(self, model: str) -> ckpt_pb.Head:
         return (await _unary(self.checkpoint_stub.GetHead, ckpt_pb.GetHeadRequest(model=model), self.timeout)).head
 
-    async def set_head(self, model: str, checkpoint_id: str, expected_checkpoint_id: str = "") -> ckpt_pb.Head:
+    async def set_head(
+        self, model: str, checkpoint_id: str, expected_checkpoint_id: str = "", expected_sequence: int = 0
+    ) -> ckpt_pb.Head:
+        """Moves a model's head (compare-and-swap on the expected checkpoint id and/or sequence)."""
         request = ckpt_pb.SetHeadRequest(
-            model=model, checkpoint_id=checkpoint_id, expected_checkpoint_id=expected_checkpoint_id
+            model=model, checkpoint_id=checkpoint_id, expected_checkpoint_id=expected_checkpoint_id,
+            expected_sequence=expected_sequence,
         )
         return (await _unary(self.checkpoint_stub.SetHead, request, self.timeout)).head
 

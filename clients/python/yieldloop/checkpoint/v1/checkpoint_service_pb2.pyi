@@ -163,14 +163,16 @@ class GetHeadResponse(_message.Message):
     def __init__(self, head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
 
 class SetHeadRequest(_message.Message):
-    __slots__ = ("model", "checkpoint_id", "expected_checkpoint_id")
+    __slots__ = ("model", "checkpoint_id", "expected_checkpoint_id", "expected_sequence")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     checkpoint_id: str
     expected_checkpoint_id: str
-    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., expected_checkpoint_id: _Optional[str] = ...) -> None: ...
+    expected_sequence: int
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., expected_checkpoint_id: _Optional[str] = ..., expected_sequence: _Optional[int] = ...) -> None: ...
 
 class SetHeadResponse(_message.Message):
     __slots__ = ("head",)
