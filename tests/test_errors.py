@@ -88,12 +88,20 @@ async def test_set_head_to_missing_checkpoint_is_not_found(client: Client) -> No
         (lambda c: c.get_head("missing-model"), errors.NotFoundError, "MODEL_NOT_FOUND"),
         (lambda c: c.set_head("tiny", "base", expected_checkpoint_id="not-the-head"), errors.AbortedError, "HEAD_CONFLICT"),
         (lambda c: c.fork_model("tiny", ""), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.fork_model("tiny", "a/b"), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.fork_model("tiny", "x" * 129), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.fork_model("no-such-model", "copy"), errors.NotFoundError, "MODEL_NOT_FOUND"),
+        (lambda c: c.get_checkpoint("tiny", "../HEAD"), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.get_checkpoint("tiny", "a..b"), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.set_head("tiny", "checkpoints/base"), errors.InvalidArgumentError, "INVALID_FIELD"),
+        (lambda c: c.list_checkpoints(""), errors.InvalidArgumentError, "INVALID_FIELD"),
     ],
     ids=[
         "token-out-of-vocab", "max-tokens-zero", "negative-temperature", "prompt-too-long", "unknown-model",
         "unknown-loss", "empty-batch", "nan-advantage", "step-without-gradients", "unknown-knob", "incomplete-group",
         "slug-with-dots",
-        "missing-model", "lost-head-race", "empty-fork-name",
+        "missing-model", "lost-head-race", "empty-fork-name", "fork-name-with-slash", "oversized-fork-name",
+        "fork-missing-model", "checkpoint-id-dotdot", "checkpoint-id-with-dots", "head-id-with-slash", "empty-slug",
     ],
 )
 async def test_bad_input_is_typed(client: Client, call, error, reason) -> None:

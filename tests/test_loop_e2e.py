@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -84,6 +85,7 @@ async def test_corrupt_checkpoint_is_refused_and_old_weights_keep_serving(client
     assert err.value.reason == "CHECKPOINT_CORRUPT"
     info = await client.get_serving_info()
     assert info.weight_version == good.checkpoint_id and "checksum" in info.last_reload_error
+    assert await weights_health(stack) == "NOT_SERVING", "the refusal is visible in gRPC health"
     completion = await client.generate([1, 2, 3], sampling=sampling_params(max_tokens=3))
     assert completion.weight_version == good.checkpoint_id
 
@@ -91,6 +93,22 @@ async def test_corrupt_checkpoint_is_refused_and_old_weights_keep_serving(client
     await client.set_head(MODEL, good.checkpoint_id)
     info = await client.get_serving_info(wait_for_checkpoint_id=good.checkpoint_id, timeout=60)
     assert info.weight_version == good.checkpoint_id
+    for _ in range(100):  # the rollback's reload finishes in the background
+        if await weights_health(stack) == "SERVING":
+            break
+        await asyncio.sleep(0.05)
+    assert await weights_health(stack) == "SERVING"
+
+
+async def weights_health(stack) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from yieldloop.services.rollout.server import WEIGHTS_HEALTH
+
+    async with grpc.aio.insecure_channel(stack.addresses["rollout"]) as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=WEIGHTS_HEALTH))
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
 async def test_runs_are_persisted_and_trainable_by_trace_id(client: Client) -> None:
@@ -123,3 +141,43 @@ async def test_train_step_with_substeps(client: Client) -> None:
     assert head.checkpoint_id == step.checkpoint.checkpoint_id
     assert (await client.get_checkpoint(MODEL, step.checkpoint.checkpoint_id)).step == before.step + 2
     await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, timeout=60)
+
+
+async def test_hot_reloads_under_generation_load_fail_no_request(client: Client) -> None:
+    """10 head moves while generation never stops: no request fails, each is sampled by one weight version."""
+    import asyncio
+
+    original = await client.get_head(MODEL)
+    targets = ["base", original.checkpoint_id] * 5
+    stop = asyncio.Event()
+    failures: list[BaseException] = []
+    versions_seen: set[str] = set()
+    completed = 0
+
+    async def generate_forever(seed: int) -> None:
+        nonlocal completed
+        while not stop.is_set():
+            try:
+                versions = set()
+                stream = client.generate_stream([1, 2, 3, seed], sampling=sampling_params(max_tokens=8, temperature=1.0))
+                async for delta in stream:
+                    versions.add(delta.weight_version)
+                assert len(versions) == 1, f"one request, several weight versions: {versions}"
+                versions_seen.update(versions)
+                completed += 1
+            except Exception as exc:  # counted: the assertion below says what failed
+                failures.append(exc)
+
+    loaders = [asyncio.create_task(generate_forever(seed)) for seed in range(4)]
+    try:
+        for target in targets:
+            await client.set_head(MODEL, target)
+            info = await client.get_serving_info(wait_for_checkpoint_id=target, timeout=60)
+            assert info.weight_version == target
+            await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.gather(*loaders)
+    assert failures == [], failures[:3]
+    assert completed > 20 and versions_seen == {"base", original.checkpoint_id}
+    assert (await client.get_head(MODEL)).checkpoint_id == original.checkpoint_id

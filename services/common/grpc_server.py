@@ -99,6 +99,11 @@ class GrpcServer:
         add_to_server(servicer, self._server)
         self._service_names.append(name)
 
+    async def set_health(self, name: str, serving: bool) -> None:
+        """Publishes a health status under ``name`` (a service or a component of one)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set(name, status)
+
     def on_stop(self, callback: Callable[[], Any]) -> None:
         """Registers a coroutine function to await after the server stopped (release what it served)."""
         self._on_stop.append(callback)

@@ -16,6 +16,8 @@ from yieldloop.services.store import ObjectStore
 from yieldloop.services.store.traces import TraceStore
 
 SERVICE_NAME = "yieldloop.rollout.v1.RolloutService"
+WEIGHTS_HEALTH = SERVICE_NAME + "/weights"
+"""Health name that turns NOT_SERVING while the model's head could not be loaded (old weights keep serving)."""
 
 
 class RolloutServer:
@@ -52,6 +54,11 @@ class RolloutServer:
             SERVICE_NAME,
         )
         self._follow_task: asyncio.Task | None = None
+
+        async def report(ok: bool) -> None:
+            await self.grpc.set_health(WEIGHTS_HEALTH, ok)
+
+        self.follower.on_reload = report
 
     async def start(self, wait_for_weights: bool = True) -> str:
         """Starts following the head (waiting for the first load by default), then serves."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
+from typing import Any
 
 from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client
@@ -44,6 +45,8 @@ class WeightFollower:
         self.last_error = ""
         self.refused: dict[str, str] = {}
         """Checkpoint id -> why it was refused."""
+        self.on_reload: Any = None
+        """Optional ``async (ok: bool) -> None`` called after each head was handled (health reporting)."""
         self._changed = asyncio.Condition()
 
     async def run(self, retry_s: float = 1.0) -> None:
@@ -69,6 +72,8 @@ class WeightFollower:
             log.error("refused checkpoint %s: %s", head.checkpoint_id, err, exc_info=not isinstance(err, YieldloopError))
             self.last_error = self.refused[head.checkpoint_id] = str(err)
         self.head_sequence = head.sequence
+        if self.on_reload is not None:
+            await self.on_reload(not self.last_error)
         async with self._changed:
             self._changed.notify_all()
 
