@@ -227,3 +227,7 @@ def test_trainer_killed_during_upload_leaves_everything_intact(any_store, tmp_pa
     _commit(registry, "m", "c2", b"next", parent_checkpoint_id="c1")
     assert registry.get_head("m").checkpoint_id == "c2"
     assert [m.checkpoint_id for m in registry.list_checkpoints("m")] == ["c1", "c2"]
+    # The orphaned objects are garbage collected once older than the grace period, and only they.
+    assert registry.collect_orphans("m", grace_s=3600) == []
+    assert registry.collect_orphans("m", grace_s=0) == ["killed"]
+    assert list(any_store.list(prefix)) == [] and registry.get_manifest("m", "c1").objects

@@ -52,3 +52,10 @@ async def test_closed_loop_over_s3(s3_client) -> None:
     listed = (await client.list_checkpoints("tiny")).checkpoints
     assert [c.checkpoint_id for c in listed] == ["base", report.checkpoint_id]
     assert [c.is_head for c in listed] == [True, False]
+
+    # The rollback is a branch point: the trainer's next commit extends the tree from "base".
+    runs = [run async for run in client.stream_rollouts(tasks("c"), group_size=2)]
+    await client.forward_backward(runs=runs)
+    step = await client.optim_step(1e-3)
+    branched = await client.get_checkpoint("tiny", step.checkpoint.checkpoint_id)
+    assert branched.parent_checkpoint_id == "base" and branched.step == 1

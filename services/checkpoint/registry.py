@@ -192,7 +192,31 @@ class CheckpointRegistry:
         head = self.set_head(manifest.model, manifest.checkpoint_id, expected_head) if set_head else None
         if self.keep_last:
             self.apply_retention(manifest.model, self.keep_last)
+            self.collect_orphans(manifest.model)
         return manifest, head
+
+    def collect_orphans(self, model: str, grace_s: float = 3600.0) -> list[str]:
+        """Deletes objects of checkpoints that never got a manifest (crashed uploads).
+
+        Only folders whose newest object is older than ``grace_s`` go: an upload in progress is left alone.
+        Returns the checkpoint ids whose objects were removed.
+        """
+        self.get_model(model)
+        prefix = f"models/{model}/checkpoints/"
+        folders: dict[str, list[str]] = {}
+        for key in self.store.list(prefix):
+            folders.setdefault(key[len(prefix):].split("/")[0], []).append(key)
+        removed = []
+        now = time.time()
+        for checkpoint_id, keys in folders.items():
+            if any(key.endswith("/" + MANIFEST) for key in keys):
+                continue
+            stats = [self.store.stat(key) for key in keys]
+            if all(s is not None and now - s.modified >= grace_s for s in stats):
+                for key in keys:
+                    self.store.delete(key)
+                removed.append(checkpoint_id)
+        return removed
 
     def apply_retention(self, model: str, keep_last: int) -> list[str]:
         """Deletes checkpoints beyond the last ``keep_last``, except any that was ever head.

@@ -33,6 +33,8 @@ class ObjectStat:
     key: str
     size: int
     etag: str
+    modified: float = 0.0
+    """Last-modified time, Unix seconds."""
 
 
 def check_name(value: str, field: str) -> str:

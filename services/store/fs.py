@@ -104,7 +104,8 @@ class FsStore(ObjectStore):
         path = self._path(key)
         if not path.is_file():
             return None
-        return ObjectStat(key=key, size=path.stat().st_size, etag=hash_file(path, "md5"))
+        info = path.stat()
+        return ObjectStat(key=key, size=info.st_size, etag=hash_file(path, "md5"), modified=info.st_mtime)
 
     def list(self, prefix: str) -> Iterator[str]:
         base = self.root / prefix.rstrip("/") if prefix else self.root

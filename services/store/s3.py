@@ -133,7 +133,9 @@ class S3Store(ObjectStore):
             if _code(err)[0] in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
-        return ObjectStat(key=key, size=response["ContentLength"], etag=response["ETag"])
+        return ObjectStat(
+            key=key, size=response["ContentLength"], etag=response["ETag"], modified=response["LastModified"].timestamp()
+        )
 
     def list(self, prefix: str) -> Iterator[str]:
         paginator = self.client.get_paginator("list_objects_v2")

@@ -90,6 +90,22 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def follow_head(self) -> None:
+        """Reloads from the head when it moved away from our last checkpoint (a rollback or a branch point),
+        so the next commit extends the tree from there. Only between steps: pending gradients pin the weights."""
+        assert self.trainer is not None
+        if self.trainer.num_pending_datums:
+            return
+        head = await self.checkpoints.get_head(self.model)
+        if head.checkpoint_id != self.checkpoint_id:
+            await self.close_trainer()
+            await self.load_head()
+
+    async def close_trainer(self) -> None:
+        if self.trainer is not None and hasattr(self.trainer, "close"):
+            await self._run(self.trainer.close)
+        self.trainer = None
+
     async def load_head(self) -> None:
         """Loads the model's head checkpoint (weights and optimizer state) from the store."""
         head = await self.checkpoints.get_head(self.model)
@@ -106,14 +122,14 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         self.checkpoint_id = manifest.checkpoint_id
 
     async def close(self) -> None:
-        if self.trainer is not None and hasattr(self.trainer, "close"):
-            await self._run(self.trainer.close)
+        await self.close_trainer()
         self._executor.shutdown(wait=True)
 
     @rpc
     async def ForwardBackward(
         self, request_iterator: AsyncIterator[pb.ForwardBackwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.ForwardBackwardResponse:
+        await self.follow_head()
         assert self.trainer is not None
         config: pb.ForwardBackwardConfig | None = None
         runs: list[RunData] = []
@@ -170,6 +186,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def Forward(
         self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.ForwardResponse:
+        await self.follow_head()
         assert self.trainer is not None
         items: list[Datum | int] = []  # a datum, or the index of a run
         runs: list[RunData] = []
@@ -197,6 +214,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def Backward(
         self, request_iterator: AsyncIterator[pb.BackwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.BackwardResponse:
+        await self.follow_head()
         assert self.trainer is not None
         datums: list[Datum] = []
         async for request in request_iterator:
