@@ -28,7 +28,6 @@ import os
 import pathlib
 import random
 import signal
-import statistics
 import sys
 import tempfile
 import time

@@ -11,7 +11,7 @@ import pytest
 from yieldloop import errors
 from yieldloop.services.checkpoint.files import download_verified
 from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo, ObjectInfo
-from yieldloop.services.store import PreconditionFailed, open_store
+from yieldloop.services.store import PreconditionFailed
 
 
 def test_conditional_puts(any_store) -> None:

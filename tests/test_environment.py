@@ -60,7 +60,7 @@ async def echo(word: str, times: int = 1):
 
 @env.scenario()
 async def chat(topic: str):
-    answer = yield [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"About {topic}?"}]
+    yield [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"About {topic}?"}]
     yield 0.5
 
 
