@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import pathlib
 import socket
@@ -24,7 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from trainerbench import build_model  # noqa: E402
+from trainerbench import build_model, run_and_report  # noqa: E402
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -137,14 +136,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--out", type=pathlib.Path)
-    args = parser.parse_args()
-    from yieldloop.cli import quiet_libraries
-
-    quiet_libraries()
-    result = asyncio.run(bench(args))
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    run_and_report(bench, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -147,6 +147,18 @@ async def bench(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_and_report(bench_fn, args: argparse.Namespace) -> dict:
+    """Runs an async benchmark quietly, prints its figures as JSON and writes them to ``args.out``."""
+    from yieldloop.cli import quiet_libraries
+
+    quiet_libraries()
+    result = asyncio.run(bench_fn(args))
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256)
@@ -159,14 +171,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H100 SXM: 989)")
     parser.add_argument("--out", type=pathlib.Path)
-    args = parser.parse_args()
-    from yieldloop.cli import quiet_libraries
-
-    quiet_libraries()
-    result = asyncio.run(bench(args))
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    run_and_report(bench, parser.parse_args())
 
 
 if __name__ == "__main__":
