@@ -172,8 +172,7 @@ class CheckpointRegistry:
             self.get_manifest(manifest.model, manifest.parent_checkpoint_id)
         for obj in manifest.objects:
             check_name(obj.name, "manifest.objects.name")
-            stat = self.store.stat(obj.key)
-            if stat is None or stat.size != obj.size or self.store.sha256(obj.key) != obj.sha256:
+            if self.store.size(obj.key) != obj.size or self.store.sha256(obj.key) != obj.sha256:
                 raise FailedPreconditionError(
                     f"object {obj.key!r} is missing or differs from its declared size/sha256",
                     reason="CHECKPOINT_CORRUPT",

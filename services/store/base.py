@@ -94,6 +94,11 @@ class ObjectStore(abc.ABC):
     def stat(self, key: str) -> ObjectStat | None:
         """Size and ETag of an object, or None when absent."""
 
+    def size(self, key: str) -> int | None:
+        """Size of an object, or None when absent (implementations avoid reading it)."""
+        stat = self.stat(key)
+        return None if stat is None else stat.size
+
     @abc.abstractmethod
     def list(self, prefix: str) -> Iterator[str]:
         """Keys under ``prefix`` (a folder-like prefix ending in ``/``), sorted."""

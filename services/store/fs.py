@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 from yieldloop.services.store.base import (
     ObjectNotFound,
@@ -89,9 +90,16 @@ class FsStore(ObjectStore):
         return data, hashlib.md5(data).hexdigest()
 
     def put_file(self, key: str, path: pathlib.Path) -> str:
-        with open(path, "rb") as src:
-            self._write_atomic(self._path(key), lambda f: shutil.copyfileobj(src, f, 1 << 20))
-        return hash_file(self._path(key), "md5")
+        digest = hashlib.md5()
+
+        def copy(dst: Any) -> None:  # one pass: the ETag is computed while copying
+            with open(path, "rb") as src:
+                for chunk in iter(lambda: src.read(1 << 22), b""):
+                    digest.update(chunk)
+                    dst.write(chunk)
+
+        self._write_atomic(self._path(key), copy)
+        return digest.hexdigest()
 
     def get_file(self, key: str, path: pathlib.Path) -> None:
         source = self._path(key)
@@ -99,6 +107,10 @@ class FsStore(ObjectStore):
             raise ObjectNotFound(key)
         with source.open("rb") as src:
             self._write_atomic(pathlib.Path(path), lambda f: shutil.copyfileobj(src, f, 1 << 20))
+
+    def size(self, key: str) -> int | None:
+        path = self._path(key)
+        return path.stat().st_size if path.is_file() else None
 
     def stat(self, key: str) -> ObjectStat | None:
         path = self._path(key)
