@@ -52,9 +52,41 @@ def test_up_then_demo_attach(tmp_path: pathlib.Path) -> None:
         )
         assert demo.returncode == 0, demo.stdout + demo.stderr
         assert re.search(r"iteration 1: .*now serving step-000001-", demo.stdout), demo.stdout
+        check_model_and_trace_commands(yieldloop, tmp_path)
     finally:
         up.send_signal(signal.SIGINT)
         output, _ = up.communicate(timeout=60)
     assert up.returncode == 0, output
     for service in ("checkpoint", "env", "trainer", "rollout"):
         assert service in output
+
+
+def check_model_and_trace_commands(yieldloop: str, data_dir: pathlib.Path) -> None:
+    """`yieldloop models ...` and `yieldloop trace` against the running stack."""
+    import json
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([yieldloop, *args], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "COLUMNS": "200"})
+
+    attach = ["--attach", str(data_dir)]
+    listed = run("models", *attach, "list")
+    assert listed.returncode == 0 and "tiny" in listed.stdout, listed.stderr
+    tree = run("models", *attach, "checkpoints", "tiny")
+    head = re.search(r"(step-000001-\w+)", tree.stdout).group(1)
+    assert "base" in tree.stdout and "*" in tree.stdout
+    assert f"tiny head: {head}" in run("models", *attach, "head", "tiny").stdout
+    lost = run("models", *attach, "head", "tiny", "--set", "base", "--expect", "base")
+    assert lost.returncode == 1 and "HEAD_CONFLICT" in lost.stderr, "a lost compare-and-swap is a clear error"
+    moved = run("models", *attach, "head", "tiny", "--set", "base", "--expect", head)
+    assert moved.returncode == 0 and "tiny head -> base" in moved.stdout
+    forked = run("models", *attach, "fork", "tiny", "--name", "tiny-copy")
+    assert forked.returncode == 0 and "tiny-copy at base" in forked.stdout
+    trace_id = next((data_dir / "store" / "traces").glob("*.pb")).stem
+    shown = run("trace", trace_id, *attach, "--json")
+    assert shown.returncode == 0, shown.stderr
+    run_json = json.loads(shown.stdout)
+    assert run_json["traceId"] == trace_id and run_json["turns"][0]["completionTokenIds"]
+    assert "reward" in run("trace", trace_id, *attach).stdout
+    missing = run("trace", "0" * 32, *attach)
+    assert missing.returncode == 1 and "TRACE_NOT_FOUND" in missing.stderr

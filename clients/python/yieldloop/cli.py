@@ -74,6 +74,27 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
     _add_stack_args(up)
 
+    models = commands.add_parser("models", help="models, checkpoints and heads of a running stack")
+    models.add_argument("--attach", type=pathlib.Path, default=pathlib.Path(".yieldloop"),
+                        help="data directory of a running `yieldloop up` (default: .yieldloop)")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    model_commands.add_parser("list", help="every model, with its base, parent, owner and whether it is trainable")
+    fork = model_commands.add_parser("fork", help="a new model starting from a model's head (objects shared)")
+    fork.add_argument("source")
+    fork.add_argument("--name", required=True)
+    fork.add_argument("--owner", default="")
+    checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first")
+    checkpoints.add_argument("model")
+    head = model_commands.add_parser("head", help="show a model's head, or move it with --set (rollback, branch)")
+    head.add_argument("model")
+    head.add_argument("--set", dest="set_to", metavar="CHECKPOINT")
+    head.add_argument("--expect", default="", metavar="CHECKPOINT", help="only if the head is this (compare-and-swap)")
+
+    trace = commands.add_parser("trace", help="print a recorded run (prompt, turns, reward) by trace id")
+    trace.add_argument("trace_id")
+    trace.add_argument("--attach", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
+    trace.add_argument("--json", action="store_true", help="the run as JSON")
+
     demo = commands.add_parser("demo", help="run the closed loop on the embedded default and print each iteration")
     demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
     demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")
@@ -210,6 +231,76 @@ async def _demo(args: argparse.Namespace) -> None:
             await stack.stop()
 
 
+async def _models(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from yieldloop.client import Client
+
+    console = Console()
+    async with Client(**_read_addresses(args.attach), timeout=60) as client:
+        if args.models_command == "list":
+            table = Table("model", "base", "parent", "owner", "trainable")
+            for m in (await client.list_models()).models:
+                table.add_row(m.slug, m.base, m.parent or "-", m.owner or "-", "yes" if m.trainable else "no")
+            console.print(table)
+        elif args.models_command == "fork":
+            forked = await client.fork_model(args.source, args.name, args.owner)
+            console.print(f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id}")
+        elif args.models_command == "checkpoints":
+            table = Table("checkpoint", "parent", "step", "head")
+            for c in (await client.list_checkpoints(args.model)).checkpoints:
+                table.add_row(c.checkpoint_id, c.parent_checkpoint_id or "-", str(c.step), "*" if c.is_head else "")
+            console.print(table)
+        elif args.set_to:
+            head = await client.set_head(args.model, args.set_to, expected_checkpoint_id=args.expect)
+            console.print(f"{args.model} head -> {head.checkpoint_id} (sequence {head.sequence})")
+        else:
+            head = await client.get_head(args.model)
+            console.print(f"{args.model} head: {head.checkpoint_id} (sequence {head.sequence})")
+
+
+async def _trace(args: argparse.Namespace) -> None:
+    from google.protobuf import json_format
+    from rich.console import Console
+
+    from yieldloop.client import Client
+
+    async with Client(**_read_addresses(args.attach), timeout=60) as client:
+        [run] = await client.get_runs([args.trace_id])
+    if args.json:
+        print(json_format.MessageToJson(run))
+        return
+    console = Console()
+    console.print(f"run {run.run_id}  trace {run.trace_id}  group {run.group_id}  model {run.model}")
+    console.print(f"task {run.task.env}/{run.task.scenario} {run.task.args_json}")
+    console.print(f"prompt: {run.prompt}")
+    for i, turn in enumerate(run.turns):
+        console.print(f"turn {i}: {len(turn.prompt_token_ids)} prompt + {len(turn.completion_token_ids)} completion "
+                      f"tokens, weights {turn.weight_version}: {turn.completion_text!r}", markup=False)
+    console.print(f"answer: {run.answer!r}  reward {run.reward:.3f}  info {run.info_json}", markup=False)
+
+
+def _with_errors(coro: Any) -> int:
+    """Runs a client command; a yieldloop error becomes one line on stderr and exit status 1."""
+    from yieldloop.errors import YieldloopError
+
+    try:
+        _run(coro)
+    except YieldloopError as err:
+        print(f"yieldloop: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    return _with_errors(_models(args))
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    return _with_errors(_trace(args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     _run(_demo(args))
     return 0
@@ -218,7 +309,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
-    handlers = {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo}
+    handlers = {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo, "models": cmd_models, "trace": cmd_trace}
     return handlers[args.command](args)
 
 
