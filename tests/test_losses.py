@@ -58,8 +58,6 @@ def reference_loss(model: torch.nn.Module, datums: list[Datum], name: str = "imp
     return total
 
 
-reference_is_loss = reference_loss
-
 
 @pytest.mark.parametrize("loss", ["importance_sampling", "cross_entropy", "ppo", "cispo", "dro"])
 def test_loss_value_and_gradient_through_the_model(tiny_model_dir: pathlib.Path, loss: str) -> None:
@@ -142,7 +140,7 @@ async def test_service_loss_equals_reference(client: Client, stack, tiny_model_d
         datums=[common_pb.Datum(**vars(d)) for d in datums], loss_fn="importance_sampling"
     )
     with torch.no_grad():
-        expected = float(reference_is_loss(reference, datums))
+        expected = float(reference_loss(reference, datums))
     assert result.loss_sum == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert result.num_datums == 3
     # Apply the step so the session's trainer and rollout stay on the same weights.

@@ -210,8 +210,8 @@ class CheckpointRegistry:
         for checkpoint_id, keys in folders.items():
             if any(key.endswith("/" + MANIFEST) for key in keys):
                 continue
-            stats = [self.store.stat(key) for key in keys]
-            if all(s is not None and now - s.modified >= grace_s for s in stats):
+            modified = [self.store.modified(key) for key in keys]
+            if all(m is not None and now - m >= grace_s for m in modified):
                 for key in keys:
                     self.store.delete(key)
                 removed.append(checkpoint_id)

@@ -99,6 +99,11 @@ class ObjectStore(abc.ABC):
         stat = self.stat(key)
         return None if stat is None else stat.size
 
+    def modified(self, key: str) -> float | None:
+        """Last-modified time (Unix seconds) of an object, or None when absent (without reading it)."""
+        stat = self.stat(key)
+        return None if stat is None else stat.modified
+
     @abc.abstractmethod
     def list(self, prefix: str) -> Iterator[str]:
         """Keys under ``prefix`` (a folder-like prefix ending in ``/``), sorted."""

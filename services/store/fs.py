@@ -112,6 +112,10 @@ class FsStore(ObjectStore):
         path = self._path(key)
         return path.stat().st_size if path.is_file() else None
 
+    def modified(self, key: str) -> float | None:
+        path = self._path(key)
+        return path.stat().st_mtime if path.is_file() else None
+
     def stat(self, key: str) -> ObjectStat | None:
         path = self._path(key)
         if not path.is_file():
