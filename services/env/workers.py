@@ -94,6 +94,20 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
             episode_tasks.add(task)
             task.add_done_callback(episode_tasks.discard)
     await host.stop()
+    await close_stream(writer)
+
+
+async def close_stream(writer: asyncio.StreamWriter) -> None:
+    """Closes a stream transport built on a Python socket, now rather than at garbage collection.
+
+    Under uvloop such a transport and its socket object both hold the fd; if a
+    collection finalises the socket first, the transport closes the same fd
+    number again later, possibly someone else's file by then (uvloop #763).
+    Closing the transport explicitly detaches the socket first.
+    """
+    writer.close()
+    with contextlib.suppress(OSError, ConnectionError):
+        await writer.wait_closed()
 
 
 @dataclasses.dataclass(eq=False)
@@ -182,6 +196,7 @@ class WorkerPoolHost(EpisodeHost):
                 await asyncio.to_thread(worker.process.join, 5)
                 if worker.process.is_alive():
                     worker.process.kill()
+                await close_stream(worker.writer)
 
     # Messaging ---------------------------------------------------------------------------
 
