@@ -110,3 +110,29 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> InProcessStack:
 async def client(stack: InProcessStack) -> Client:
     async with Client(**stack.addresses, timeout=120) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def engine_folders(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """Two checkpoints of the tiny model: "v1" (as created) and "v2" (every weight perturbed)."""
+    from engine_harness import perturbed_copy
+
+    return {"v1": tiny_model_dir, "v2": perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("tiny-v2"))}
+
+
+ENGINE_KINDS = ["torch", "vllm"]
+
+
+@pytest_asyncio.fixture(scope="session", params=ENGINE_KINDS)
+async def served_engine(request: pytest.FixtureRequest, engine_folders):
+    """Each engine (torch; vLLM when installed) loaded with "v1" and served over gRPC, once per session."""
+    from engine_harness import serve_engine, stop_engine
+
+    if request.param == "vllm":
+        from yieldloop.services.rollout.engines.vllm_engine import vllm_available
+
+        if not vllm_available():
+            pytest.skip("vLLM is not installed (pip install 'yieldloop[vllm]')")
+    served = await serve_engine(request.param, engine_folders)
+    yield served
+    await stop_engine(served)

@@ -18,9 +18,16 @@ _LOAD_LOCK = threading.Lock()
 def load_causal_lm(folder: pathlib.Path, dtype: str, device: str, **kwargs: Any) -> tuple[Any, Any]:
     """Loads ``AutoModelForCausalLM`` and its tokenizer from an HF folder onto ``device``."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model.to(device), tokenizer
+    return model.to(device), load_tokenizer(folder)
+
+
+def load_tokenizer(folder: pathlib.Path) -> Any:
+    """The tokenizer of an HF folder (under the same lock)."""
+    from transformers import AutoTokenizer
+
+    with _LOAD_LOCK:
+        return AutoTokenizer.from_pretrained(folder)

@@ -6,12 +6,18 @@ from yieldloop.services.rollout.engines.base import Engine, SamplingConfig, Toke
 
 
 def create_engine(kind: str, **options: object) -> Engine:
-    """The engine named ``kind`` ("torch"; "vllm" arrives with the vLLM extra)."""
+    """The engine named ``kind``: "torch", or "vllm" (``pip install 'yieldloop[vllm]'``)."""
     if kind == "torch":
         from yieldloop.services.rollout.engines.torch_engine import TorchEngine
 
         return TorchEngine(**options)
-    raise ValueError(f"unknown engine {kind!r} (available: torch)")
+    if kind == "vllm":
+        from yieldloop.services.rollout.engines.vllm_engine import VllmEngine, vllm_available
+
+        if not vllm_available():
+            raise ValueError("the vllm engine needs vLLM: pip install 'yieldloop[vllm]'")
+        return VllmEngine(**options)
+    raise ValueError(f"unknown engine {kind!r} (available: torch, vllm)")
 
 
 __all__ = ["Engine", "SamplingConfig", "TokenDelta", "create_engine"]

@@ -6,6 +6,7 @@ import abc
 import dataclasses
 import pathlib
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from yieldloop.errors import InvalidArgumentError, UnavailableError, invalid_field
 
@@ -17,7 +18,8 @@ class SamplingConfig:
     max_tokens: int = 16
     """Completion tokens at most; must be > 0."""
     temperature: float = 1.0
-    """0 samples greedily; logprobs are those of softmax(logits / temperature) (raw at 0)."""
+    """0 samples greedily. Logprobs are those of the distribution sampled from: softmax(logits /
+    temperature), restricted to top-k / top-p and renormalised when set; raw log-softmax at 0."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]."""
     top_k: int = 0
@@ -54,10 +56,13 @@ class Engine(abc.ABC):
     """A policy engine serving one model's weights.
 
     Implementations swap weights only at a step boundary, so every token is
-    sampled by exactly one weight version, which each delta reports.
+    sampled by exactly one weight version, which each delta reports. The
+    model's own Hugging Face tokenizer renders chat prompts and decodes, the
+    same in every engine.
     """
 
     name: str = "engine"
+    tokenizer: Any = None
 
     @property
     @abc.abstractmethod
@@ -77,19 +82,54 @@ class Engine(abc.ABC):
         """Loads an HF checkpoint folder; returns once new requests use it."""
 
     @abc.abstractmethod
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt ids for chat messages, with the generation prompt added."""
-
-    @abc.abstractmethod
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of completion tokens (special tokens dropped)."""
-
-    @abc.abstractmethod
     def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> AsyncIterator[TokenDelta]:
-        """Streams deltas for one request; closing the iterator cancels it."""
+        """Streams deltas for one request; closing the iterator cancels it and frees its resources."""
+
+    @abc.abstractmethod
+    def num_unfinished(self) -> int:
+        """Requests the engine still holds (queued or decoding); cancelled ones leave promptly."""
 
     async def close(self) -> None:
-        """Releases threads and memory."""
+        """Releases threads, processes and memory."""
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise UnavailableError("no weights loaded yet", reason="ENGINE_NOT_READY")
+        return self.tokenizer
+
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, *,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Prompt ids for chat messages (and tools, OpenAI function format) through the chat template."""
+        return list(
+            self._require_tokenizer().apply_chat_template(
+                list(messages), tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+            )
+        )
+
+    def render_chat_text(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, *,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """The chat template's text for ``messages`` (the agent loop diffs two of these)."""
+        return self._require_tokenizer().apply_chat_template(
+            list(messages), tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt, tokenize=False,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added (special-token text is still matched)."""
+        return list(self._require_tokenizer().encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of token ids (special tokens dropped unless asked for)."""
+        return self._require_tokenizer().decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._require_tokenizer().eos_token_id
 
     def validate_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Typed errors for prompts the engine cannot serve."""

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from yieldloop.errors import UnavailableError
 from yieldloop.services.rollout.engines.base import Engine, SamplingConfig, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,12 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
 
 
 def sample_token(logits_V: Any, sampling: SamplingConfig, generator: Any) -> tuple[int, float]:
-    """Samples one token; returns it with its logprob under softmax(logits / temperature)."""
+    """Samples one token; returns it with its logprob under the distribution it was drawn from.
+
+    That is softmax(logits / temperature), restricted to top-k / top-p and
+    renormalised when those are set (vLLM's ``processed_logprobs``); greedy
+    (temperature 0) reports the raw log-softmax.
+    """
     import torch
 
     if sampling.temperature == 0:
@@ -72,14 +78,19 @@ def sample_token(logits_V: Any, sampling: SamplingConfig, generator: Any) -> tup
         return token, float(logprobs_V[token])
     logprobs_V = torch.log_softmax(logits_V / sampling.temperature, dim=-1)
     probs_V = logprobs_V.exp()
-    if sampling.top_k:
-        kth = torch.topk(probs_V, min(sampling.top_k, probs_V.numel())).values[-1]
+    truncated = False
+    if sampling.top_k and sampling.top_k < probs_V.numel():
+        kth = torch.topk(probs_V, sampling.top_k).values[-1]
         probs_V = torch.where(probs_V >= kth, probs_V, torch.zeros_like(probs_V))
+        truncated = True
     if sampling.top_p < 1:
         sorted_probs, order = torch.sort(probs_V, descending=True)
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p * sorted_probs.sum()
         probs_V = torch.zeros_like(probs_V).scatter(0, order[keep], sorted_probs[keep])
+        truncated = True
     token = int(torch.multinomial(probs_V, 1, generator=generator))
+    if truncated:
+        return token, float(logprobs_V[token] - torch.log(probs_V.double().sum()))
     return token, float(logprobs_V[token])
 
 
@@ -108,6 +119,8 @@ class TorchEngine(Engine):
         self._swap_lock = threading.Lock()
         self._pending: queue.Queue = queue.Queue()
         self._stopping = False
+        self._live = 0
+        """Requests of the batch being decoded that are not done yet (written by the worker thread)."""
         self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
         self._thread.start()
 
@@ -134,17 +147,6 @@ class TorchEngine(Engine):
         self._pending.put(_WAKE)
         await swapped
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        assert self._weights is not None
-        ids = self._weights.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        assert self._weights is not None
-        return self._weights.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> AsyncIterator[TokenDelta]:
         import torch
 
@@ -168,6 +170,9 @@ class TorchEngine(Engine):
         finally:
             request.cancelled = True
 
+    def num_unfinished(self) -> int:
+        return self._pending.qsize() + self._live
+
     async def close(self) -> None:
         self._stopping = True
         self._pending.put(_WAKE)
@@ -180,6 +185,7 @@ class TorchEngine(Engine):
             swaps, self._swaps = self._swaps, []
         for weights, loop, future in swaps:
             self._weights = weights
+            self.tokenizer = weights.tokenizer
             log.info("serving weights %s", weights.version)
             loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
 
@@ -201,10 +207,13 @@ class TorchEngine(Engine):
                 continue
             try:
                 self._decode(batch)
-            except Exception as exc:  # deliberate degrade: fail this batch, keep serving
+            except Exception as exc:  # deliberate degrade: fail this batch (retryably), keep serving
                 log.exception("decode failed")
+                error = UnavailableError(f"torch engine error: {exc}", reason="ENGINE_ERROR")
                 for request in batch:
-                    request.emit(exc)
+                    request.emit(error)
+            finally:
+                self._live = 0
 
     def _decode(self, batch: list[_Request]) -> None:
         import torch
@@ -252,6 +261,7 @@ class TorchEngine(Engine):
                     done[i] = bool(reason)
                     request.emit(TokenDelta([token], [logprob], version, finished=done[i], stop_reason=reason))
                     step_tokens.append(token)
+                self._live = num_seqs - sum(done)
                 if all(done):
                     return
                 mask_BL = torch.cat([mask_BL, torch.ones((num_seqs, 1), dtype=torch.long)], dim=1)

@@ -54,6 +54,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOOL_DEADLINE: _ClassVar[ErrorReason]
     GROUP_INCOMPLETE: _ClassVar[ErrorReason]
     TRACE_NOT_FOUND: _ClassVar[ErrorReason]
+    ENGINE_ERROR: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -93,6 +94,7 @@ EPISODE_DEADLINE: ErrorReason
 TOOL_DEADLINE: ErrorReason
 GROUP_INCOMPLETE: ErrorReason
 TRACE_NOT_FOUND: ErrorReason
+ENGINE_ERROR: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

