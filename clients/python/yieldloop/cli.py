@@ -41,7 +41,8 @@ def _add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help=f"environment module:attr or file.py:attr (repeatable; default {DEFAULT_ENV_SPEC})")
     parser.add_argument("--env-workers", type=int, default=2,
                         help="EnvService worker processes running environment code (0: in-process; default 2)")
-    parser.add_argument("--engine", default="torch", help="rollout engine (default: torch)")
+    parser.add_argument("--engine", default="torch", choices=("torch", "vllm"),
+                        help="rollout engine: torch (default) or vllm (pip install 'yieldloop[vllm]')")
     parser.add_argument("--device", default="cpu", help="torch device for trainer and engine (default: cpu)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="trainer ranks, data parallel (gloo on CPU, NCCL on CUDA; default 1)")
