@@ -159,7 +159,7 @@ async def test_cancellation_frees_the_request(served_engine: ServedEngine) -> No
 @pytest.mark.parametrize(
     ("kwargs", "error", "reason"),
     [
-        ({"prompt_token_ids": [1] * 600, "sampling": sampling_params(max_tokens=2)},
+        ({"prompt_token_ids": [1] * 2100, "sampling": sampling_params(max_tokens=2)},
          errors.InvalidArgumentError, "PROMPT_TOO_LONG"),
         ({"prompt_token_ids": [1, 10**6], "sampling": sampling_params(max_tokens=2)},
          errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),

@@ -73,7 +73,7 @@ async def test_set_head_to_missing_checkpoint_is_not_found(client: Client) -> No
         (lambda c: c.generate([10**6], sampling=sampling_params(max_tokens=2)), errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),
         (lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=0)), errors.InvalidArgumentError, "INVALID_FIELD"),
         (lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=2, temperature=-1)), errors.InvalidArgumentError, "INVALID_FIELD"),
-        (lambda c: c.generate([1] * 600, sampling=sampling_params(max_tokens=2)), errors.InvalidArgumentError, "PROMPT_TOO_LONG"),
+        (lambda c: c.generate([1] * 2100, sampling=sampling_params(max_tokens=2)), errors.InvalidArgumentError, "PROMPT_TOO_LONG"),
         (lambda c: c.generate([1, 2], model="other-model"), errors.NotFoundError, "MODEL_NOT_FOUND"),
         (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2])], loss_fn="nope"), errors.InvalidArgumentError, "LOSS_UNKNOWN"),
         (lambda c: c.forward_backward(datums=[]), errors.InvalidArgumentError, "INVALID_FIELD"),

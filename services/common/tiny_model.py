@@ -15,12 +15,31 @@ import string
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# Qwen-style ChatML template, so chat prompts render the same in every engine.
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+
+# Qwen-style ChatML template with Hermes/Qwen tools: tool signatures in the system turn, calls as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as `tool` turns. Every message is
+# rendered on its own, so a conversation's text always extends its prefix's (the agent loop relies on it).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\n\nFor each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-object>}"
+    "\n</tool_call><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 
@@ -36,7 +55,7 @@ class TinyModelConfig:
     num_attention_heads: int = 2
     """hidden_size / num_attention_heads = 32: the smallest head size vLLM's CPU backend takes."""
     num_key_value_heads: int = 1
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = 2048
     seed: int = 0
 
 
@@ -78,6 +97,7 @@ def train_tokenizer(config: TinyModelConfig):
         pad_token="<|endoftext|>",
         unk_token=None,
     )
+    fast.add_tokens(TOOL_CALL_TOKENS)  # plain added tokens: they stay in decoded text, where calls are parsed
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

@@ -149,9 +149,14 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                 action = request.WhichOneof("action")
                 if action == "call_tool" and info is not None and not graded:
                     call = request.call_tool
-                    arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
                     watch(me, min(deadline, loop.time() + info.tool_timeout_s), f"tool {call.name!r}", "TOOL_DEADLINE")
-                    content, is_error = await self.host.call_tool(key, call.name, arguments)
+                    try:
+                        arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
+                        content, is_error = await self.host.call_tool(key, call.name, arguments)
+                    except InvalidArgumentError as err:
+                        if not call.errors_as_results or err.reason not in ("TOOL_NOT_FOUND", "TOOL_ARGS_INVALID"):
+                            raise
+                        content, is_error = f"{err.reason}: {err.message}", True
                     watch(me, deadline, "the episode", "EPISODE_DEADLINE")
                     await write(pb.StreamEpisodeResponse(
                         tool_result=pb.ToolResult(call_id=call.call_id, content=content, is_error=is_error)

@@ -1,21 +1,41 @@
-"""Episodes against EnvService: the single-turn agent loop and grouped rollouts.
+"""Episodes against EnvService: the multi-turn agent loop and grouped rollouts with retries.
 
-An episode starts on EnvService, renders the prompt with the model's chat
-template, samples a completion from the engine, submits the decoded answer
-and records a token-exact Run. Environment failures become runs with status
-ENV_ERROR and infrastructure failures INFRA_ERROR, never reward 0; a bad
-task (unknown scenario, arguments that do not bind) fails the whole request.
+An episode starts on EnvService, renders the prompt and the environment's
+tools with the model's chat template, and samples turns from the engine:
+a turn with tool calls gets the results appended and another turn, until
+the model answers, ``max_steps`` turns were taken, the episode deadline
+passes or the context is full (see :mod:`.agent`). The answer is submitted
+and the Run records every turn token-exact. Environment failures become
+runs with status ENV_ERROR and infrastructure failures (a dead env worker,
+an engine error) are retried, then recorded as INFRA_ERROR, never reward 0;
+a bad task (unknown scenario, arguments that do not bind) fails the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from yieldloop.client import Client
 from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, YieldloopError
+from yieldloop.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    YieldloopError,
+)
+from yieldloop.services.rollout.agent import (
+    MalformedToolCall,
+    continuation_ids,
+    parse_tool_calls,
+    strip_tool_calls,
+    tools_for_template,
+)
 from yieldloop.services.rollout.engines import Engine, SamplingConfig
 
 STOP_REASONS = {
@@ -27,32 +47,101 @@ STOP_REASONS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """How the agent loop drives one episode."""
+
+    max_steps: int = 8
+    """Model turns at most."""
+    episode_timeout_s: float = 0.0
+    """Wall-clock budget of an episode (0: none beyond the environment's own)."""
+    max_attempts: int = 3
+    """Attempts per episode when infrastructure fails."""
+
+
 async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingConfig) -> common_pb.Turn:
     """Samples one completion and returns it as a token-exact Turn."""
     turn = common_pb.Turn(prompt_token_ids=prompt_ids)
-    async for delta in engine.generate(prompt_ids, sampling):
-        turn.completion_token_ids.extend(delta.token_ids)
-        turn.completion_logprobs.extend(delta.logprobs)
-        turn.weight_version = delta.weight_version
-        if delta.finished:
-            turn.stop_reason = STOP_REASONS[delta.stop_reason]
+    try:
+        async for delta in engine.generate(prompt_ids, sampling):
+            turn.completion_token_ids.extend(delta.token_ids)
+            turn.completion_logprobs.extend(delta.logprobs)
+            turn.weight_version = delta.weight_version
+            if delta.finished:
+                turn.stop_reason = STOP_REASONS[delta.stop_reason]
+    except YieldloopError:
+        raise
+    except Exception as exc:  # an engine failure is infrastructure: retried, never scored
+        raise UnavailableError(f"engine error: {type(exc).__name__}: {exc}", reason="ENGINE_ERROR") from exc
     turn.completion_text = engine.decode(turn.completion_token_ids)
     return turn
 
 
+async def agent_loop(
+    engine: Engine, episode, started, run: common_pb.Run, sampling: SamplingConfig, config: AgentConfig
+) -> str:
+    """Drives the model through one started episode; fills ``run.turns``; returns the answer to submit."""
+    deadline = time.monotonic() + config.episode_timeout_s if config.episode_timeout_s > 0 else None
+    tools = tools_for_template(started.tools) or None
+    messages = [{"role": m.role, "content": m.content} for m in started.messages]
+    prompt_ids = engine.render_chat(messages, tools)
+    answer = ""
+    for step in range(config.max_steps):
+        if len(prompt_ids) >= engine.max_model_len:
+            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_CONTEXT
+            return answer
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_DEADLINE
+            return answer
+        try:
+            turn = await asyncio.wait_for(sample_turn(engine, prompt_ids, sampling), remaining)
+        except TimeoutError:
+            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_DEADLINE
+            return answer
+        run.turns.append(turn)
+        text = turn.completion_text
+        answer = strip_tool_calls(text)
+        try:
+            calls = parse_tool_calls(text)
+        except MalformedToolCall:
+            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_MALFORMED_TOOL_CALL
+            return text
+        if not calls:
+            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_ANSWER
+            return answer
+        if step == config.max_steps - 1:
+            break
+        # A bad call (unknown tool, invalid arguments) is part of the trajectory: the model sees the error.
+        results = [
+            {"role": "tool", "content": (await episode.call_tool(c.name, json.dumps(c.arguments), errors_as_results=True)).content}
+            for c in calls
+        ]
+        prompt_ids = [
+            *turn.prompt_token_ids, *turn.completion_token_ids,
+            *continuation_ids(engine, messages, tools, turn.completion_token_ids, results),
+        ]
+        messages += [{"role": "assistant", "content": engine.decode(turn.completion_token_ids)}, *results]
+    run.agent_stop_reason = common_pb.AGENT_STOP_REASON_MAX_STEPS
+    return answer
+
+
 async def run_episode(
-    engine: Engine, env: Client, task: common_pb.Task, group_id: str, sampling: SamplingConfig, model: str
+    engine: Engine,
+    env: Client,
+    task: common_pb.Task,
+    group_id: str,
+    sampling: SamplingConfig,
+    model: str,
+    config: AgentConfig = AgentConfig(),
 ) -> common_pb.Run:
-    """One episode: start, one model turn, submit, graded Run."""
+    """One episode attempt: start, the agent loop, submit; a graded (or failed) Run."""
     run = common_pb.Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model)
     episode = env.episode(task)
     try:
         started = await episode.start()
         run.prompt = started.prompt
-        messages = [{"role": m.role, "content": m.content} for m in started.messages]
-        turn = await sample_turn(engine, engine.render_chat(messages), sampling)
-        run.turns.append(turn)
-        run.answer = turn.completion_text
+        run.answer = await agent_loop(engine, episode, started, run, sampling, config)
         graded = await episode.submit(run.answer)
         run.reward, run.info_json, run.status = graded.reward, graded.info_json, common_pb.RUN_STATUS_GRADED
     except (NotFoundError, InvalidArgumentError):
@@ -68,6 +157,24 @@ async def run_episode(
     return run
 
 
+async def run_with_retries(
+    engine: Engine,
+    env: Client,
+    task: common_pb.Task,
+    group_id: str,
+    sampling: SamplingConfig,
+    model: str,
+    config: AgentConfig = AgentConfig(),
+) -> common_pb.Run:
+    """Runs an episode until it is not an infrastructure failure, ``config.max_attempts`` times at most."""
+    for attempt in range(1, config.max_attempts + 1):
+        run = await run_episode(engine, env, task, group_id, sampling, model, config)
+        run.attempts = attempt
+        if run.status != common_pb.RUN_STATUS_INFRA_ERROR:
+            break
+    return run
+
+
 async def stream_rollouts(
     engine: Engine,
     env: Client,
@@ -77,6 +184,7 @@ async def stream_rollouts(
     max_concurrent: int,
     sampling: SamplingConfig,
     model: str,
+    config: AgentConfig = AgentConfig(),
 ) -> AsyncIterator[common_pb.Run]:
     """Runs every task ``group_size`` times, at most ``max_concurrent`` at once; yields Runs as they finish."""
     limit = asyncio.Semaphore(max_concurrent or len(tasks) * group_size)
@@ -86,7 +194,7 @@ async def stream_rollouts(
     async def one(task: common_pb.Task, group_id: str) -> None:
         async with limit:
             try:
-                await finished.put(await run_episode(engine, env, task, group_id, sampling, model))
+                await finished.put(await run_with_retries(engine, env, task, group_id, sampling, model, config))
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await finished.put(exc)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -13,7 +14,7 @@ from yieldloop.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.services.common.grpc_server import rpc
 from yieldloop.services.rollout.engines import Engine, SamplingConfig
-from yieldloop.services.rollout.rollouts import STOP_REASONS, stream_rollouts
+from yieldloop.services.rollout.rollouts import STOP_REASONS, AgentConfig, stream_rollouts
 from yieldloop.services.rollout.weights import WeightFollower
 from yieldloop.services.store.traces import TraceStore
 
@@ -82,6 +83,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise invalid_field("tasks", "no tasks given")
         if request.max_concurrent < 0:
             raise invalid_field("max_concurrent", "max_concurrent must be >= 0")
+        for name in ("max_steps", "max_attempts", "episode_timeout_s"):
+            if getattr(request, name) < 0 or not math.isfinite(getattr(request, name)):
+                raise invalid_field(name, f"{name} must be >= 0")
+        config = AgentConfig(
+            max_steps=request.max_steps or AgentConfig.max_steps,
+            episode_timeout_s=request.episode_timeout_s,
+            max_attempts=request.max_attempts or AgentConfig.max_attempts,
+        )
         if not self.engine.weight_version:
             self.engine.validate_prompt([])  # raises ENGINE_NOT_READY
         async for run in stream_rollouts(
@@ -92,6 +101,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             max_concurrent=request.max_concurrent,
             sampling=sampling_from_pb(request.sampling),
             model=self.model,
+            config=config,
         ):
             # Persisted before it is streamed: a run the client saw always has its trace.
             await asyncio.to_thread(self.traces.put, run, request.job_id or "default")

@@ -94,3 +94,14 @@ async def echo(word: str, tag: str = ""):
     """Rewards answers equal to the word."""
     answer = yield f"Say {word}"
     yield 1.0 if answer == word else 0.0
+
+
+@env.scenario()
+async def flaky_start(marker: str, tag: str = ""):
+    """Kills its worker process the first time (no marker file yet), then rewards any answer."""
+    path = pathlib.Path(marker)
+    if not path.exists():
+        path.write_text("died once")
+        os._exit(3)
+    yield "Say anything."
+    yield 1.0

@@ -124,10 +124,15 @@ class EpisodeSession:
         self.started = response.started
         return response.started
 
-    async def call_tool(self, name: str, arguments_json: str = "{}", call_id: str = "") -> env_pb.ToolResult:
+    async def call_tool(
+        self, name: str, arguments_json: str = "{}", call_id: str = "", *, errors_as_results: bool = False
+    ) -> env_pb.ToolResult:
+        """Calls a tool; with ``errors_as_results`` an unknown tool or bad arguments come back as an
+        error result (``is_error``) instead of failing the episode."""
         request = env_pb.StreamEpisodeRequest()
         call = request.call_tool  # filled in place: no copy of a nested message
         call.call_id, call.name, call.arguments_json = call_id, name, arguments_json
+        call.errors_as_results = errors_as_results
         return (await self._exchange(request)).tool_result
 
     async def submit(self, answer: str) -> env_pb.EpisodeGraded:
@@ -264,15 +269,25 @@ class Client:
         max_concurrent: int = 0,
         sampling: rollout_pb.SamplingParams | None = None,
         job_id: str = "",
+        max_steps: int = 0,
+        episode_timeout_s: float = 0.0,
+        max_attempts: int = 0,
         timeout: float | None = None,
     ) -> AsyncIterator[common_pb.Run]:
-        """Runs tasks x group_size episodes and yields Runs as they finish."""
+        """Runs tasks x group_size episodes and yields Runs as they finish.
+
+        ``max_steps`` bounds model turns per episode (0: 8), ``episode_timeout_s`` its wall clock (0:
+        the environment's own), ``max_attempts`` the tries when infrastructure fails (0: 3).
+        """
         request = rollout_pb.StreamRolloutsRequest(
             tasks=[task_to_proto(t) for t in tasks],
             group_size=group_size,
             max_concurrent=max_concurrent,
             sampling=sampling or sampling_params(temperature=1.0, max_tokens=16),
             job_id=job_id,
+            max_steps=max_steps,
+            episode_timeout_s=episode_timeout_s,
+            max_attempts=max_attempts,
         )
         async for response in _stream(self.rollout_stub.StreamRollouts(request, timeout=timeout)):
             yield response.run

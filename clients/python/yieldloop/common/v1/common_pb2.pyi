@@ -16,6 +16,15 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_REASON_CANCELLED: _ClassVar[StopReason]
     STOP_REASON_CONTEXT: _ClassVar[StopReason]
 
+class AgentStopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGENT_STOP_REASON_UNSPECIFIED: _ClassVar[AgentStopReason]
+    AGENT_STOP_REASON_ANSWER: _ClassVar[AgentStopReason]
+    AGENT_STOP_REASON_MAX_STEPS: _ClassVar[AgentStopReason]
+    AGENT_STOP_REASON_MALFORMED_TOOL_CALL: _ClassVar[AgentStopReason]
+    AGENT_STOP_REASON_DEADLINE: _ClassVar[AgentStopReason]
+    AGENT_STOP_REASON_CONTEXT: _ClassVar[AgentStopReason]
+
 class RunStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RUN_STATUS_UNSPECIFIED: _ClassVar[RunStatus]
@@ -61,6 +70,12 @@ STOP_REASON_LENGTH: StopReason
 STOP_REASON_STOP_STRING: StopReason
 STOP_REASON_CANCELLED: StopReason
 STOP_REASON_CONTEXT: StopReason
+AGENT_STOP_REASON_UNSPECIFIED: AgentStopReason
+AGENT_STOP_REASON_ANSWER: AgentStopReason
+AGENT_STOP_REASON_MAX_STEPS: AgentStopReason
+AGENT_STOP_REASON_MALFORMED_TOOL_CALL: AgentStopReason
+AGENT_STOP_REASON_DEADLINE: AgentStopReason
+AGENT_STOP_REASON_CONTEXT: AgentStopReason
 RUN_STATUS_UNSPECIFIED: RunStatus
 RUN_STATUS_GRADED: RunStatus
 RUN_STATUS_ENV_ERROR: RunStatus
@@ -143,7 +158,7 @@ class Turn(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., completion_text: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "task", "group_id", "prompt", "turns", "answer", "reward", "info_json", "status", "error", "model", "trace_id")
+    __slots__ = ("run_id", "task", "group_id", "prompt", "turns", "answer", "reward", "info_json", "status", "error", "model", "trace_id", "agent_stop_reason", "attempts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +171,8 @@ class Run(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task: Task
     group_id: str
@@ -168,7 +185,9 @@ class Run(_message.Message):
     error: str
     model: str
     trace_id: str
-    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_id: _Optional[str] = ..., prompt: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., answer: _Optional[str] = ..., reward: _Optional[float] = ..., info_json: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    agent_stop_reason: AgentStopReason
+    attempts: int
+    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_id: _Optional[str] = ..., prompt: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., answer: _Optional[str] = ..., reward: _Optional[float] = ..., info_json: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., trace_id: _Optional[str] = ..., agent_stop_reason: _Optional[_Union[AgentStopReason, str]] = ..., attempts: _Optional[int] = ...) -> None: ...
 
 class Datum(_message.Message):
     __slots__ = ("input_tokens", "target_tokens", "sampling_logprobs", "advantages", "weights")

@@ -42,14 +42,16 @@ class StartEpisode(_message.Message):
     def __init__(self, task: _Optional[_Union[_common_pb2.Task, _Mapping]] = ..., episode_id: _Optional[str] = ...) -> None: ...
 
 class CallTool(_message.Message):
-    __slots__ = ("call_id", "name", "arguments_json")
+    __slots__ = ("call_id", "name", "arguments_json", "errors_as_results")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_AS_RESULTS_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     name: str
     arguments_json: str
-    def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+    errors_as_results: bool
+    def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., errors_as_results: _Optional[bool] = ...) -> None: ...
 
 class SubmitAnswer(_message.Message):
     __slots__ = ("answer",)

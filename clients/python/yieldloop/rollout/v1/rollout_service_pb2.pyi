@@ -66,18 +66,24 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamRolloutsRequest(_message.Message):
-    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id")
+    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id", "max_steps", "episode_timeout_s", "max_attempts")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]
     group_size: int
     max_concurrent: int
     sampling: SamplingParams
     job_id: str
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ...) -> None: ...
+    max_steps: int
+    episode_timeout_s: float
+    max_attempts: int
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., episode_timeout_s: _Optional[float] = ..., max_attempts: _Optional[int] = ...) -> None: ...
 
 class StreamRolloutsResponse(_message.Message):
     __slots__ = ("run",)

@@ -1,0 +1,175 @@
+"""The multi-turn agent loop: token-exact turn stitching, tool calls, stop reasons, infrastructure retries.
+
+A scripted policy writes the model turns (the tiny random model does not call tools on its own), on top
+of each real engine's tokenizer and chat template; everything else is real: EnvService in worker
+processes over gRPC, the SDK environment's tools, the rollout code that records the Run.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+import pytest_asyncio
+from engine_harness import ServedEngine
+
+from yieldloop.client import Client
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.services.env.host import HostConfig, create_host
+from yieldloop.services.env.server import build
+from yieldloop.services.rollout.agent import MalformedToolCall, parse_tool_calls
+from yieldloop.services.rollout.engines import Engine, SamplingConfig, TokenDelta
+from yieldloop.services.rollout.rollouts import AgentConfig, run_episode, run_with_retries, stream_rollouts
+
+SDK_ENV = f"{pathlib.Path(__file__).parent / 'envs' / 'sdk_env.py'}:env"
+SAMPLING = SamplingConfig(max_tokens=64, temperature=1.0)
+
+
+class ScriptedEngine(Engine):
+    """Writes scripted turns through a real engine's tokenizer (completion ids end with end-of-turn)."""
+
+    name = "scripted"
+
+    def __init__(self, inner: Engine, turns: Sequence[str], fail_first: int = 0) -> None:
+        self.inner, self.turns, self.fail_first = inner, list(turns), fail_first
+        self.tokenizer = inner.tokenizer
+        self.prompts: list[list[int]] = []
+
+    weight_version = property(lambda self: self.inner.weight_version)
+    vocab_size = property(lambda self: self.inner.vocab_size)
+    max_model_len = property(lambda self: self.inner.max_model_len)
+
+    async def load_weights(self, folder, version) -> None:
+        raise NotImplementedError
+
+    def num_unfinished(self) -> int:
+        return 0
+
+    async def generate(self, prompt_ids, sampling) -> AsyncIterator[TokenDelta]:
+        self.validate_prompt(prompt_ids)
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            raise RuntimeError("engine blew up")
+        self.prompts.append(list(prompt_ids))
+        ids = self.encode(self.turns[min(len(self.prompts) - 1, len(self.turns) - 1)]) + [self.eos_token_id]
+        yield TokenDelta(ids, [-0.5] * len(ids), self.weight_version, finished=True, stop_reason="eos")
+
+
+def call(name: str, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+def count_task(target: int, tag: str = "") -> common_pb.Task:
+    return common_pb.Task(env="sdk", scenario="count_to", args_json=json.dumps({"target": target, "tag": tag}))
+
+
+@pytest_asyncio.fixture(scope="module")
+async def env_client():
+    server = await build(create_host((SDK_ENV,), HostConfig("workers", num_workers=2, hang_timeout_s=5.0)))
+    await server.start()
+    client = Client(env=server.address, timeout=60)
+    yield client
+    await client.close()
+    await server.stop(1.0)
+
+
+async def test_five_turn_episode_stitches_token_ids_exactly(served_engine: ServedEngine, env_client: Client) -> None:
+    turns = [call("increment", by=1)] * 3 + [f"Almost. {call('increment', by=1)}", "4"]
+    engine = ScriptedEngine(served_engine.engine, turns)
+    run = await run_episode(engine, env_client, count_task(4), "g", SAMPLING, "tiny", AgentConfig(max_steps=8))
+    assert run.status == common_pb.RUN_STATUS_GRADED, run.error
+    assert len(run.turns) == 5 and run.agent_stop_reason == common_pb.AGENT_STOP_REASON_ANSWER
+    assert run.answer == "4" and run.reward == 1.0, "four tool calls reached the counter, the answer graded 1"
+    for previous, turn in zip(run.turns, run.turns[1:]):
+        prefix = [*previous.prompt_token_ids, *previous.completion_token_ids]
+        assert list(turn.prompt_token_ids[: len(prefix)]) == prefix, "each prompt extends the last turn exactly"
+        assert len(turn.prompt_token_ids) > len(prefix), "with the tool result appended"
+    # What the model saw is what the chat template renders for the whole conversation: no drift.
+    messages = [{"role": "system", "content": "Use the increment tool."},
+                {"role": "user", "content": "Bring the counter to 4."}]
+    for i, text in enumerate(turns[:4]):
+        messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": str(i + 1)}]
+    last = run.turns[-1]
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": json.loads(t.parameters_json_schema)}}
+             for t in (await env_client.list_scenarios()).tools]
+    rendered = engine.render_chat_text(messages, tools, add_generation_prompt=True)
+    assert engine.decode(last.prompt_token_ids, skip_special_tokens=False) == rendered
+    assert engine.prompts == [list(t.prompt_token_ids) for t in run.turns]
+
+
+async def test_a_turn_that_stopped_early_is_closed_by_the_template(served_engine: ServedEngine, env_client) -> None:
+    class NoEos(ScriptedEngine):
+        async def generate(self, prompt_ids, sampling):
+            async for delta in super().generate(prompt_ids, sampling):
+                yield TokenDelta(delta.token_ids[:-1], delta.logprobs[:-1], delta.weight_version, True, "length")
+
+    engine = NoEos(served_engine.engine, [call("increment", by=2), "2"])
+    run = await run_episode(engine, env_client, count_task(2), "g", SAMPLING, "tiny")
+    first, second = run.turns
+    prefix = [*first.prompt_token_ids, *first.completion_token_ids]
+    assert list(second.prompt_token_ids[: len(prefix)]) == prefix
+    assert second.prompt_token_ids[len(prefix)] == engine.eos_token_id, "the template's end-of-turn is appended"
+    assert run.reward == 1.0
+
+
+async def test_malformed_tool_call_is_a_stop_reason(served_engine: ServedEngine, env_client: Client) -> None:
+    engine = ScriptedEngine(served_engine.engine, ["<tool_call>{not json}</tool_call>"])
+    run = await run_episode(engine, env_client, count_task(1), "g", SAMPLING, "tiny")
+    assert run.status == common_pb.RUN_STATUS_GRADED and run.reward == 0.0
+    assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_MALFORMED_TOOL_CALL
+    assert len(run.turns) == 1
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": \"x\"}", "<tool_call>[1, 2]</tool_call>",
+    "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>{\"name\": \"x\", \"arguments\": 3}</tool_call>",
+])
+def test_malformed_tool_calls_are_recognised(text: str) -> None:
+    with pytest.raises(MalformedToolCall):
+        parse_tool_calls(text)
+
+
+def test_tool_calls_parse() -> None:
+    text = f"thinking {call('a', x=1)} and {call('b')}"
+    assert [(c.name, c.arguments) for c in parse_tool_calls(text)] == [("a", {"x": 1}), ("b", {})]
+    assert parse_tool_calls('<tool_call>{"name": "s", "arguments": "{\\"k\\": 2}"}</tool_call>')[0].arguments == {"k": 2}
+
+
+async def test_max_steps_and_bad_tool_names(served_engine: ServedEngine, env_client: Client) -> None:
+    engine = ScriptedEngine(served_engine.engine, [call("no_such_tool"), call("increment", by="x"), call("increment", by=1)])
+    run = await run_episode(engine, env_client, count_task(1), "g", SAMPLING, "tiny", AgentConfig(max_steps=3))
+    assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_MAX_STEPS and len(run.turns) == 3
+    assert run.status == common_pb.RUN_STATUS_GRADED
+    # The model saw the errors of its bad calls as tool results.
+    assert "TOOL_NOT_FOUND" in engine.decode(run.turns[1].prompt_token_ids, skip_special_tokens=False)
+    assert "TOOL_ARGS_INVALID" in engine.decode(run.turns[2].prompt_token_ids, skip_special_tokens=False)
+
+
+async def test_episode_deadline_is_a_stop_reason(served_engine: ServedEngine, env_client: Client) -> None:
+    engine = ScriptedEngine(served_engine.engine, [call("sleep", seconds=0.5)] * 5)
+    run = await run_episode(engine, env_client, count_task(1), "g", SAMPLING, "tiny",
+                            AgentConfig(max_steps=8, episode_timeout_s=0.8))
+    assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_DEADLINE
+    assert run.status == common_pb.RUN_STATUS_GRADED and 1 <= len(run.turns) <= 3
+
+
+async def test_infrastructure_failures_are_retried_not_scored(
+    served_engine: ServedEngine, env_client: Client, tmp_path: pathlib.Path
+) -> None:
+    # An env worker that dies at the start of the episode: retried on a replacement worker.
+    engine = ScriptedEngine(served_engine.engine, ["done"])
+    flaky = common_pb.Task(env="sdk", scenario="flaky_start", args_json=json.dumps({"marker": str(tmp_path / "m")}))
+    run = await run_with_retries(engine, env_client, flaky, "g", SAMPLING, "tiny")
+    assert run.status == common_pb.RUN_STATUS_GRADED and run.reward == 1.0 and run.attempts == 2
+    # An engine error: retried too.
+    engine = ScriptedEngine(served_engine.engine, ["4"], fail_first=1)
+    runs = [r async for r in stream_rollouts(engine, env_client, [count_task(0)], group_size=1, max_concurrent=1,
+                                             sampling=SAMPLING, model="tiny")]
+    assert [(r.status, r.attempts) for r in runs] == [(common_pb.RUN_STATUS_GRADED, 2)]
+    # Failing every attempt: the run says INFRA_ERROR and carries no reward, it is never a 0.
+    engine = ScriptedEngine(served_engine.engine, ["4"], fail_first=10)
+    run = await run_with_retries(engine, env_client, count_task(0), "g", SAMPLING, "tiny", AgentConfig(max_attempts=3))
+    assert run.status == common_pb.RUN_STATUS_INFRA_ERROR and run.attempts == 3 and "ENGINE_ERROR" in run.error
