@@ -34,6 +34,8 @@ class ServeOptions:
     max_message_bytes: int = 0
     """Largest gRPC message accepted (0: the client library's default, 64 MiB)."""
     engine: str = "torch"
+    http_port: int = 0
+    """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
     device: str = "cpu"
     trainer_dtype: str = "auto"
     """Trainer weights dtype; "auto" is bfloat16 on CUDA and float32 elsewhere."""
@@ -50,7 +52,7 @@ class ServeOptions:
         """The ``yieldloop serve`` arguments that give these options."""
         args = [
             "serve", self.service, "--host", self.host, "--port", str(self.port), "--data-dir", str(self.data_dir),
-            "--model", self.model, "--engine", self.engine, "--device", self.device,
+            "--model", self.model, "--engine", self.engine, "--http-port", str(self.http_port), "--device", self.device,
             "--trainer-dtype", self.trainer_dtype, "--nproc", str(self.nproc), "--keep-last", str(self.keep_last),
         ]
         args += ["--env-workers", str(self.env_workers), "--max-message-bytes", str(self.max_message_bytes)]
@@ -109,7 +111,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
         server = RolloutServer(
             opts.model, store, opts.checkpoint_address, opts.env_address, work_dir, opts.engine,
-            opts.host, opts.port, device=opts.device,
+            opts.host, opts.port, None if opts.http_port < 0 else opts.http_port, device=opts.device,
         )
         return server.start, server.stop
     raise ValueError(f"unknown service {opts.service!r}")

@@ -48,6 +48,8 @@ class StackConfig:
     env_workers: int = 2
     """EnvService worker processes (0: environment code in the service's process)."""
     engine: str = "torch"
+    http_port: int = 0
+    """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
     device: str = "cpu"
     trainer_dtype: str = "auto"
     """"auto": bfloat16 on CUDA, float32 elsewhere."""
@@ -97,6 +99,7 @@ def service_options(config: StackConfig, service: str, addresses: dict[str, str]
         env_specs=config.env_specs,
         env_workers=config.env_workers,
         engine=config.engine,
+        http_port=config.http_port,
         device=config.device,
         trainer_dtype=config.trainer_dtype,
         nproc=config.nproc,

@@ -10,6 +10,7 @@ from yieldloop.client import Client
 from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.services.common.grpc_server import GrpcServer
 from yieldloop.services.rollout.engines import create_engine
+from yieldloop.services.rollout.openai_http import OpenAIEndpoint
 from yieldloop.services.rollout.servicer import RolloutServicer
 from yieldloop.services.rollout.weights import WeightFollower
 from yieldloop.services.store import ObjectStore
@@ -29,7 +30,8 @@ class RolloutServer:
         checkpoint_address: CheckpointService address (head watching).
         env_address: EnvService address (rollouts).
         cache_dir: Local folder for verified checkpoints.
-        engine: Engine kind ("torch").
+        engine: Engine kind ("torch" or "vllm").
+        http_port: Port of the OpenAI-compatible HTTP endpoint (0: a free one; None: off).
     """
 
     def __init__(
@@ -42,17 +44,16 @@ class RolloutServer:
         engine: str = "torch",
         host: str = "127.0.0.1",
         port: int = 0,
+        http_port: int | None = 0,
         **engine_options: object,
     ) -> None:
         self.engine = create_engine(engine, **engine_options)
+        self.http = None if http_port is None else OpenAIEndpoint(model, self.engine, host, http_port)
         self.clients = Client(env=env_address, checkpoint=checkpoint_address)
         self.follower = WeightFollower(self.engine, model, store, self.clients, cache_dir)
         self.grpc = GrpcServer(host, port)
-        self.grpc.add(
-            pb_grpc.add_RolloutServiceServicer_to_server,
-            RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store)),
-            SERVICE_NAME,
-        )
+        self.servicer = RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store))
+        self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
         self._follow_task: asyncio.Task | None = None
 
         async def report(ok: bool) -> None:
@@ -71,9 +72,13 @@ class RolloutServer:
                 await self.clients.close()
                 await self.engine.close()
                 self._follow_task.result()
+        if self.http is not None:
+            self.servicer.openai_base_url = await self.http.start()
         return await self.grpc.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.grpc.stop(grace)
         if self._follow_task is not None:
             self._follow_task.cancel()

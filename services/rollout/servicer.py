@@ -39,6 +39,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.follower = follower
         self.env = env
         self.traces = traces
+        self.openai_base_url = ""
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model:
@@ -124,4 +125,5 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             head_sequence=self.follower.head_sequence,
             engine=self.engine.name,
             last_reload_error=self.follower.last_error,
+            openai_base_url=self.openai_base_url,
         )

@@ -43,6 +43,8 @@ def _add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help="EnvService worker processes running environment code (0: in-process; default 2)")
     parser.add_argument("--engine", default="torch", choices=("torch", "vllm"),
                         help="rollout engine: torch (default) or vllm (pip install 'yieldloop[vllm]')")
+    parser.add_argument("--http-port", type=int, default=0,
+                        help="rollout: OpenAI-compatible HTTP endpoint port (0: a free one, -1: off; default 0)")
     parser.add_argument("--device", default="cpu", help="torch device for trainer and engine (default: cpu)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="trainer ranks, data parallel (gloo on CPU, NCCL on CUDA; default 1)")
@@ -115,6 +117,7 @@ def _stack_fields(args: argparse.Namespace) -> dict[str, Any]:
         "env_specs": tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
         "env_workers": args.env_workers,
         "engine": args.engine,
+        "http_port": args.http_port,
         "device": args.device,
         "trainer_dtype": args.trainer_dtype,
         "nproc": args.nproc,

@@ -1,0 +1,278 @@
+"""RolloutService's OpenAI-compatible HTTP endpoint, for agents written against the OpenAI API.
+
+``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (plain and
+``stream: true`` server-sent events), served by the same engine as gRPC
+``Generate``, in the service's event loop. Every choice carries the exact
+``token_ids`` it sampled and the response the ``prompt_token_ids`` (the shape
+vLLM's ``return_token_ids`` uses), plus the ``weight_version`` that sampled
+them, so any agent framework pointed at this base URL produces training
+rollouts. Tools are rendered with the model's chat template and tool calls
+parsed from Hermes/Qwen ``<tool_call>`` markup into ``message.tool_calls``.
+
+Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
+with 400 (bad request), 404 (unknown model) or 503 (engine not ready).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from yieldloop.errors import NotFoundError, YieldloopError, invalid_field
+from yieldloop.services.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
+from yieldloop.services.rollout.engines import Engine, SamplingConfig, TokenDelta
+
+log = logging.getLogger(__name__)
+_FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "UNAVAILABLE": 503, "FAILED_PRECONDITION": 400}
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> Any:
+    from aiohttp import web
+
+    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingConfig:
+    max_tokens = next((body[k] for k in max_tokens_keys if body.get(k) is not None), 256)
+    stop = body.get("stop") or ()
+    for name, kind in (("max_tokens", int), ("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise invalid_field(name, f"{name} must be a number")
+    if not isinstance(max_tokens, int):
+        raise invalid_field("max_tokens", "max_tokens must be an integer")
+    return SamplingConfig(
+        max_tokens=max_tokens,
+        temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
+        top_p=float(body.get("top_p") or 1.0),
+        top_k=max(0, int(body.get("top_k") or 0)),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        seed=int(body.get("seed") or 0),
+    ).validate()
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    content = message.get("content") or ""
+    if isinstance(content, list):  # content parts: only text parts exist for these models
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", {})
+        arguments = function.get("arguments", "{}")
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        content += f'\n<tool_call>\n{json.dumps({"name": function.get("name"), "arguments": arguments})}\n</tool_call>'
+    return content.strip("\n") if message.get("tool_calls") else content
+
+
+class OpenAIEndpoint:
+    """The HTTP endpoint of one RolloutService (``base_url`` is ``http://host:port/v1``)."""
+
+    def __init__(self, model: str, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.model, self.engine, self.host, self.port = model, engine, host, port
+        self._runner: Any = None
+        self.base_url = ""
+
+    async def start(self) -> str:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([
+            web.get("/v1/models", self._models),
+            web.post("/v1/completions", self._completions),
+            web.post("/v1/chat/completions", self._chat),
+        ])
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.base_url = f"http://{self.host}:{port}/v1"
+        log.info("OpenAI-compatible endpoint on %s", self.base_url)
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # Handlers ----------------------------------------------------------------------------
+
+    async def _models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "yieldloop",
+                "weight_version": self.engine.weight_version}
+        if self.engine.weight_version:
+            card["max_model_len"] = self.engine.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._handle(request, chat=False)
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Any, chat: bool) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not JSON", "invalid_json")
+        try:
+            if not isinstance(body, dict):
+                raise invalid_field("body", "the request body must be a JSON object")
+            if body.get("model") not in (None, "", self.model):
+                raise NotFoundError(f"this server serves {self.model!r}, not {body.get('model')!r}",
+                                    reason="MODEL_NOT_FOUND")
+            n = body.get("n") or 1
+            if not isinstance(n, int) or not 1 <= n <= 64:
+                raise invalid_field("n", "n must be an integer in [1, 64]")
+            if chat:
+                sampling = _sampling(body, ("max_completion_tokens", "max_tokens"))
+                prompt_ids = self._chat_prompt(body)
+            else:
+                sampling = _sampling(body, ("max_tokens",))
+                prompt_ids = self._completion_prompt(body)
+            self.engine.validate_prompt(prompt_ids)
+            if body.get("stream"):
+                if n != 1:
+                    raise invalid_field("n", "streaming supports n = 1")
+                return await self._stream(request, chat, body, prompt_ids, sampling)
+            choices = await asyncio.gather(*(self._collect(prompt_ids, sampling, i) for i in range(n)))
+        except YieldloopError as err:
+            return _error(_STATUS.get(err.code, 500), err.message, err.reason.lower(), err.field or None)
+        from aiohttp import web
+
+        return web.json_response(self._response(chat, body, prompt_ids, choices))
+
+    def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return self.engine.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise invalid_field("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
+
+    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise invalid_field("messages", "messages must be a non-empty list of message objects")
+        rendered = [{"role": str(m.get("role", "user")), "content": _message_text(m)} for m in messages]
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise invalid_field("tools", "tools must be a list")
+        return self.engine.render_chat(rendered, tools)
+
+    async def _collect(self, prompt_ids: list[int], sampling: SamplingConfig, index: int) -> dict[str, Any]:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: set[str] = set()
+        reason = ""
+        async for delta in self.engine.generate(prompt_ids, sampling):
+            tokens += delta.token_ids
+            logprobs += delta.logprobs
+            versions.add(delta.weight_version)
+            reason = delta.stop_reason or reason
+        return {"index": index, "token_ids": tokens, "logprobs": logprobs, "stop": reason,
+                "weight_version": ",".join(sorted(versions))}
+
+    def _choice(self, chat: bool, body: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
+        text = self.engine.decode(sampled["token_ids"])
+        finish = _FINISH.get(sampled["stop"], "stop")
+        choice: dict[str, Any] = {"index": sampled["index"], "finish_reason": finish,
+                                  "token_ids": sampled["token_ids"], "weight_version": sampled["weight_version"]}
+        pieces = [self.engine.decode([t], skip_special_tokens=False) for t in sampled["token_ids"]]
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            try:
+                calls = parse_tool_calls(text) if body.get("tools") else []
+            except MalformedToolCall:
+                calls = []
+            if calls:
+                message["content"] = strip_tool_calls(text) or None
+                message["tool_calls"] = [
+                    {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                    for c in calls
+                ]
+                choice["finish_reason"] = "tool_calls"
+            choice["message"] = message
+            choice["logprobs"] = {"content": [
+                {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
+                for piece, lp in zip(pieces, sampled["logprobs"], strict=True)
+            ]} if body.get("logprobs") else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = {"tokens": pieces, "token_logprobs": sampled["logprobs"], "top_logprobs": None,
+                                  "text_offset": []} if body.get("logprobs") is not None else None
+        return choice
+
+    def _response(self, chat: bool, body: dict[str, Any], prompt_ids: list[int], choices: list[dict]) -> dict:
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        response = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [self._choice(chat, body, c) for c in choices],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt_ids) + completion_tokens},
+            "prompt_token_ids": prompt_ids,
+        }
+        if not chat:
+            for choice in response["choices"]:
+                choice["prompt_token_ids"] = prompt_ids
+        return response
+
+    async def _stream(self, request: Any, chat: bool, body: dict, prompt_ids: list[int], sampling: SamplingConfig) -> Any:
+        from aiohttp import web
+
+        stream_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        deltas: AsyncIterator[TokenDelta] = self.engine.generate(prompt_ids, sampling)
+        first = await anext(deltas)  # errors before the first byte are still a proper HTTP error
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        tokens: list[int] = []
+        text = ""
+
+        async def send(delta: TokenDelta) -> None:
+            nonlocal text
+            tokens.extend(delta.token_ids)
+            full = self.engine.decode(tokens)
+            piece, text = full[len(text):], full
+            finish = _FINISH.get(delta.stop_reason, "stop") if delta.finished else None
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": delta.token_ids,
+                                      "weight_version": delta.weight_version}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": piece} if len(tokens) == len(delta.token_ids) \
+                    else {"content": piece}
+                choice["logprobs"] = {"content": [{"token": self.engine.decode([t], skip_special_tokens=False),
+                                                   "logprob": lp, "bytes": None, "top_logprobs": []}
+                                                  for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]}
+            else:
+                choice["text"] = piece
+                choice["logprobs"] = {"tokens": [self.engine.decode([t], skip_special_tokens=False)
+                                                 for t in delta.token_ids],
+                                      "token_logprobs": delta.logprobs, "top_logprobs": None, "text_offset": []}
+            chunk = {"id": stream_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": self.model, "choices": [choice]}
+            if len(tokens) == len(delta.token_ids):
+                chunk["prompt_token_ids"] = prompt_ids
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        try:
+            await send(first)
+            async for delta in deltas:
+                await send(delta)
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            await deltas.aclose()
+        return response
+
