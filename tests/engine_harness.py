@@ -12,10 +12,9 @@ import pathlib
 import shutil
 
 from yieldloop.client import Client
-from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.services.common.grpc_server import GrpcServer
 from yieldloop.services.rollout.engines import Engine, create_engine
-from yieldloop.services.rollout.servicer import RolloutServicer
+from yieldloop.services.rollout.server import serve_engine as serve_engine_grpc
 
 
 def perturbed_copy(folder: pathlib.Path, out: pathlib.Path, scale: float = 0.05, seed: int = 1) -> pathlib.Path:
@@ -45,27 +44,11 @@ class ServedEngine:
     client: Client
 
 
-class _Follower:
-    """GetServingInfo for a harness with no CheckpointService."""
-
-    head_sequence = 0
-    last_error = ""
-
-    async def wait_for(self, checkpoint_id: str) -> None:
-        return None
-
-
 async def serve_engine(kind: str, folders: dict[str, pathlib.Path], model: str = "tiny") -> ServedEngine:
     engine = create_engine(kind)
     await engine.load_weights(folders["v1"], "v1")
-    server = GrpcServer("127.0.0.1", 0)
-    server.add(
-        pb_grpc.add_RolloutServiceServicer_to_server,
-        RolloutServicer(model, engine, _Follower(), Client(), traces=None),
-        "yieldloop.rollout.v1.RolloutService",
-    )
-    address = await server.start()
-    return ServedEngine(kind, engine, folders, server, Client(rollout=address, timeout=120))
+    server = await serve_engine_grpc(model, engine)
+    return ServedEngine(kind, engine, folders, server, Client(rollout=server.address, timeout=120))
 
 
 async def stop_engine(served: ServedEngine) -> None:

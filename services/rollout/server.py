@@ -86,3 +86,26 @@ class RolloutServer:
                 await self._follow_task
         await self.clients.close()
         await self.engine.close()
+
+
+class _NoFollower:
+    head_sequence = 0
+    last_error = ""
+
+    async def wait_for(self, checkpoint_id: str) -> None:
+        return None
+
+
+async def serve_engine(model: str, engine, host: str = "127.0.0.1", port: int = 0) -> GrpcServer:
+    """Serves an already-loaded engine's ``Generate`` over gRPC, with no head to follow and no EnvService.
+
+    For benchmarks and tests that compare the engine in process with the same engine behind gRPC.
+    """
+    server = GrpcServer(host, port)
+    server.add(
+        pb_grpc.add_RolloutServiceServicer_to_server,
+        RolloutServicer(model, engine, _NoFollower(), Client(), traces=None),
+        SERVICE_NAME,
+    )
+    await server.start()
+    return server

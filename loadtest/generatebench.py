@@ -1,0 +1,122 @@
+"""Tokens/s through gRPC ``Generate`` versus the same engine called in process, at several concurrencies.
+
+For each engine (torch; vLLM when installed) one engine is loaded, then for
+each concurrency C, C streams each generate ``--max-tokens`` tokens (fixed
+seeds, identical requests on both paths), first in process, then through
+RolloutService's gRPC ``Generate`` served by that same engine on loopback.
+The figure of merit is the ratio grpc / in-process (goal >= 0.9 at 64).
+
+    python loadtest/generatebench.py                       # tiny model made offline, CPU
+    python loadtest/generatebench.py --engines torch --device cuda --model-size 0.5b   # a GPU machine
+
+Prints a table and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import tempfile
+import time
+
+
+
+async def _in_process(engine, prompt: list[int], concurrency: int, max_tokens: int) -> int:
+    from yieldloop.services.rollout.engines import SamplingConfig
+
+    async def one(i: int) -> int:
+        sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=1000 + i)
+        return sum([len(d.token_ids) async for d in engine.generate(prompt, sampling)])
+
+    return sum(await asyncio.gather(*(one(i) for i in range(concurrency))))
+
+
+async def _grpc(client, prompt: list[int], concurrency: int, max_tokens: int) -> int:
+    from yieldloop.client import sampling_params
+
+    async def one(i: int) -> int:
+        sampling = sampling_params(max_tokens=max_tokens, temperature=1.0, seed=1000 + i)
+        return len((await client.generate(prompt, sampling=sampling)).token_ids)
+
+    return sum(await asyncio.gather(*(one(i) for i in range(concurrency))))
+
+
+async def _timed(coro_factory, repeats: int) -> tuple[float, int]:
+    best = 0.0
+    tokens = 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = await coro_factory()
+        best = max(best, tokens / (time.perf_counter() - start))
+    return best, tokens
+
+
+async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int], max_tokens: int,
+                       repeats: int, device: str) -> list[dict]:
+    from yieldloop.client import Client
+    from yieldloop.services.rollout.engines import create_engine
+    from yieldloop.services.rollout.server import serve_engine
+
+    engine = create_engine(kind, device=device)
+    await engine.load_weights(folder, "bench")
+    server = await serve_engine("bench", engine)
+    client = Client(rollout=server.address, timeout=600)
+    prompt = engine.render_chat([{"role": "user", "content": "Write the letter a over and over."}])
+    rows = []
+    try:
+        await _in_process(engine, prompt, 2, 4)  # warm up both paths
+        await _grpc(client, prompt, 2, 4)
+        for concurrency in concurrencies:
+            local, local_tokens = await _timed(lambda: _in_process(engine, prompt, concurrency, max_tokens), repeats)
+            remote, remote_tokens = await _timed(lambda: _grpc(client, prompt, concurrency, max_tokens), repeats)
+            rows.append({"engine": kind, "device": device, "concurrency": concurrency, "max_tokens": max_tokens,
+                         "tokens_in_process": local_tokens, "tokens_grpc": remote_tokens,
+                         "in_process_tok_s": round(local, 1), "grpc_tok_s": round(remote, 1),
+                         "ratio": round(remote / local, 3)})
+            print(f"{kind:6} C={concurrency:3}  in-process {local:9.1f} tok/s  gRPC {remote:9.1f} tok/s  "
+                  f"ratio {remote / local:.3f}", flush=True)
+    finally:
+        await client.close()
+        await server.stop(1.0)
+        await engine.close()
+    return rows
+
+
+def make_model(size: str, out: pathlib.Path) -> pathlib.Path:
+    from yieldloop.services.common.tiny_model import TinyModelConfig, create_tiny_model
+
+    if size == "tiny":
+        return create_tiny_model(out)
+    # ~0.5B Qwen2-shaped model (random weights, the tiny tokenizer): Qwen2.5-0.5B's body.
+    config = TinyModelConfig(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2)
+    return create_tiny_model(out, config)
+
+
+def main() -> None:
+    from yieldloop.services.rollout.engines.vllm_engine import vllm_available
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", default="torch,vllm", help="comma-separated (vllm skipped when not installed)")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="best of N runs per cell")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model-size", default="tiny", choices=("tiny", "0.5b"))
+    parser.add_argument("--out", default="generatebench.json")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    engines = [e for e in args.engines.split(",") if e != "vllm" or vllm_available()]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_model(args.model_size, pathlib.Path(tmp) / "model")
+        rows = []
+        for kind in engines:
+            rows += asyncio.run(bench_engine(kind, folder, concurrencies, args.max_tokens, args.repeats, args.device))
+    pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
