@@ -129,6 +129,15 @@ async def test_weight_reload_during_streaming_fails_no_request(served_engine: Se
     # The torch engine swaps between batches: the in-flight batch finishes on v1 (spans_both may be 0).
 
 
+async def drained(engine, timeout_s: float = 3.0) -> bool:
+    """Waits until the engine holds no request."""
+    for _ in range(int(timeout_s / 0.01)):
+        if engine.num_unfinished() == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 async def test_cancellation_frees_the_request(served_engine: ServedEngine) -> None:
     engine = served_engine.engine
     stream = engine.generate(PROMPT, SamplingConfig(max_tokens=400, temperature=1.0, seed=3))
@@ -138,21 +147,13 @@ async def test_cancellation_frees_the_request(served_engine: ServedEngine) -> No
         if received >= 3:
             break
     await stream.aclose()
-    for _ in range(200):
-        if engine.num_unfinished() == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.num_unfinished() == 0, "the engine dropped the cancelled request"
+    assert await drained(engine), "the engine dropped the cancelled request"
     # gRPC cancellation: the server side cancels the engine request the same way.
     call = served_engine.client.generate_stream(PROMPT, sampling=sampling_params(max_tokens=400, temperature=1.0))
     async for _ in call:
         break
     await call.aclose()
-    for _ in range(300):
-        if engine.num_unfinished() == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.num_unfinished() == 0
+    assert await drained(engine)
     assert flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=3, temperature=0.0)))[0], "still serving"
 
 
