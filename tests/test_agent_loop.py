@@ -19,9 +19,9 @@ from yieldloop.client import Client
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.services.env.host import HostConfig, create_host
 from yieldloop.services.env.server import build
-from yieldloop.services.rollout.agent import MalformedToolCall, parse_tool_calls
+from yieldloop.services.rollout.agent import MalformedToolCall, parse_tool_calls, tools_for_template
 from yieldloop.services.rollout.engines import Engine, SamplingConfig, TokenDelta
-from yieldloop.services.rollout.rollouts import AgentConfig, run_episode, run_with_retries, stream_rollouts
+from yieldloop.services.rollout.rollouts import AgentConfig, run_episode, stream_rollouts
 
 SDK_ENV = f"{pathlib.Path(__file__).parent / 'envs' / 'sdk_env.py'}:env"
 SAMPLING = SamplingConfig(max_tokens=64, temperature=1.0)
@@ -92,9 +92,7 @@ async def test_five_turn_episode_stitches_token_ids_exactly(served_engine: Serve
     for i, text in enumerate(turns[:4]):
         messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": str(i + 1)}]
     last = run.turns[-1]
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                               "parameters": json.loads(t.parameters_json_schema)}}
-             for t in (await env_client.list_scenarios()).tools]
+    tools = tools_for_template((await env_client.list_scenarios()).tools)
     rendered = engine.render_chat_text(messages, tools, add_generation_prompt=True)
     assert engine.decode(last.prompt_token_ids, skip_special_tokens=False) == rendered
     assert engine.prompts == [list(t.prompt_token_ids) for t in run.turns]
@@ -162,7 +160,7 @@ async def test_infrastructure_failures_are_retried_not_scored(
     # An env worker that dies at the start of the episode: retried on a replacement worker.
     engine = ScriptedEngine(served_engine.engine, ["done"])
     flaky = common_pb.Task(env="sdk", scenario="flaky_start", args_json=json.dumps({"marker": str(tmp_path / "m")}))
-    run = await run_with_retries(engine, env_client, flaky, "g", SAMPLING, "tiny")
+    run = await run_episode(engine, env_client, flaky, "g", SAMPLING, "tiny")
     assert run.status == common_pb.RUN_STATUS_GRADED and run.reward == 1.0 and run.attempts == 2
     # An engine error: retried too.
     engine = ScriptedEngine(served_engine.engine, ["4"], fail_first=1)
@@ -171,5 +169,5 @@ async def test_infrastructure_failures_are_retried_not_scored(
     assert [(r.status, r.attempts) for r in runs] == [(common_pb.RUN_STATUS_GRADED, 2)]
     # Failing every attempt: the run says INFRA_ERROR and carries no reward, it is never a 0.
     engine = ScriptedEngine(served_engine.engine, ["4"], fail_first=10)
-    run = await run_with_retries(engine, env_client, count_task(0), "g", SAMPLING, "tiny", AgentConfig(max_attempts=3))
+    run = await run_episode(engine, env_client, count_task(0), "g", SAMPLING, "tiny", AgentConfig(max_attempts=3))
     assert run.status == common_pb.RUN_STATUS_INFRA_ERROR and run.attempts == 3 and "ENGINE_ERROR" in run.error

@@ -50,7 +50,7 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         raise invalid_field("max_tokens", "max_tokens must be an integer")
     return SamplingConfig(
         max_tokens=max_tokens,
-        temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
+        temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
         top_p=float(body.get("top_p") or 1.0),
         top_k=max(0, int(body.get("top_k") or 0)),
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
@@ -59,15 +59,17 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
 
 
 def _message_text(message: dict[str, Any]) -> str:
+    """A message's text; an assistant turn's ``tool_calls`` become the Hermes markup the template shows."""
     content = message.get("content") or ""
     if isinstance(content, list):  # content parts: only text parts exist for these models
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    parts = [content] if content else []
     for call in message.get("tool_calls") or ():
         function = call.get("function", {})
         arguments = function.get("arguments", "{}")
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        content += f'\n<tool_call>\n{json.dumps({"name": function.get("name"), "arguments": arguments})}\n</tool_call>'
-    return content.strip("\n") if message.get("tool_calls") else content
+        parts.append(f'<tool_call>\n{json.dumps({"name": function.get("name"), "arguments": arguments})}\n</tool_call>')
+    return "\n".join(parts)
 
 
 class OpenAIEndpoint:
@@ -138,7 +140,6 @@ class OpenAIEndpoint:
             else:
                 sampling = _sampling(body, ("max_tokens",))
                 prompt_ids = self._completion_prompt(body)
-            self.engine.validate_prompt(prompt_ids)
             if body.get("stream"):
                 if n != 1:
                     raise invalid_field("n", "streaming supports n = 1")
@@ -188,7 +189,8 @@ class OpenAIEndpoint:
         finish = _FINISH.get(sampled["stop"], "stop")
         choice: dict[str, Any] = {"index": sampled["index"], "finish_reason": finish,
                                   "token_ids": sampled["token_ids"], "weight_version": sampled["weight_version"]}
-        pieces = [self.engine.decode([t], skip_special_tokens=False) for t in sampled["token_ids"]]
+        pieces = [self.engine.decode([t], skip_special_tokens=False) for t in sampled["token_ids"]] \
+            if body.get("logprobs") not in (None, False) else []
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             try:

@@ -121,7 +121,7 @@ async def agent_loop(
             *turn.prompt_token_ids, *turn.completion_token_ids,
             *continuation_ids(engine, messages, tools, turn.completion_token_ids, results),
         ]
-        messages += [{"role": "assistant", "content": engine.decode(turn.completion_token_ids)}, *results]
+        messages += [{"role": "assistant", "content": text}, *results]
     run.agent_stop_reason = common_pb.AGENT_STOP_REASON_MAX_STEPS
     return answer
 
@@ -135,9 +135,20 @@ async def run_episode(
     model: str,
     config: AgentConfig = AgentConfig(),
 ) -> common_pb.Run:
-    """One episode attempt: start, the agent loop, submit; a graded (or failed) Run."""
-    run = common_pb.Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model)
-    episode = env.episode(task)
+    """One episode: start, the agent loop, submit; a graded (or failed) Run.
+
+    An infrastructure failure is tried again, ``config.max_attempts`` times at most (``Run.attempts``).
+    """
+    for attempt in range(1, config.max_attempts + 1):
+        run = common_pb.Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt)
+        await _attempt(engine, env, run, sampling, config)
+        if run.status != common_pb.RUN_STATUS_INFRA_ERROR:
+            break
+    return run
+
+
+async def _attempt(engine: Engine, env: Client, run: common_pb.Run, sampling: SamplingConfig, config: AgentConfig) -> None:
+    episode = env.episode(run.task)
     try:
         started = await episode.start()
         run.prompt = started.prompt
@@ -154,25 +165,6 @@ async def run_episode(
         run.status, run.error = common_pb.RUN_STATUS_INFRA_ERROR, str(err)
     finally:
         await episode.close()
-    return run
-
-
-async def run_with_retries(
-    engine: Engine,
-    env: Client,
-    task: common_pb.Task,
-    group_id: str,
-    sampling: SamplingConfig,
-    model: str,
-    config: AgentConfig = AgentConfig(),
-) -> common_pb.Run:
-    """Runs an episode until it is not an infrastructure failure, ``config.max_attempts`` times at most."""
-    for attempt in range(1, config.max_attempts + 1):
-        run = await run_episode(engine, env, task, group_id, sampling, model, config)
-        run.attempts = attempt
-        if run.status != common_pb.RUN_STATUS_INFRA_ERROR:
-            break
-    return run
 
 
 async def stream_rollouts(
@@ -194,7 +186,7 @@ async def stream_rollouts(
     async def one(task: common_pb.Task, group_id: str) -> None:
         async with limit:
             try:
-                await finished.put(await run_with_retries(engine, env, task, group_id, sampling, model, config))
+                await finished.put(await run_episode(engine, env, task, group_id, sampling, model, config))
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await finished.put(exc)
 
