@@ -2,8 +2,15 @@
 
 Nothing is downloaded. The tokenizer is trained with ``tokenizers`` on text
 generated from the shipped environments' vocabulary; the model is a
-randomly initialised ``Qwen2ForCausalLM`` (head size 32, which vLLM's CPU
-attention backend accepts), saved in Hugging Face format.
+``Qwen2ForCausalLM`` (head size 32, which vLLM's CPU attention backend
+accepts), saved in Hugging Face format.
+
+The weights get a brief warm-up (supervised, a few seconds on a CPU) on short
+chat exchanges that echo a letter one to four times ("Say q." -> "qq"), so
+the base model speaks the chat format and knows its letters, as any base
+model would. The warm-up never shows the ``letters`` environment's task
+prompts nor an answer of more than four letters: what that task rewards (see
+``yieldloop.envs.letters``) is left for RL to find.
 """
 
 from __future__ import annotations
@@ -57,15 +64,15 @@ class TinyModelConfig:
     num_key_value_heads: int = 1
     max_position_embeddings: int = 2048
     seed: int = 0
+    warmup_steps: int = 150
+    """Supervised warm-up steps on echo exchanges (0: random weights)."""
 
 
 def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     lines = []
-    for letter in string.ascii_lowercase:
-        lines.append(f"Write the letter {letter} over and over.")
-        for _ in range(20):
-            lines.append(" ".join(letter * rng.randint(1, 4) for _ in range(rng.randint(1, 6))))
+    for letter in string.ascii_lowercase:  # no runs of one letter: "qqqq" stays four "q" tokens
+        lines.append(f'Write the letter "{letter}" eight times.')
     words = "the a of to and in is it you that he was for on are with as his they at be this from".split()
     for _ in range(400):
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
@@ -126,6 +133,54 @@ def create_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig = Tin
     )
     torch.manual_seed(config.seed)
     model = Qwen2ForCausalLM(model_config)
+    if config.warmup_steps:
+        warm_up(model, tokenizer, config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+WARMUP_PROMPTS = (
+    'Say "{letter}".', 'Type "{letter}" now.', 'Echo "{letter}" for me.', 'Print the letter "{letter}" please.',
+    'Give me "{letter}".', 'The letter "{letter}", and nothing else.', '"{letter}" is the one to say.',
+    'Answer with "{letter}" and stop.', 'Just "{letter}" on its own line.', 'Can you say "{letter}" today?',
+)
+WARMUP_LENGTHS = (1, 1, 1, 1, 2, 2, 3, 4)
+"""Answer lengths of the warm-up, drawn uniformly from this tuple: mostly one letter, never more than four."""
+
+
+def warmup_examples(tokenizer, rng: random.Random, count: int) -> list[tuple[list[int], int]]:
+    """``count`` echo exchanges as (token ids, index of the first answer token)."""
+    examples = []
+    for _ in range(count):
+        letter = rng.choice(string.ascii_lowercase)
+        prompt = rng.choice(WARMUP_PROMPTS).format(letter=letter)
+        answer = letter * rng.choice(WARMUP_LENGTHS)
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        examples.append((prompt_ids + answer_ids, len(prompt_ids)))
+    return examples
+
+
+def warm_up(model, tokenizer, config: TinyModelConfig, batch_size: int = 32, learning_rate: float = 3e-3) -> None:
+    """Brief supervised training on echo exchanges (answer tokens only), in place."""
+    import torch
+
+    rng = random.Random(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    model.train()
+    for _ in range(config.warmup_steps):
+        batch = warmup_examples(tokenizer, rng, batch_size)
+        width = max(len(ids) for ids, _ in batch)
+        inputs = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for row, (ids, start) in enumerate(batch):
+            inputs[row, : len(ids)] = torch.tensor(ids)
+            labels[row, start : len(ids)] = torch.tensor(ids[start:])
+        loss = model(input_ids=inputs, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
