@@ -9,7 +9,7 @@ import pytest
 
 from yieldloop.client import Client, sampling_params
 from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.envs.letters import letter_fraction, tasks
+from yieldloop.envs.letters import letter_reward, tasks
 from yieldloop.loop import closed_loop
 
 MODEL = "tiny"
@@ -54,7 +54,7 @@ async def test_rollouts_are_scored_by_the_environment(client: Client) -> None:
         assert len(turn.completion_token_ids) == len(turn.completion_logprobs) > 0
         assert all(lp <= 0 for lp in turn.completion_logprobs)
         letter = json.loads(run.task.args_json)["letter"]
-        assert run.reward == letter_fraction(run.answer, letter)
+        assert run.reward == letter_reward(run.answer, letter)
         by_group.setdefault(run.group_id, []).append(run)
     assert sorted(len(g) for g in by_group.values()) == [3, 3]
 

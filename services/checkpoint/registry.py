@@ -13,6 +13,7 @@ Plain Python: no grpc here; errors are :mod:`yieldloop.errors` classes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -79,6 +80,10 @@ class Head:
 
 def model_prefix(slug: str) -> str:
     return f"models/{slug}/"
+
+
+def promotion_key(slug: str, checkpoint_id: str) -> str:
+    return f"models/{slug}/promotions/{checkpoint_id}.json"
 
 
 def checkpoint_prefix(slug: str, checkpoint_id: str) -> str:
@@ -217,6 +222,20 @@ class CheckpointRegistry:
                 removed.append(checkpoint_id)
         return removed
 
+    def record_promotion(self, model: str, checkpoint_id: str, promotion: dict) -> None:
+        """Keeps the promotion gate's decision on a committed checkpoint (JSON object)."""
+        self.get_manifest(model, checkpoint_id)  # NOT_FOUND for a missing model or checkpoint
+        self.store.put_bytes(promotion_key(model, checkpoint_id), json.dumps(promotion, sort_keys=True).encode())
+
+    def promotions(self, model: str) -> dict[str, dict]:
+        """Checkpoint id -> recorded promotion decision."""
+        prefix = model_prefix(model) + "promotions/"
+        decided = {}
+        for key in self.store.list(prefix):
+            with contextlib.suppress(ObjectNotFound):
+                decided[key[len(prefix):].removesuffix(".json")] = json.loads(self.store.get_bytes(key)[0])
+        return decided
+
     def apply_retention(self, model: str, keep_last: int) -> list[str]:
         """Deletes checkpoints beyond the last ``keep_last``, except any that was ever head.
 
@@ -230,6 +249,7 @@ class CheckpointRegistry:
         doomed = [m for m in manifests if m.checkpoint_id not in keep]
         for manifest in doomed:
             self.store.delete(checkpoint_prefix(model, manifest.checkpoint_id) + MANIFEST)
+            self.store.delete(promotion_key(model, manifest.checkpoint_id))
         if doomed:
             referenced = {
                 obj.key

@@ -7,9 +7,11 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf import json_format
 
 from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as pb
 from yieldloop.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
+from yieldloop.errors import invalid_field
 from yieldloop.services.checkpoint.registry import CheckpointRegistry, Head, Manifest, ModelInfo, ObjectInfo
 from yieldloop.services.common.grpc_server import rpc
 
@@ -58,6 +60,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         manifests = self.registry.list_checkpoints(request.model)
         head = self.registry.find_head(request.model)
         head_id = head.checkpoint_id if head else ""
+        promotions = self.registry.promotions(request.model)
         return pb.ListCheckpointsResponse(
             checkpoints=[
                 pb.CheckpointSummary(
@@ -66,10 +69,22 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     step=m.step,
                     created_time=m.created_time,
                     is_head=m.checkpoint_id == head_id,
+                    promotion=json_format.ParseDict(promotions.get(m.checkpoint_id, {}), pb.Promotion()),
                 )
                 for m in manifests
             ]
         )
+
+    @rpc
+    async def RecordPromotion(
+        self, request: pb.RecordPromotionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RecordPromotionResponse:
+        if request.promotion.state == pb.PROMOTION_STATE_UNSPECIFIED:
+            raise invalid_field("promotion.state", "give PROMOTED or REJECTED")
+        self.registry.record_promotion(
+            request.model, request.checkpoint_id, json_format.MessageToDict(request.promotion)
+        )
+        return pb.RecordPromotionResponse()
 
     @rpc
     async def GetCheckpoint(

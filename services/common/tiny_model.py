@@ -72,7 +72,7 @@ def _corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
     lines = []
     for letter in string.ascii_lowercase:  # no runs of one letter: "qqqq" stays four "q" tokens
-        lines.append(f'Write the letter "{letter}" eight times.')
+        lines.append(f'Write the letter "{letter}" at least eight times.')
     words = "the a of to and in is it you that he was for on are with as his they at be this from".split()
     for _ in range(400):
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))

@@ -12,7 +12,7 @@ from yieldloop.services.common.grpc_server import GrpcServer
 from yieldloop.services.rollout.engines import create_engine
 from yieldloop.services.rollout.openai_http import OpenAIEndpoint
 from yieldloop.services.rollout.servicer import RolloutServicer
-from yieldloop.services.rollout.weights import WeightFollower
+from yieldloop.services.rollout.weights import PinnedEngines, WeightFollower
 from yieldloop.services.store import ObjectStore
 from yieldloop.services.store.traces import TraceStore
 
@@ -51,8 +51,11 @@ class RolloutServer:
         self.http = None if http_port is None else OpenAIEndpoint(model, self.engine, host, http_port)
         self.clients = Client(env=env_address, checkpoint=checkpoint_address)
         self.follower = WeightFollower(self.engine, model, store, self.clients, cache_dir)
+        # Candidates are evaluated on the light torch engine, beside whatever engine serves the head.
+        device = str(engine_options.get("device", "cpu"))
+        self.pinned = PinnedEngines(self.follower, lambda: create_engine("torch", device=device))
         self.grpc = GrpcServer(host, port)
-        self.servicer = RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store))
+        self.servicer = RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store), self.pinned)
         self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
         self._follow_task: asyncio.Task | None = None
 
@@ -84,6 +87,7 @@ class RolloutServer:
             self._follow_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._follow_task
+        await self.pinned.close()
         await self.clients.close()
         await self.engine.close()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import math
 from collections.abc import AsyncIterator
 
@@ -15,7 +17,7 @@ from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.services.common.grpc_server import rpc
 from yieldloop.services.rollout.engines import Engine, SamplingConfig
 from yieldloop.services.rollout.rollouts import STOP_REASONS, AgentConfig, stream_rollouts
-from yieldloop.services.rollout.weights import WeightFollower
+from yieldloop.services.rollout.weights import PinnedEngines, WeightFollower
 from yieldloop.services.store.traces import TraceStore
 
 
@@ -33,8 +35,17 @@ def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
     """Serves one model with ``engine``; episodes run against EnvService through ``env``."""
 
-    def __init__(self, model: str, engine: Engine, follower: WeightFollower, env: Client, traces: TraceStore) -> None:
+    def __init__(
+        self,
+        model: str,
+        engine: Engine,
+        follower: WeightFollower,
+        env: Client,
+        traces: TraceStore | None,
+        pinned: PinnedEngines | None = None,
+    ) -> None:
         self.model = model
+        self.pinned = pinned
         self.engine = engine
         self.follower = follower
         self.env = env
@@ -92,21 +103,30 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             episode_timeout_s=request.episode_timeout_s,
             max_attempts=request.max_attempts or AgentConfig.max_attempts,
         )
+        sampling = sampling_from_pb(request.sampling)
+        if request.checkpoint_id and self.pinned is None:
+            raise invalid_field("checkpoint_id", "this server evaluates only the checkpoint it serves")
         if not self.engine.weight_version:
             self.engine.validate_prompt([])  # raises ENGINE_NOT_READY
-        async for run in stream_rollouts(
-            self.engine,
-            self.env,
-            list(request.tasks),
-            group_size=request.group_size,
-            max_concurrent=request.max_concurrent,
-            sampling=sampling_from_pb(request.sampling),
-            model=self.model,
-            config=config,
-        ):
-            # Persisted before it is streamed: a run the client saw always has its trace.
-            await asyncio.to_thread(self.traces.put, run, request.job_id or "default")
-            yield pb.StreamRolloutsResponse(run=run)
+        job_id = request.job_id or "default"
+        await asyncio.to_thread(self.traces.ensure_job, job_id, self.model)
+        async with contextlib.AsyncExitStack() as stack:
+            engine = self.engine
+            if request.checkpoint_id:
+                engine = await stack.enter_async_context(self.pinned.engine(request.checkpoint_id))
+            async for run in stream_rollouts(
+                engine,
+                self.env,
+                list(request.tasks),
+                group_size=request.group_size,
+                max_concurrent=request.max_concurrent,
+                sampling=sampling,
+                model=self.model,
+                config=config,
+            ):
+                # Persisted before it is streamed: a run the client saw always has its trace.
+                await asyncio.to_thread(self.traces.put, run, job_id)
+                yield pb.StreamRolloutsResponse(run=run)
 
     @rpc
     async def GetRuns(self, request: pb.GetRunsRequest, context: grpc.aio.ServicerContext) -> pb.GetRunsResponse:
@@ -127,3 +147,30 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             last_reload_error=self.follower.last_error,
             openai_base_url=self.openai_base_url,
         )
+
+    @rpc
+    async def CreateJob(self, request: pb.CreateJobRequest, context: grpc.aio.ServicerContext) -> pb.CreateJobResponse:
+        self._check_model(request.model)
+        if request.group_size < 0:
+            raise invalid_field("group_size", "group_size must be >= 0")
+        if request.metadata_json:
+            try:
+                if not isinstance(json.loads(request.metadata_json), dict):
+                    raise ValueError("not an object")
+            except ValueError as err:
+                raise invalid_field("metadata_json", f"metadata_json must be a JSON object: {err}") from None
+        job = pb.Job(model=self.model, name=request.name, group_size=request.group_size,
+                     metadata_json=request.metadata_json)
+        return pb.CreateJobResponse(job=await asyncio.to_thread(self.traces.create_job, job))
+
+    @rpc
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        return pb.ListJobsResponse(jobs=await asyncio.to_thread(self.traces.list_jobs))
+
+    @rpc
+    async def StreamJobRuns(
+        self, request: pb.StreamJobRunsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.StreamJobRunsResponse]:
+        await asyncio.to_thread(self.traces.get_job, request.job_id)  # NOT_FOUND (JOB_NOT_FOUND)
+        for trace_id in await asyncio.to_thread(self.traces.job_runs, request.job_id):
+            yield pb.StreamJobRunsResponse(run=await asyncio.to_thread(self.traces.get, trace_id))

@@ -7,8 +7,11 @@ serving and the error is kept for GetServingInfo and the logs.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import pathlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
@@ -59,14 +62,17 @@ class WeightFollower:
                 log.warning("checkpoint service unavailable (%s); retrying", err)
             await asyncio.sleep(retry_s)
 
+    async def fetch(self, checkpoint_id: str) -> pathlib.Path:
+        """Downloads one checkpoint of the model and verifies every object; returns its local folder."""
+        manifest = manifest_from_pb(await self.checkpoints.get_checkpoint(self.model, checkpoint_id))
+        return await asyncio.to_thread(
+            download_verified, self.store, manifest, self.cache_dir / self.model / manifest.checkpoint_id
+        )
+
     async def load(self, head: ckpt_pb.Head) -> None:
         """Loads one head (or records why it was refused)."""
         try:
-            manifest = manifest_from_pb(await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id))
-            folder = await asyncio.to_thread(
-                download_verified, self.store, manifest, self.cache_dir / self.model / manifest.checkpoint_id
-            )
-            await self.engine.load_weights(folder, manifest.checkpoint_id)
+            await self.engine.load_weights(await self.fetch(head.checkpoint_id), head.checkpoint_id)
             self.last_error = ""
         except Exception as err:  # deliberate degrade: refuse this head, keep serving the old weights
             log.error("refused checkpoint %s: %s", head.checkpoint_id, err, exc_info=not isinstance(err, YieldloopError))
@@ -96,3 +102,58 @@ class WeightFollower:
             raise FailedPreconditionError(
                 f"checkpoint {checkpoint_id} was refused: {self.refused[checkpoint_id]}", reason="CHECKPOINT_CORRUPT"
             )
+
+
+class PinnedEngines:
+    """Engines for checkpoints other than the served head: a candidate evaluated before it is promoted.
+
+    ``engine(checkpoint_id)`` yields the serving engine when it serves that
+    checkpoint, else an engine made by ``make_engine`` with that checkpoint
+    loaded (verified like a reload). Up to ``capacity`` idle pinned engines stay
+    loaded for the next request; an engine in use is never closed.
+    """
+
+    def __init__(self, follower: WeightFollower, make_engine: Callable[[], Engine], capacity: int = 1) -> None:
+        self.follower = follower
+        self.make_engine = make_engine
+        self.capacity = capacity
+        self._engines: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
+        """checkpoint id -> [engine, users]."""
+        self._lock = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def engine(self, checkpoint_id: str) -> AsyncIterator[Engine]:
+        if not checkpoint_id or checkpoint_id == self.follower.engine.weight_version:
+            yield self.follower.engine
+            return
+        async with self._lock:
+            entry = self._engines.get(checkpoint_id)
+            if entry is None:
+                folder = await self.follower.fetch(checkpoint_id)  # NOT_FOUND / CHECKPOINT_CORRUPT raise here
+                engine = self.make_engine()
+                try:
+                    await engine.load_weights(folder, checkpoint_id)
+                except BaseException:
+                    await engine.close()
+                    raise
+                entry = self._engines[checkpoint_id] = [engine, 0]
+            self._engines.move_to_end(checkpoint_id)
+            entry[1] += 1
+        try:
+            yield entry[0]
+        finally:
+            entry[1] -= 1
+            await self._evict()
+
+    async def _evict(self) -> None:
+        async with self._lock:
+            idle = [cid for cid, (_, users) in self._engines.items() if users == 0]
+            for checkpoint_id in idle[: max(0, len(self._engines) - self.capacity)]:
+                engine, _ = self._engines.pop(checkpoint_id)
+                await engine.close()
+
+    async def close(self) -> None:
+        async with self._lock:
+            for engine, _ in self._engines.values():
+                await engine.close()
+            self._engines.clear()

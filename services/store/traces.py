@@ -1,28 +1,73 @@
-"""The trace store: every Run a rollout produced, by trace id, in the object store.
+"""The trace store: every Run a rollout produced, by trace id, and the jobs that group them.
 
-Layout: ``traces/<trace_id>.pb`` (the serialized Run, written once) and
-``jobs/<job_id>/runs/<trace_id>`` (an empty marker listing a job's runs).
+Layout in the object store:
+
+- ``traces/<trace_id>.pb``: the serialized Run, written once;
+- ``jobs/<job_id>/job.json``: the job (model, name, group size, created time, metadata);
+- ``jobs/<job_id>/runs/<ns>-<trace_id>``: an empty marker per run, ``<ns>`` the
+  recording time, so listing them gives the job's runs in the order recorded.
 """
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.errors import NotFoundError
-from yieldloop.services.store.base import ObjectNotFound, ObjectStore, check_name as _check
+from yieldloop.rollout.v1 import rollout_service_pb2 as rollout_pb
+from yieldloop.services.store.base import ObjectNotFound, ObjectStore, PreconditionFailed, check_name as _check
+
+
+def new_job_id() -> str:
+    """A sortable job id: ``job-<UTC time>-<random>``."""
+    return time.strftime("job-%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
 
 
 class TraceStore:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
 
+    def create_job(self, job: rollout_pb.Job) -> rollout_pb.Job:
+        """Records a new job (a fresh id when ``job.job_id`` is empty) and returns it."""
+        job.job_id = _check(job.job_id or new_job_id(), "job_id")
+        job.created_time = job.created_time or time.time()
+        record = {
+            "job_id": job.job_id, "model": job.model, "name": job.name, "group_size": job.group_size,
+            "created_time": job.created_time, "metadata_json": job.metadata_json,
+        }
+        try:
+            self.store.put_bytes(f"jobs/{job.job_id}/job.json", json.dumps(record).encode(), if_none_match=True)
+        except PreconditionFailed:  # recorded already (e.g. the implicit job of an earlier rollout)
+            pass
+        return job
+
+    def ensure_job(self, job_id: str, model: str) -> None:
+        """Records ``job_id`` as a job of ``model`` unless it exists (rollouts name their job freely)."""
+        if self.store.stat(f"jobs/{_check(job_id, 'job_id')}/job.json") is None:
+            self.create_job(rollout_pb.Job(job_id=job_id, model=model, name=job_id))
+
+    def get_job(self, job_id: str) -> rollout_pb.Job:
+        try:
+            data, _ = self.store.get_bytes(f"jobs/{_check(job_id, 'job_id')}/job.json")
+        except ObjectNotFound:
+            raise NotFoundError(f"no job {job_id!r}", reason="JOB_NOT_FOUND") from None
+        job = rollout_pb.Job(**json.loads(data))
+        job.num_runs = len(self.job_runs(job_id))
+        return job
+
+    def list_jobs(self) -> list[rollout_pb.Job]:
+        """Every job, oldest first."""
+        ids = {key.split("/")[1] for key in self.store.list("jobs/") if key.endswith("/job.json")}
+        return sorted((self.get_job(job_id) for job_id in ids), key=lambda job: (job.created_time, job.job_id))
+
     def put(self, run: common_pb.Run, job_id: str = "default") -> str:
         """Persists ``run`` under a new trace id (set on the run) and returns the id."""
         _check(job_id, "job_id")
         run.trace_id = uuid.uuid4().hex
         self.store.put_bytes(f"traces/{run.trace_id}.pb", run.SerializeToString(), if_none_match=True)
-        self.store.put_bytes(f"jobs/{job_id}/runs/{run.trace_id}", b"")
+        self.store.put_bytes(f"jobs/{job_id}/runs/{time.time_ns():020d}-{run.trace_id}", b"")
         return run.trace_id
 
     def get(self, trace_id: str) -> common_pb.Run:
@@ -34,6 +79,6 @@ class TraceStore:
         return common_pb.Run.FromString(data)
 
     def job_runs(self, job_id: str) -> list[str]:
-        """Trace ids of a job's runs."""
+        """Trace ids of a job's runs, in the order they were recorded."""
         prefix = f"jobs/{_check(job_id, 'job_id')}/runs/"
-        return [key[len(prefix):] for key in self.store.list(prefix)]
+        return [key[len(prefix):].rsplit("-", 1)[-1] for key in sorted(self.store.list(prefix))]

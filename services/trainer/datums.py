@@ -88,25 +88,34 @@ def group_advantages(rewards: Sequence[float], normalize_by_std: bool, eps: floa
     return [c / (std + eps) for c in centred]
 
 
-def run_to_datum(run: RunData, advantage: float, field: str) -> Datum:
-    """One datum over the run's full context, completion tokens of every turn as actions."""
-    if not run.turns:
-        raise _datum_error("a run needs at least one turn", f"{field}.turns")
+def stitch_turns(turns: Sequence[TurnData], field: str = "run") -> tuple[list[int], list[float], list[bool]]:
+    """A run's full context: tokens, sampling logprobs (0 off-policy) and which tokens the model sampled.
+
+    Each turn's prompt must extend the previous turns' prompt + completion exactly.
+    """
     tokens: list[int] = []
     logprobs: list[float] = []
     is_action: list[bool] = []
-    for t, turn in enumerate(run.turns):
+    for t, turn in enumerate(turns):
         if len(turn.completion_logprobs) != len(turn.completion_token_ids):
             raise _datum_error(
                 f"turn {t}: {len(turn.completion_logprobs)} logprobs for {len(turn.completion_token_ids)} tokens",
                 f"{field}.turns.completion_logprobs",
             )
-        if turn.prompt_token_ids[: len(tokens)] != tokens:
+        if list(turn.prompt_token_ids[: len(tokens)]) != tokens:
             raise _datum_error(f"turn {t}'s prompt does not extend the previous turns", f"{field}.turns.prompt_token_ids")
-        extra = turn.prompt_token_ids[len(tokens):]
-        tokens += extra + turn.completion_token_ids
+        extra = list(turn.prompt_token_ids[len(tokens):])
+        tokens += extra + list(turn.completion_token_ids)
         logprobs += [0.0] * len(extra) + list(turn.completion_logprobs)
         is_action += [False] * len(extra) + [True] * len(turn.completion_token_ids)
+    return tokens, logprobs, is_action
+
+
+def run_to_datum(run: RunData, advantage: float, field: str) -> Datum:
+    """One datum over the run's full context, completion tokens of every turn as actions."""
+    if not run.turns:
+        raise _datum_error("a run needs at least one turn", f"{field}.turns")
+    tokens, logprobs, is_action = stitch_turns(run.turns, field)
     if len(tokens) < 2 or not any(is_action[1:]):
         raise _datum_error("a run needs a prompt and at least one completion token", f"{field}.turns")
     return Datum(

@@ -20,7 +20,12 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Agent": "yieldloop.training",
     "Client": "yieldloop.client",
+    "Job": "yieldloop.training",
+    "TrainingClient": "yieldloop.training",
+    "connect": "yieldloop.training",
+    "create_agent": "yieldloop.training",
     "Environment": "yieldloop.environment",
     "EpisodeContext": "yieldloop.environment",
     "Grade": "yieldloop.environment",

@@ -272,12 +272,14 @@ class Client:
         max_steps: int = 0,
         episode_timeout_s: float = 0.0,
         max_attempts: int = 0,
+        checkpoint_id: str = "",
         timeout: float | None = None,
     ) -> AsyncIterator[common_pb.Run]:
         """Runs tasks x group_size episodes and yields Runs as they finish.
 
         ``max_steps`` bounds model turns per episode (0: 8), ``episode_timeout_s`` its wall clock (0:
         the environment's own), ``max_attempts`` the tries when infrastructure fails (0: 3).
+        ``checkpoint_id`` samples that checkpoint instead of the served head (a candidate's evaluation).
         """
         request = rollout_pb.StreamRolloutsRequest(
             tasks=[task_to_proto(t) for t in tasks],
@@ -288,8 +290,24 @@ class Client:
             max_steps=max_steps,
             episode_timeout_s=episode_timeout_s,
             max_attempts=max_attempts,
+            checkpoint_id=checkpoint_id,
         )
         async for response in _stream(self.rollout_stub.StreamRollouts(request, timeout=timeout)):
+            yield response.run
+
+    async def create_job(
+        self, model: str = "", name: str = "", group_size: int = 0, metadata_json: str = ""
+    ) -> rollout_pb.Job:
+        request = rollout_pb.CreateJobRequest(model=model, name=name, group_size=group_size, metadata_json=metadata_json)
+        return (await _unary(self.rollout_stub.CreateJob, request, self.timeout)).job
+
+    async def list_jobs(self) -> list[rollout_pb.Job]:
+        return list((await _unary(self.rollout_stub.ListJobs, rollout_pb.ListJobsRequest(), self.timeout)).jobs)
+
+    async def job_runs(self, job_id: str) -> AsyncIterator[common_pb.Run]:
+        """Yields a job's recorded runs in the order they were recorded."""
+        request = rollout_pb.StreamJobRunsRequest(job_id=job_id)
+        async for response in _stream(self.rollout_stub.StreamJobRuns(request, timeout=self.timeout)):
             yield response.run
 
     async def get_runs(self, trace_ids: Iterable[str]) -> list[common_pb.Run]:
@@ -504,6 +522,11 @@ class Client:
             expected_sequence=expected_sequence,
         )
         return (await _unary(self.checkpoint_stub.SetHead, request, self.timeout)).head
+
+    async def record_promotion(self, model: str, checkpoint_id: str, promotion: ckpt_pb.Promotion) -> None:
+        """Records the promotion gate's decision on a checkpoint (HEAD does not move)."""
+        request = ckpt_pb.RecordPromotionRequest(model=model, checkpoint_id=checkpoint_id, promotion=promotion)
+        await _unary(self.checkpoint_stub.RecordPromotion, request, self.timeout)
 
     async def watch_head(self, model: str, after_sequence: int = 0) -> AsyncIterator[ckpt_pb.Head]:
         """Yields the model's head on every move (first the current one when newer than after_sequence)."""

@@ -1,76 +1,367 @@
-"""The closed loop over the four services: eval a group per task -> train -> checkpoint -> head -> reload.
+"""The closed loop: roll out -> train -> checkpoint -> held-out gate -> promote (HEAD) -> reload, repeated.
 
-This is the walking skeleton ``yieldloop demo`` runs; each iteration is
-reported with the weight version that sampled its runs and the one the
-rollout server serves afterwards.
+Each step:
+
+1. rolls out the training tasks with the served head (``group_size`` episodes per task) and reports the
+   groups without reward spread before training on them;
+2. ``forward_backward`` (the trainer's KL and clip fraction are kept), then ``optim_step``, which commits
+   the candidate checkpoint to the tree *without* moving HEAD;
+3. evaluates the candidate on the held-out tasks (disjoint from the training tasks) through
+   RolloutService, which loads the candidate beside the served head;
+4. the promotion gate: the candidate becomes HEAD (the rollout fleet reloads it) unless its held-out mean
+   reward is below the head's by more than ``promotion_tolerance``; a rejected candidate stays in the
+   tree, unpromoted, with the reason recorded, and the trainer continues from HEAD;
+5. the reward-hacking monitor compares training reward and held-out reward: rising training reward with
+   falling held-out reward two evals in a row is a warning.
+
+Every step is written to ``<run_dir>/steps.jsonl`` (plus sample trajectories and, at the end, the
+checkpoint tree), which ``yieldloop report`` turns into a PNG and an HTML page.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
+import importlib
+import json
+import math
+import pathlib
+import random
 import time
+import tomllib
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
-from yieldloop.client import Client, sampling_params
+from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.client import Client
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.environment import Task
+from yieldloop.errors import InvalidArgumentError
+from yieldloop.training import Agent, Job, groups_without_spread, mean_reward, run_tasks
+
+CONFIG_ERROR = "BAD_CONFIG"
 
 
 @dataclasses.dataclass
-class IterationReport:
-    iteration: int
-    num_runs: int
-    mean_reward: float
-    loss_sum: float
-    num_groups_without_signal: int
-    sampled_weight_versions: list[str]
-    """Weight versions the runs of this iteration were sampled with."""
+class LoopConfig:
+    """A training run, as ``yieldloop train <config.toml|config.json>`` reads it (every key optional)."""
+
+    model: str = "tiny"
+    train_tasks: str = "yieldloop.envs.letters:train_tasks"
+    """Training taskset: a .py/.json/.jsonl file, or ``module:attr`` (a list of tasks or a function)."""
+    heldout_tasks: str = "yieldloop.envs.letters:heldout_tasks"
+    """Held-out taskset for the promotion gate (empty: no gate, every checkpoint is promoted)."""
+    steps: int = 30
+    """Optimizer steps at most."""
+    target_heldout_reward: float = 0.0
+    """Stop once the head's held-out mean reward reaches this (0: run every step)."""
+    group_size: int = 8
+    tasks_per_step: int = 0
+    """Training tasks sampled per step (0: all of them)."""
+    heldout_group_size: int = 1
+    """Held-out episodes per task (1 suits the default greedy evaluation)."""
+    learning_rate: float = 1e-3
+    loss_fn: str = "importance_sampling"
+    loss_fn_config: dict[str, float] = dataclasses.field(default_factory=dict)
+    normalize_advantages_by_std: bool = False
+    max_grad_norm: float = 0.0
+    temperature: float = 1.0
+    heldout_temperature: float = 0.0
+    """Sampling temperature of the held-out evaluation (0: greedy, so the gate compares weights, not luck)."""
+    max_tokens: int = 12
+    max_steps: int = 0
+    """Model turns per episode (0: the rollout service's default)."""
+    max_concurrent: int = 0
+    promotion_tolerance: float = 0.05
+    """A candidate is promoted unless its held-out reward is below the head's by more than this."""
+    seed: int = 0
+    name: str = ""
+
+    @classmethod
+    def from_file(cls, path: str | pathlib.Path) -> LoopConfig:
+        """Reads a ``.toml`` or ``.json`` config; unknown keys and wrong types are INVALID_ARGUMENT (BAD_CONFIG)."""
+        path = pathlib.Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise InvalidArgumentError(f"cannot read config {path}: {err.strerror}", reason=CONFIG_ERROR) from None
+        try:
+            raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except ValueError as err:
+            raise InvalidArgumentError(f"config {path} is not valid {path.suffix[1:] or 'JSON'}: {err}",
+                                       reason=CONFIG_ERROR) from None
+        if path.suffix not in (".toml", ".json"):
+            raise InvalidArgumentError(f"config {path}: use a .toml or .json file", reason=CONFIG_ERROR)
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "config") -> LoopConfig:
+        if not isinstance(raw, dict):
+            raise InvalidArgumentError(f"{where}: a config is a table of keys", reason=CONFIG_ERROR)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise InvalidArgumentError(
+                f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(fields)})", reason=CONFIG_ERROR
+            )
+        defaults = cls()
+        for key, value in raw.items():
+            expected = type(getattr(defaults, key))
+            ok = isinstance(value, expected) or (expected is float and isinstance(value, int))
+            if not ok or isinstance(value, bool) != (expected is bool):
+                raise InvalidArgumentError(
+                    f"{where}: {key} must be {expected.__name__}, got {value!r}", reason=CONFIG_ERROR
+                )
+        config = cls(**{k: (float(v) if isinstance(getattr(defaults, k), float) else v) for k, v in raw.items()})
+        return config.validate(where)
+
+    def validate(self, where: str = "config") -> LoopConfig:
+        checks = {
+            "steps": self.steps >= 1, "group_size": self.group_size >= 1,
+            "heldout_group_size": self.heldout_group_size >= 1, "tasks_per_step": self.tasks_per_step >= 0,
+            "learning_rate": self.learning_rate > 0, "max_tokens": self.max_tokens >= 1,
+            "promotion_tolerance": self.promotion_tolerance >= 0, "temperature": self.temperature >= 0,
+            "target_heldout_reward": 0 <= self.target_heldout_reward <= 1,
+        }
+        for key, ok in checks.items():
+            if not ok:
+                raise InvalidArgumentError(f"{where}: {key} = {getattr(self, key)!r} is out of range",
+                                           reason=CONFIG_ERROR)
+        return self
+
+
+def load_tasks(spec: str) -> list[Task]:
+    """Tasks from a .py/.json/.jsonl file or a ``module:attr`` naming a list of tasks or a function returning one."""
+    from yieldloop.taskset import Taskset
+
+    if not spec:
+        return []
+    if pathlib.Path(spec).suffix in (".py", ".json", ".jsonl"):
+        if not pathlib.Path(spec).is_file():
+            raise InvalidArgumentError(f"taskset file {spec} does not exist", reason=CONFIG_ERROR)
+        return list(Taskset.load(spec))
+    module_name, _, attr = spec.partition(":")
+    try:
+        value = getattr(importlib.import_module(module_name), attr or "tasks")
+    except (ImportError, AttributeError) as err:
+        raise InvalidArgumentError(f"cannot load tasks {spec!r}: {err}", reason=CONFIG_ERROR) from None
+    tasks = value() if callable(value) else value
+    if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks) or not tasks:
+        raise InvalidArgumentError(f"{spec!r} is not a non-empty list of tasks", reason=CONFIG_ERROR)
+    return tasks
+
+
+def _task_key(task: Task | common_pb.Task) -> tuple[str, str, str]:
+    if isinstance(task, Task):
+        return (task.env, task.scenario, json.dumps(task.args, sort_keys=True))
+    return (task.env, task.scenario, json.dumps(json.loads(task.args_json or "{}"), sort_keys=True))
+
+
+@dataclasses.dataclass
+class StepReport:
+    """One loop step, as printed and written to ``steps.jsonl``."""
+
+    step: int
     checkpoint_id: str
-    """Checkpoint the optimizer step committed (and moved HEAD to)."""
+    """The candidate this step committed."""
+    parent_checkpoint_id: str
+    promoted: bool
+    reason: str
+    head_checkpoint_id: str
+    """HEAD after the gate's decision."""
     served_weight_version: str
-    """What the rollout server serves after the reload."""
+    train_reward: float
+    heldout_reward: float
+    """The candidate's held-out mean reward."""
+    head_heldout_reward: float
+    """The held-out mean reward of HEAD after the decision."""
+    num_runs: int
+    groups_without_spread: int
+    loss: float
+    kl: float
+    clip_fraction: float
+    entropy: float
+    sampled_weight_versions: list[str]
     rollout_s: float
-    train_s: float
+    forward_backward_s: float
+    optim_s: float
+    """Optimizer step + checkpoint write and commit."""
+    heldout_s: float
     reload_s: float
+    """Head move -> the rollout service serves the new weights."""
+    total_s: float
+    warning: str = ""
+
+    def line(self) -> str:
+        mark = "promoted" if self.promoted else "NOT promoted"
+        return (
+            f"step {self.step:>2}: train {self.train_reward:.3f}  held-out {self.heldout_reward:.3f}  "
+            f"kl {self.kl:.4f}  clip {self.clip_fraction:.3f}  {self.checkpoint_id} {mark}  |  "
+            f"rollout {self.rollout_s:.1f}s  fwd/bwd {self.forward_backward_s:.1f}s  optim+ckpt {self.optim_s:.1f}s  "
+            f"held-out {self.heldout_s:.1f}s  reload {self.reload_s:.1f}s"
+        )
+
+
+@dataclasses.dataclass
+class Baseline:
+    """The held-out evaluation of the starting head (step 0)."""
+
+    checkpoint_id: str
+    heldout_reward: float
+    heldout_s: float
+
+
+class RunRecorder:
+    """Writes a loop's steps, sample trajectories and checkpoint tree under ``run_dir`` for ``yieldloop report``."""
+
+    def __init__(self, run_dir: pathlib.Path, config: LoopConfig, job_id: str) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        meta = {"job_id": job_id, "config": dataclasses.asdict(config), "started": time.time()}
+        (run_dir / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
+        for name in ("steps.jsonl", "samples.jsonl"):
+            (run_dir / name).write_text("")
+
+    def _append(self, name: str, row: dict[str, Any]) -> None:
+        with open(self.run_dir / name, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def baseline(self, baseline: Baseline) -> None:
+        self._append("steps.jsonl", {"step": 0, **dataclasses.asdict(baseline)})
+
+    def step(self, report: StepReport) -> None:
+        self._append("steps.jsonl", dataclasses.asdict(report))
+
+    def samples(self, step: int, kind: str, runs: Sequence[common_pb.Run], count: int = 2) -> None:
+        for run in list(runs)[:count]:
+            self._append("samples.jsonl", {
+                "step": step, "kind": kind, "trace_id": run.trace_id, "task": json.loads(run.task.args_json or "{}"),
+                "prompt": run.prompt, "answer": run.answer, "reward": run.reward,
+                "weight_version": run.turns[-1].weight_version if run.turns else "",
+            })
+
+    async def checkpoint_tree(self, client: Client, model: str) -> None:
+        from google.protobuf import json_format
+
+        listed = (await client.list_checkpoints(model)).checkpoints
+        rows = [json_format.MessageToDict(c, preserving_proto_field_name=True) for c in listed]
+        (self.run_dir / "checkpoints.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 async def closed_loop(
     client: Client,
-    tasks: Sequence[Task | common_pb.Task],
+    config: LoopConfig,
     *,
-    iterations: int,
-    group_size: int = 8,
-    learning_rate: float = 1e-3,
-    max_tokens: int = 12,
-    temperature: float = 1.0,
-    loss_fn: str = "importance_sampling",
-    reload_timeout_s: float = 120.0,
-) -> AsyncIterator[IterationReport]:
-    """Runs ``iterations`` loop iterations and yields a report after each."""
-    sampling = sampling_params(temperature=temperature, max_tokens=max_tokens)
-    for iteration in range(1, iterations + 1):
+    train_tasks: Sequence[Task] | None = None,
+    heldout_tasks: Sequence[Task] | None = None,
+    run_dir: pathlib.Path | None = None,
+    baseline: list[Baseline] | None = None,
+) -> AsyncIterator[StepReport]:
+    """Runs the loop and yields a report after each step (see the module docstring).
+
+    Tasks default to the config's specs; ``baseline``, when given, receives the step-0 held-out evaluation.
+    """
+    train = list(train_tasks) if train_tasks is not None else load_tasks(config.train_tasks)
+    heldout = list(heldout_tasks) if heldout_tasks is not None else load_tasks(config.heldout_tasks)
+    overlap = {_task_key(t) for t in train} & {_task_key(t) for t in heldout}
+    if overlap:
+        raise InvalidArgumentError(
+            f"{len(overlap)} held-out task(s) are also training tasks, e.g. {sorted(overlap)[0]}",
+            reason=CONFIG_ERROR,
+        )
+    if not train:
+        raise InvalidArgumentError("no training tasks", reason=CONFIG_ERROR)
+    rng = random.Random(config.seed)
+    agent = Agent(model=config.model, temperature=config.temperature, max_tokens=config.max_tokens,
+                  max_steps=config.max_steps)
+    heldout_agent = dataclasses.replace(agent, temperature=config.heldout_temperature)
+    job = await Job.start(config.model, config.group_size, name=config.name or "train", client=client,
+                          metadata={"loop": dataclasses.asdict(config)})
+    heldout_job = await Job.start(config.model, config.heldout_group_size, name=f"{job.id}-heldout", client=client)
+    recorder = RunRecorder(run_dir, config, job.id) if run_dir is not None else None
+
+    async def evaluate(checkpoint_id: str) -> tuple[float, list[common_pb.Run]]:
+        runs = await run_tasks(heldout, heldout_agent, job=heldout_job, max_concurrent=config.max_concurrent,
+                               checkpoint_id=checkpoint_id)
+        return mean_reward(runs), runs
+
+    head = await client.get_head(config.model)
+    head_score = float("nan")
+    if heldout:
         started = time.perf_counter()
-        runs = [run async for run in client.stream_rollouts(tasks, group_size=group_size, sampling=sampling)]
+        head_score, runs = await evaluate(head.checkpoint_id)
+        first = Baseline(head.checkpoint_id, head_score, time.perf_counter() - started)
+        if recorder:
+            recorder.baseline(first)
+            recorder.samples(0, "heldout", runs)
+        if baseline is not None:
+            baseline.append(first)
+    history: list[tuple[float, float]] = []
+    diverging = 0
+    for step_index in range(1, config.steps + 1):
+        started = time.perf_counter()
+        parent = head.checkpoint_id
+        tasks = train if not config.tasks_per_step else rng.sample(train, min(config.tasks_per_step, len(train)))
+        runs = await run_tasks(tasks, agent, job=job, max_concurrent=config.max_concurrent)
         rolled = time.perf_counter()
-        graded = [run.reward for run in runs if run.status == common_pb.RUN_STATUS_GRADED]
-        result = await client.forward_backward(runs=runs, loss_fn=loss_fn)
-        step = await client.optim_step(learning_rate, set_head=True)
-        trained = time.perf_counter()
-        info = await client.get_serving_info(
-            wait_for_checkpoint_id=step.checkpoint.checkpoint_id, timeout=reload_timeout_s
+        flat = groups_without_spread(runs)
+        fb = await client.forward_backward(
+            runs=[r for r in runs if r.status == common_pb.RUN_STATUS_GRADED], loss_fn=config.loss_fn,
+            loss_fn_config=config.loss_fn_config, normalize_advantages_by_std=config.normalize_advantages_by_std,
+            allow_incomplete_groups=True,
         )
+        backward = time.perf_counter()
+        adam = {"max_grad_norm": config.max_grad_norm} if config.max_grad_norm else {}
+        optim = await client.optim_step(config.learning_rate, set_head=not heldout,
+                                        metadata_json=json.dumps({"job_id": job.id}), **adam)
+        candidate = optim.checkpoint.checkpoint_id
+        optimized = time.perf_counter()
+        if heldout:
+            score, heldout_runs = await evaluate(candidate)
+            evaluated = time.perf_counter()
+            floor = head_score - config.promotion_tolerance
+            promoted = score >= floor
+            reason = (f"held-out {score:.3f} >= head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
+                      if promoted else
+                      f"held-out {score:.3f} < head {head_score:.3f} - tolerance {config.promotion_tolerance:g}")
+            await client.record_promotion(config.model, candidate, ckpt_pb.Promotion(
+                state=ckpt_pb.PROMOTION_STATE_PROMOTED if promoted else ckpt_pb.PROMOTION_STATE_REJECTED,
+                reason=reason, heldout_reward=score, baseline_checkpoint_id=head.checkpoint_id,
+                baseline_reward=head_score, decided_time=time.time(),
+            ))
+            if promoted:
+                head = await client.set_head(config.model, candidate, expected_checkpoint_id=head.checkpoint_id)
+                head_score = score
+        else:
+            score, heldout_runs, evaluated = float("nan"), [], optimized
+            promoted, reason = True, "no held-out tasks: promoted by the trainer"
+            head = await client.get_head(config.model)
+        info = await client.get_serving_info(wait_for_checkpoint_id=head.checkpoint_id)
         reloaded = time.perf_counter()
-        yield IterationReport(
-            iteration=iteration,
-            num_runs=len(runs),
-            mean_reward=statistics.fmean(graded) if graded else float("nan"),
-            loss_sum=result.loss_sum,
-            num_groups_without_signal=result.num_groups_without_signal,
+        train_reward = mean_reward(runs)
+        history.append((train_reward, score))
+        warning = ""
+        if len(history) >= 2:
+            (prev_train, prev_heldout), (now_train, now_heldout) = history[-2], history[-1]
+            diverging = diverging + 1 if now_train > prev_train and now_heldout < prev_heldout else 0
+            if diverging >= 2:
+                warning = (f"possible reward hacking: training reward rose while held-out fell {diverging} evals "
+                           f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})")
+        report = StepReport(
+            step=optim.step, checkpoint_id=candidate, parent_checkpoint_id=parent, promoted=promoted, reason=reason,
+            head_checkpoint_id=head.checkpoint_id, served_weight_version=info.weight_version,
+            train_reward=train_reward, heldout_reward=score, head_heldout_reward=head_score, num_runs=len(runs),
+            groups_without_spread=len(flat), loss=fb.loss_sum, kl=fb.metrics.get("kl_sampler_learner", math.nan),
+            clip_fraction=fb.metrics.get("clip_fraction", math.nan), entropy=fb.metrics.get("entropy", math.nan),
             sampled_weight_versions=sorted({t.weight_version for run in runs for t in run.turns}),
-            checkpoint_id=step.checkpoint.checkpoint_id,
-            served_weight_version=info.weight_version,
-            rollout_s=rolled - started,
-            train_s=trained - rolled,
-            reload_s=reloaded - trained,
+            rollout_s=rolled - started, forward_backward_s=backward - rolled, optim_s=optimized - backward,
+            heldout_s=evaluated - optimized, reload_s=reloaded - evaluated, total_s=reloaded - started,
+            warning=warning,
         )
+        if recorder:
+            recorder.step(report)
+            recorder.samples(report.step, "train", runs)
+            recorder.samples(report.step, "heldout", heldout_runs)
+            await recorder.checkpoint_tree(client, config.model)
+        yield report
+        if config.target_heldout_reward and heldout and head_score >= config.target_heldout_reward:
+            break

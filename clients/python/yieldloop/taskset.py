@@ -63,6 +63,16 @@ class Taskset(list):
             return cls(_task_from_dict(json.loads(line), f"{path}:{n}", env) for n, line in lines)
         raise ValueError(f"unsupported taskset file {path} (use .py, .json or .jsonl)")
 
+    async def run(
+        self, agent: Any, *, job: Any, max_concurrent: int = 0, checkpoint_id: str = "", on_run: Any = None
+    ) -> list:
+        """Plays every task ``job.group`` times with ``agent`` (a :class:`yieldloop.training.Agent`) through
+        RolloutService; the runs are appended to ``job.runs`` and returned."""
+        from yieldloop.training import run_tasks
+
+        return await run_tasks(self, agent, job=job, max_concurrent=max_concurrent, checkpoint_id=checkpoint_id,
+                               on_run=on_run)
+
     def save(self, path: str | pathlib.Path) -> pathlib.Path:
         """Writes the tasks as ``.json`` (a list) or ``.jsonl`` (one per line)."""
         path = pathlib.Path(path)

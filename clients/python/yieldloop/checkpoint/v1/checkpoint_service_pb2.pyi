@@ -1,10 +1,50 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class PromotionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROMOTION_STATE_UNSPECIFIED: _ClassVar[PromotionState]
+    PROMOTION_STATE_PROMOTED: _ClassVar[PromotionState]
+    PROMOTION_STATE_REJECTED: _ClassVar[PromotionState]
+PROMOTION_STATE_UNSPECIFIED: PromotionState
+PROMOTION_STATE_PROMOTED: PromotionState
+PROMOTION_STATE_REJECTED: PromotionState
+
+class Promotion(_message.Message):
+    __slots__ = ("state", "reason", "heldout_reward", "baseline_checkpoint_id", "baseline_reward", "decided_time")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_REWARD_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_TIME_FIELD_NUMBER: _ClassVar[int]
+    state: PromotionState
+    reason: str
+    heldout_reward: float
+    baseline_checkpoint_id: str
+    baseline_reward: float
+    decided_time: float
+    def __init__(self, state: _Optional[_Union[PromotionState, str]] = ..., reason: _Optional[str] = ..., heldout_reward: _Optional[float] = ..., baseline_checkpoint_id: _Optional[str] = ..., baseline_reward: _Optional[float] = ..., decided_time: _Optional[float] = ...) -> None: ...
+
+class RecordPromotionRequest(_message.Message):
+    __slots__ = ("model", "checkpoint_id", "promotion")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMOTION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    checkpoint_id: str
+    promotion: Promotion
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ...) -> None: ...
+
+class RecordPromotionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time")
@@ -99,18 +139,20 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class CheckpointSummary(_message.Message):
-    __slots__ = ("checkpoint_id", "parent_checkpoint_id", "step", "created_time", "is_head")
+    __slots__ = ("checkpoint_id", "parent_checkpoint_id", "step", "created_time", "is_head", "promotion")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
     IS_HEAD_FIELD_NUMBER: _ClassVar[int]
+    PROMOTION_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     parent_checkpoint_id: str
     step: int
     created_time: float
     is_head: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., is_head: _Optional[bool] = ...) -> None: ...
+    promotion: Promotion
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., is_head: _Optional[bool] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)

@@ -75,6 +75,11 @@ class CheckpointServiceStub:
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.WatchHeadRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.WatchHeadResponse.FromString,
                 _registered_method=True)
+        self.RecordPromotion = channel.unary_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/RecordPromotion',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -155,6 +160,15 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordPromotion(self, request, context):
+        """Records the promotion gate's decision on a checkpoint (promoted, or kept
+        unpromoted with the reason); ListCheckpoints reports it. Does not move HEAD.
+        Returns: OK; NOT_FOUND (MODEL_NOT_FOUND, CHECKPOINT_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +211,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.WatchHead,
                     request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.WatchHeadRequest.FromString,
                     response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.WatchHeadResponse.SerializeToString,
+            ),
+            'RecordPromotion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordPromotion,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +435,33 @@ class CheckpointService:
             '/yieldloop.checkpoint.v1.CheckpointService/WatchHead',
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.WatchHeadRequest.SerializeToString,
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.WatchHeadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordPromotion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/RecordPromotion',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionResponse.FromString,
             options,
             channel_credentials,
             insecure,

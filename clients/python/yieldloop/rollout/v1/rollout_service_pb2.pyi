@@ -66,7 +66,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamRolloutsRequest(_message.Message):
-    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id", "max_steps", "episode_timeout_s", "max_attempts")
+    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id", "max_steps", "episode_timeout_s", "max_attempts", "checkpoint_id")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class StreamRolloutsRequest(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]
     group_size: int
     max_concurrent: int
@@ -83,7 +84,8 @@ class StreamRolloutsRequest(_message.Message):
     max_steps: int
     episode_timeout_s: float
     max_attempts: int
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., episode_timeout_s: _Optional[float] = ..., max_attempts: _Optional[int] = ...) -> None: ...
+    checkpoint_id: str
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., episode_timeout_s: _Optional[float] = ..., max_attempts: _Optional[int] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
 
 class StreamRolloutsResponse(_message.Message):
     __slots__ = ("run",)
@@ -124,3 +126,61 @@ class GetServingInfoResponse(_message.Message):
     last_reload_error: str
     openai_base_url: str
     def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "model", "name", "group_size", "created_time", "num_runs", "metadata_json")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    model: str
+    name: str
+    group_size: int
+    created_time: float
+    num_runs: int
+    metadata_json: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., name: _Optional[str] = ..., group_size: _Optional[int] = ..., created_time: _Optional[float] = ..., num_runs: _Optional[int] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class CreateJobRequest(_message.Message):
+    __slots__ = ("model", "name", "group_size", "metadata_json")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    name: str
+    group_size: int
+    metadata_json: str
+    def __init__(self, model: _Optional[str] = ..., name: _Optional[str] = ..., group_size: _Optional[int] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class CreateJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class StreamJobRunsRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class StreamJobRunsResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: _common_pb2.Run
+    def __init__(self, run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ...) -> None: ...

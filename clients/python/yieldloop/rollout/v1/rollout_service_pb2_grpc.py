@@ -55,6 +55,21 @@ class RolloutServiceStub:
                 request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetServingInfoRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetServingInfoResponse.FromString,
                 _registered_method=True)
+        self.CreateJob = channel.unary_unary(
+                '/yieldloop.rollout.v1.RolloutService/CreateJob',
+                request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.CreateJobRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.CreateJobResponse.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/yieldloop.rollout.v1.RolloutService/ListJobs',
+                request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
+        self.StreamJobRuns = channel.unary_stream(
+                '/yieldloop.rollout.v1.RolloutService/StreamJobRuns',
+                request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -73,8 +88,11 @@ class RolloutServiceServicer:
 
     def StreamRollouts(self, request, context):
         """Drives episodes (tasks x group_size) against EnvService and streams Runs as they finish.
+        With `checkpoint_id` set, the episodes sample that checkpoint instead of the served head
+        (a candidate's held-out evaluation before promotion).
         Returns: OK; INVALID_ARGUMENT (INVALID_FIELD); NOT_FOUND (MODEL_NOT_FOUND,
-        SCENARIO_NOT_FOUND); UNAVAILABLE (ENGINE_NOT_READY); CANCELLED.
+        SCENARIO_NOT_FOUND, CHECKPOINT_NOT_FOUND); FAILED_PRECONDITION (CHECKPOINT_CORRUPT);
+        UNAVAILABLE (ENGINE_NOT_READY); CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +111,30 @@ class RolloutServiceServicer:
         """Reports the served model and weight version; optionally waits until a checkpoint is served.
         Returns: OK; DEADLINE_EXCEEDED while waiting; FAILED_PRECONDITION (CHECKPOINT_CORRUPT)
         when the awaited checkpoint failed verification and was refused; INVALID_ARGUMENT (INVALID_FIELD).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateJob(self, request, context):
+        """Opens a job: a named set of runs (an eval, or the rollouts of a training session).
+        Returns: OK; INVALID_ARGUMENT (INVALID_FIELD); NOT_FOUND (MODEL_NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Every job in the trace store, oldest first, with its run count.
+        Returns: OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamJobRuns(self, request, context):
+        """Streams a job's runs in the order they were recorded.
+        Returns: OK; NOT_FOUND (JOB_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD); CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,6 +162,21 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetServingInfo,
                     request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetServingInfoRequest.FromString,
                     response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetServingInfoResponse.SerializeToString,
+            ),
+            'CreateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJob,
+                    request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.CreateJobRequest.FromString,
+                    response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.CreateJobResponse.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.ListJobsRequest.FromString,
+                    response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'StreamJobRuns': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamJobRuns,
+                    request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsRequest.FromString,
+                    response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +288,87 @@ class RolloutService:
             '/yieldloop.rollout.v1.RolloutService/GetServingInfo',
             yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetServingInfoRequest.SerializeToString,
             yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetServingInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.rollout.v1.RolloutService/CreateJob',
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.CreateJobRequest.SerializeToString,
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.CreateJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.rollout.v1.RolloutService/ListJobs',
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.ListJobsRequest.SerializeToString,
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamJobRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/yieldloop.rollout.v1.RolloutService/StreamJobRuns',
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsRequest.SerializeToString,
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,343 @@
+"""The Python API users drive the loop with: ``Job``, ``Agent``, ``taskset.run`` and ``TrainingClient``.
+
+::
+
+    import asyncio
+    from yieldloop import Job, TrainingClient, create_agent
+    from yieldloop.envs.letters import train_tasks
+    from yieldloop.taskset import Taskset
+
+    async def main():
+        agent = create_agent("tiny", max_tokens=12)
+        trainer = TrainingClient("tiny")
+        session = await Job.start("tiny", group=8)       # 8 rollouts per task (a GRPO group)
+        taskset = Taskset(train_tasks())
+        for _ in range(10):
+            batch = await taskset.run(agent, job=session)
+            result = await trainer.step(batch, learning_rate=3e-3, group_size=8)
+            print(result.step, result.checkpoint_id, result.mean_reward)
+
+    asyncio.run(main())
+
+Everything goes over gRPC to a running stack: ``connect()`` finds it from
+``YIELDLOOP_DATA_DIR`` (the data directory of ``yieldloop up``, default
+``.yieldloop``) or from ``YIELDLOOP_<SERVICE>_ADDRESS`` variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.client import Client, sampling_params
+from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.errors import FailedPreconditionError, NotFoundError, invalid_field
+from yieldloop.rollout.v1 import rollout_service_pb2 as rollout_pb
+from yieldloop.trainer.v1 import trainer_service_pb2 as trainer_pb
+
+log = logging.getLogger("yieldloop")
+
+SERVICES = ("checkpoint", "env", "trainer", "rollout")
+
+
+def stack_addresses(data_dir: str | pathlib.Path | None = None) -> dict[str, str]:
+    """Service addresses of a running stack: ``YIELDLOOP_<SERVICE>_ADDRESS`` variables, else the ready files
+    ``yieldloop up`` writes under ``<data_dir>/run/`` (``data_dir``: ``YIELDLOOP_DATA_DIR`` or ``.yieldloop``).
+
+    Raises:
+        FailedPreconditionError: STACK_NOT_RUNNING when neither names every service.
+    """
+    from_env = {s: os.environ.get(f"YIELDLOOP_{s.upper()}_ADDRESS", "") for s in SERVICES}
+    if all(from_env.values()):
+        return from_env
+    folder = pathlib.Path(data_dir or os.environ.get("YIELDLOOP_DATA_DIR", ".yieldloop"))
+    addresses = {}
+    for service in SERVICES:
+        ready = folder / "run" / f"{service}.json"
+        try:
+            addresses[service] = json.loads(ready.read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            raise FailedPreconditionError(
+                f"no running stack in {folder.resolve()} ({ready.name} missing): start one with "
+                f"`yieldloop up --data-dir {folder}` or set YIELDLOOP_DATA_DIR",
+                reason="STACK_NOT_RUNNING",
+            ) from None
+    return addresses
+
+
+def connect(data_dir: str | pathlib.Path | None = None, timeout: float | None = 300.0) -> Client:
+    """A :class:`Client` for the running stack (see :func:`stack_addresses`)."""
+    return Client(**stack_addresses(data_dir), timeout=timeout)
+
+
+@dataclasses.dataclass
+class Agent:
+    """How episodes are played: the served model, its sampling and the agent loop's bounds.
+
+    The agent loop runs inside RolloutService (tools rendered into the chat template, tool calls parsed,
+    results fed back), so an Agent is configuration, not code.
+    """
+
+    model: str = ""
+    """Model slug (empty: whatever the rollout service serves; otherwise it must match)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    """Tokens per model turn."""
+    max_steps: int = 0
+    """Model turns per episode (0: 8)."""
+    episode_timeout_s: float = 0.0
+    max_attempts: int = 0
+
+    def sampling(self) -> rollout_pb.SamplingParams:
+        return sampling_params(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens
+        )
+
+
+def create_agent(model: str = "", **options: Any) -> Agent:
+    """An :class:`Agent` for ``model`` (options: temperature, top_p, top_k, max_tokens, max_steps, ...)."""
+    return Agent(model=model, **options)
+
+
+class Job:
+    """A named set of runs in the trace store: an eval, or the rollouts of a training session.
+
+    ``job.runs`` holds every run this object collected (``taskset.run`` appends to it); each Run carries
+    the prompt, the turns with token ids and sampling logprobs, the reward, its trace id and group id.
+    """
+
+    def __init__(self, client: Client, record: rollout_pb.Job) -> None:
+        self.client = client
+        self.record = record
+        self.runs: list[common_pb.Run] = []
+
+    @property
+    def id(self) -> str:
+        return self.record.job_id
+
+    @property
+    def model(self) -> str:
+        return self.record.model
+
+    @property
+    def group(self) -> int:
+        return self.record.group_size
+
+    @classmethod
+    async def start(
+        cls,
+        model: str = "",
+        group: int = 8,
+        *,
+        name: str = "",
+        metadata: dict[str, Any] | None = None,
+        client: Client | None = None,
+    ) -> Job:
+        """Opens a job sampling ``model`` with ``group`` rollouts per task."""
+        if group < 1:
+            raise invalid_field("group", f"group must be >= 1, got {group}")
+        client = client or connect()
+        record = await client.create_job(model, name, group, json.dumps(metadata) if metadata else "")
+        return cls(client, record)
+
+    @classmethod
+    async def load(cls, job_id: str, *, client: Client | None = None) -> Job:
+        """A recorded job with all its runs read back from the trace store."""
+        client = client or connect()
+        jobs = {job.job_id: job for job in await client.list_jobs()}
+        if job_id not in jobs:
+            raise NotFoundError(f"no job {job_id!r}", reason="JOB_NOT_FOUND")
+        job = cls(client, jobs[job_id])
+        job.runs = [run async for run in client.job_runs(job_id)]
+        return job
+
+    def mean_reward(self, runs: Sequence[common_pb.Run] | None = None) -> float:
+        return mean_reward(self.runs if runs is None else runs)
+
+
+async def run_tasks(
+    tasks: Iterable[Any],
+    agent: Agent,
+    *,
+    job: Job,
+    max_concurrent: int = 0,
+    checkpoint_id: str = "",
+    on_run: Callable[[common_pb.Run], None] | None = None,
+) -> list[common_pb.Run]:
+    """Plays every task ``job.group`` times with ``agent``; the runs are recorded in the job and returned."""
+    if agent.model and job.model and agent.model != job.model:
+        raise invalid_field("agent.model", f"the agent samples {agent.model!r} but the job is for {job.model!r}")
+    runs = []
+    async for run in job.client.stream_rollouts(
+        list(tasks),
+        group_size=job.group or 1,
+        max_concurrent=max_concurrent,
+        sampling=agent.sampling(),
+        job_id=job.id,
+        max_steps=agent.max_steps,
+        episode_timeout_s=agent.episode_timeout_s,
+        max_attempts=agent.max_attempts,
+        checkpoint_id=checkpoint_id,
+    ):
+        runs.append(run)
+        if on_run is not None:
+            on_run(run)
+    job.runs.extend(runs)
+    return runs
+
+
+def graded(runs: Iterable[common_pb.Run]) -> list[common_pb.Run]:
+    return [run for run in runs if run.status == common_pb.RUN_STATUS_GRADED]
+
+
+def mean_reward(runs: Iterable[common_pb.Run]) -> float:
+    rewards = [run.reward for run in graded(runs)]
+    return statistics.fmean(rewards) if rewards else float("nan")
+
+
+def groups_without_spread(runs: Iterable[common_pb.Run | str]) -> dict[str, float]:
+    """Groups whose graded rewards are all equal (zero advantage: they teach nothing): group id -> reward."""
+    rewards: dict[str, list[float]] = {}
+    for run in runs:
+        if not isinstance(run, str) and run.status == common_pb.RUN_STATUS_GRADED and run.group_id:
+            rewards.setdefault(run.group_id, []).append(run.reward)
+    return {gid: r[0] for gid, r in rewards.items() if len(r) > 1 and max(r) - min(r) < 1e-12}
+
+
+def report_groups_without_spread(runs: Sequence[common_pb.Run | str]) -> dict[str, float]:
+    """Logs a warning naming the groups without reward spread (before they are sent to train) and returns them."""
+    flat = groups_without_spread(runs)
+    if flat:
+        tasks = {
+            run.group_id: f"{run.task.scenario}({run.task.args_json})" for run in runs if not isinstance(run, str)
+        }
+        shown = ", ".join(f"{tasks[g]} all {r:.2f}" for g, r in list(flat.items())[:4])
+        more = f" and {len(flat) - 4} more" if len(flat) > 4 else ""
+        log.warning("%d group(s) without reward spread teach nothing: %s%s", len(flat), shown, more)
+    return flat
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What ``TrainingClient.step`` did."""
+
+    step: int
+    checkpoint_id: str
+    """The checkpoint the optimizer step committed (HEAD when set_head)."""
+    loss: float
+    mean_reward: float
+    groups_without_spread: int
+    metrics: dict[str, float]
+    """The trainer's metrics of the (last) forward_backward: KL, clip fraction, entropy, ..."""
+    grad_norm: float
+
+    @property
+    def sampler_path(self) -> str:
+        return self.checkpoint_id
+
+
+class TrainingClient:
+    """Advances the weights behind one model slug through TrainerService and CheckpointService.
+
+    Runs (Run messages) and trace ids (strings, resolved from the trace store) are accepted interchangeably.
+    """
+
+    def __init__(self, model: str, *, client: Client | None = None) -> None:
+        self.model = model
+        self.client = client or connect()
+        self._checked = False
+
+    async def _check_model(self) -> None:
+        if not self._checked:
+            info = await self.client.get_trainer_info()
+            if info.model != self.model:
+                raise NotFoundError(
+                    f"the trainer trains {info.model!r}, not {self.model!r}", reason="MODEL_NOT_FOUND"
+                )
+            self._checked = True
+
+    async def available_losses(self) -> list[str]:
+        return [loss.name for loss in (await self.client.list_losses()).losses]
+
+    async def forward_backward(
+        self, runs: Sequence[common_pb.Run | str], loss_fn: str = "importance_sampling", *, group_size: int = 0,
+        loss_fn_config: dict[str, float] | None = None, **options: Any,
+    ) -> trainer_pb.ForwardBackwardResponse:
+        """Accumulates the gradient of a built-in loss on the runs (GRPO advantages per group)."""
+        await self._check_model()
+        report_groups_without_spread(runs)
+        return await self.client.forward_backward(
+            runs=runs, loss_fn=loss_fn, loss_fn_config=loss_fn_config, group_size=group_size, **options
+        )
+
+    async def forward_backward_custom(
+        self, runs: Sequence[common_pb.Run | str], loss_fn: Callable[..., Any], *, group_size: int = 0
+    ) -> tuple[float, dict[str, float]]:
+        """Accumulates the gradient of ``loss_fn(datums, logprobs)`` (client-side torch, see Client)."""
+        await self._check_model()
+        report_groups_without_spread(runs)
+        if group_size:
+            sizes = {}
+            for run in runs:
+                if not isinstance(run, str):
+                    sizes[run.group_id] = sizes.get(run.group_id, 0) + 1
+            wrong = {g: n for g, n in sizes.items() if n != group_size}
+            if wrong:
+                raise invalid_field("group_size", f"{len(wrong)} group(s) are not of size {group_size}: {wrong}")
+        return await self.client.forward_backward_custom(runs, loss_fn)
+
+    async def optim_step(self, learning_rate: float, *, set_head: bool = True, **adam: float) -> StepResult:
+        """AdamW step and checkpoint commit (HEAD moves when ``set_head``)."""
+        await self._check_model()
+        step = await self.client.optim_step(learning_rate, set_head=set_head, **adam)
+        return StepResult(step.step, step.checkpoint.checkpoint_id, float("nan"), float("nan"), 0, {}, step.grad_norm)
+
+    async def step(
+        self,
+        runs: Sequence[common_pb.Run | str],
+        *,
+        learning_rate: float,
+        group_size: int = 0,
+        loss_fn: str = "importance_sampling",
+        num_substeps: int = 1,
+        set_head: bool = True,
+        loss_fn_config: dict[str, float] | None = None,
+        **options: Any,
+    ) -> StepResult:
+        """forward_backward with a built-in loss, then optim_step: one node in the checkpoint tree."""
+        await self._check_model()
+        flat = report_groups_without_spread(runs)
+        step, metrics = await self.client.train_step(
+            runs, learning_rate, loss_fn=loss_fn, num_substeps=num_substeps, set_head=set_head,
+            group_size=group_size, loss_fn_config=loss_fn_config, **options,
+        )
+        last = metrics[-1]
+        return StepResult(
+            step=step.step,
+            checkpoint_id=step.checkpoint.checkpoint_id,
+            loss=sum(m.loss_sum for m in metrics),
+            mean_reward=mean_reward(r for r in runs if not isinstance(r, str)),
+            groups_without_spread=len(flat),
+            metrics=dict(last.metrics),
+            grad_norm=step.grad_norm,
+        )
+
+    async def checkpoints(self) -> list[ckpt_pb.CheckpointSummary]:
+        """The model's checkpoint tree, oldest first (head marked, promotion decisions attached)."""
+        return list((await self.client.list_checkpoints(self.model)).checkpoints)
+
+    async def head(self) -> ckpt_pb.Head:
+        return await self.client.get_head(self.model)
+
+    async def set_head(self, checkpoint_id: str, *, expected: str = "") -> ckpt_pb.Head:
+        """Moves HEAD (rollback or branch point); the rollout fleet reloads it, the next step extends from it."""
+        return await self.client.set_head(self.model, checkpoint_id, expected_checkpoint_id=expected)
