@@ -1,4 +1,5 @@
-"""The ``yieldloop`` command line: ``serve``, ``up`` and ``demo``.
+"""The ``yieldloop`` command line: services (``serve``, ``up``), the loop (``eval``, ``train``, ``demo``), the
+checkpoint tree (``models``), recorded data (``jobs``, ``trace``, ``export``) and ``report``.
 
 Only argparse is imported up front so ``yieldloop --help`` is instant; each
 command imports what it needs.
@@ -7,6 +8,7 @@ command imports what it needs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -57,6 +59,11 @@ def _add_stack_args(parser: argparse.ArgumentParser) -> None:
                         help="object store: a path or s3://bucket/prefix (default: DATA_DIR/store)")
 
 
+def _add_attach(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attach", type=pathlib.Path, default=None,
+                        help="data directory of a running `yieldloop up` (default: $YIELDLOOP_DATA_DIR or .yieldloop)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="yieldloop", description="Self-hosted closed loop from agent evals to RL training data."
@@ -78,34 +85,64 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stack_args(up)
 
     models = commands.add_parser("models", help="models, checkpoints and heads of a running stack")
-    models.add_argument("--attach", type=pathlib.Path, default=pathlib.Path(".yieldloop"),
-                        help="data directory of a running `yieldloop up` (default: .yieldloop)")
+    _add_attach(models)
     model_commands = models.add_subparsers(dest="models_command", required=True)
     model_commands.add_parser("list", help="every model, with its base, parent, owner and whether it is trainable")
     fork = model_commands.add_parser("fork", help="a new model starting from a model's head (objects shared)")
     fork.add_argument("source")
     fork.add_argument("--name", required=True)
     fork.add_argument("--owner", default="")
-    checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first")
+    checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first (> = HEAD)")
     checkpoints.add_argument("model")
     head = model_commands.add_parser("head", help="show a model's head, or move it with --set (rollback, branch)")
     head.add_argument("model")
     head.add_argument("--set", dest="set_to", metavar="CHECKPOINT")
     head.add_argument("--expect", default="", metavar="CHECKPOINT", help="only if the head is this (compare-and-swap)")
 
+    evaluate = commands.add_parser("eval", help="run a taskset against a model as a job (group rollouts per task)")
+    evaluate.add_argument("tasks", help="taskset: a .py/.json/.jsonl file or module:attr")
+    evaluate.add_argument("model", help="model slug the rollout service serves")
+    evaluate.add_argument("--group", type=int, default=8, help="episodes per task (default 8)")
+    evaluate.add_argument("--max-concurrent", type=int, default=0, help="episodes in flight at once (0: all)")
+    evaluate.add_argument("--max-tokens", type=int, default=16, help="tokens per model turn (default 16)")
+    evaluate.add_argument("--temperature", type=float, default=1.0)
+    evaluate.add_argument("--max-steps", type=int, default=0, help="model turns per episode (0: 8)")
+    evaluate.add_argument("--checkpoint", default="", help="sample this checkpoint instead of the head")
+    evaluate.add_argument("--name", default="", help="job name")
+    _add_attach(evaluate)
+
+    train = commands.add_parser("train", help="the closed loop from a config file (.toml or .json), on a running stack")
+    train.add_argument("config", type=pathlib.Path)
+    _add_attach(train)
+
+    jobs = commands.add_parser("jobs", help="recorded jobs (evals and training sessions), oldest first")
+    _add_attach(jobs)
+
     trace = commands.add_parser("trace", help="print a recorded run (prompt, turns, reward) by trace id")
     trace.add_argument("trace_id")
-    trace.add_argument("--attach", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
     trace.add_argument("--json", action="store_true", help="the run as JSON")
+    _add_attach(trace)
 
-    demo = commands.add_parser("demo", help="run the closed loop on the embedded default and print each iteration")
+    export = commands.add_parser("export", help="write a job's graded runs as RFT JSONL or token-level JSONL/Parquet")
+    export.add_argument("job")
+    export.add_argument("--format", default="jsonl", choices=("jsonl", "parquet"))
+    export.add_argument("--kind", default="", choices=("", "rft", "tokens"),
+                        help="rft: prompt/completion/reward; tokens: token ids, logprobs, masks, rewards, group ids "
+                             "(default: rft for jsonl, tokens for parquet)")
+    export.add_argument("--out", type=pathlib.Path, help="output file (default: <job>.<kind>.<format>)")
+    _add_attach(export)
+
+    report = commands.add_parser("report", help="write report.png and report.html for a training run")
+    report.add_argument("run", help="a run directory, or the job id of a `yieldloop train` run in --attach/runs/")
+    _add_attach(report)
+
+    demo = commands.add_parser("demo", help="the closed loop on the embedded default: watch a tiny model learn")
     demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
     demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")
-    demo.add_argument("--iterations", type=int, default=3)
+    demo.add_argument("--steps", type=int, default=30, help="optimizer steps at most (default 30)")
+    demo.add_argument("--target", type=float, default=0.8, help="stop once held-out reward reaches this (default 0.8)")
     demo.add_argument("--group-size", type=int, default=8)
-    demo.add_argument("--letters", default="abcdefgh", help="one task per letter (default: abcdefgh)")
-    demo.add_argument("--learning-rate", type=float, default=1e-3)
-    demo.add_argument("--max-tokens", type=int, default=12)
+    demo.add_argument("--learning-rate", type=float, help="AdamW learning rate (default: the loop's, 1e-3)")
     _add_stack_args(demo)
     return parser
 
@@ -182,26 +219,81 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_addresses(data_dir: pathlib.Path) -> dict[str, str]:
-    import json
+def _client(args: argparse.Namespace, timeout: float = 300.0) -> Any:
+    from yieldloop.training import connect
 
-    return {s: json.loads((data_dir / "run" / f"{s}.json").read_text())["address"] for s in SERVICES}
+    return connect(args.attach, timeout=timeout)
+
+
+def _progress(console: Any) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+async def _loop(client: Any, config: Any, run_root: pathlib.Path, console: Any) -> dict[str, Any]:
+    """Runs the closed loop with a progress bar and per-step lines; writes the report; returns a summary."""
+    import time
+
+    from yieldloop.loop import Baseline, closed_loop
+    from yieldloop.report import write_report
+
+    baseline: list[Baseline] = []
+    steps = []
+    run_dir = run_root / "pending"
+    started = time.perf_counter()
+    with _progress(console) as progress:
+        bar = progress.add_task("training steps", total=config.steps)
+        async for report in closed_loop(client, config, run_dir=run_dir, baseline=baseline):
+            if not steps and baseline:
+                progress.console.print(f"held-out reward of {baseline[0].checkpoint_id}: {baseline[0].heldout_reward:.3f}")
+            steps.append(report)
+            progress.console.print(report.line(), soft_wrap=True, markup=False)
+            if not report.promoted:
+                progress.console.print(f"  kept unpromoted: {report.reason}", markup=False)
+            if report.warning:
+                progress.console.print(f"  [bold yellow]warning:[/] {report.warning}", soft_wrap=True)
+            progress.advance(bar)
+    elapsed = time.perf_counter() - started
+    job_id = json.loads((run_dir / "run.json").read_text())["job_id"]
+    final_dir = run_root / job_id
+    run_dir.rename(final_dir)
+    png, page = write_report(final_dir)
+    return {"steps": steps, "baseline": baseline[0] if baseline else None, "elapsed_s": elapsed,
+            "report": page, "png": png, "job_id": job_id}
+
+
+def _print_summary(console: Any, summary: dict[str, Any], target: float = 0.0) -> None:
+    steps, baseline = summary["steps"], summary["baseline"]
+    if steps and baseline:
+        after = steps[-1].head_heldout_reward
+        reached = next((i for i, s in enumerate(steps, 1) if target and s.head_heldout_reward >= target), None)
+        console.print(
+            f"held-out reward {baseline.heldout_reward:.3f} -> {after:.3f} in {len(steps)} steps "
+            f"({summary['elapsed_s']:.1f}s of RL"
+            + (f"; reached {target:g} at step {reached}" if reached else "") + ")"
+        )
+        split = {k: sum(getattr(s, k) for s in steps) for k in
+                 ("rollout_s", "forward_backward_s", "optim_s", "heldout_s", "reload_s")}
+        console.print("time split: " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in split.items()))
+    console.print(f"job {summary['job_id']}; report: {summary['report']} (plot {summary['png']})")
 
 
 async def _demo(args: argparse.Namespace) -> None:
     import tempfile
 
     from rich.console import Console
-    from rich.progress import Progress
 
     from yieldloop.client import Client
-    from yieldloop.envs.letters import tasks as letter_tasks
-    from yieldloop.loop import closed_loop
+    from yieldloop.loop import LoopConfig
+    from yieldloop.training import stack_addresses
 
     console = Console()
     stack = None
     if args.attach:
-        addresses = _read_addresses(args.attach)
+        addresses = stack_addresses(args.attach)
+        data_dir = args.attach
     else:
         from yieldloop.services.stack import ProcessStack
 
@@ -210,24 +302,17 @@ async def _demo(args: argparse.Namespace) -> None:
         with console.status("starting the four services (creating the tiny model offline on first use)..."):
             addresses = await stack.start()
         console.print(f"services up: {addresses}")
-    tasks = letter_tasks(args.letters)
-    console.print(f"closed loop: {len(tasks)} tasks x group {args.group_size}, {args.iterations} iterations")
+    overrides = {"learning_rate": args.learning_rate} if args.learning_rate else {}
+    config = LoopConfig(model=args.model, steps=args.steps, target_heldout_reward=args.target,
+                        group_size=args.group_size, name="demo", **overrides).validate("demo")
+    console.print(
+        f"GRPO on {config.train_tasks} (group {config.group_size}), promotion gate on {config.heldout_tasks} "
+        f"(disjoint), until held-out reward >= {config.target_heldout_reward:g} or {config.steps} steps"
+    )
     try:
         async with Client(**addresses, timeout=300) as client:
-            with Progress(console=console, transient=True) as progress:
-                bar = progress.add_task("iterations", total=args.iterations)
-                async for report in closed_loop(
-                    client, tasks, iterations=args.iterations, group_size=args.group_size,
-                    learning_rate=args.learning_rate, max_tokens=args.max_tokens,
-                ):
-                    progress.console.print(
-                        f"iteration {report.iteration}: mean reward {report.mean_reward:.3f}  "
-                        f"loss {report.loss_sum:+.4f}  sampled by {','.join(report.sampled_weight_versions)}  "
-                        f"-> checkpoint {report.checkpoint_id}  now serving {report.served_weight_version}  "
-                        f"(rollout {report.rollout_s:.1f}s, train {report.train_s:.1f}s, reload {report.reload_s:.1f}s)",
-                        soft_wrap=True,
-                    )
-                    progress.advance(bar)
+            summary = await _loop(client, config, pathlib.Path(data_dir) / "runs", console)
+        _print_summary(console, summary, config.target_heldout_reward)
         if stack is not None:
             console.print(f"data kept in {stack.config.data_dir}")
     finally:
@@ -235,14 +320,112 @@ async def _demo(args: argparse.Namespace) -> None:
             await stack.stop()
 
 
+async def _train(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from yieldloop.loop import LoopConfig, load_tasks
+    from yieldloop.training import stack_addresses
+
+    config = LoopConfig.from_file(args.config)
+    load_tasks(config.train_tasks), load_tasks(config.heldout_tasks)  # bad task specs fail before any work
+    console = Console()
+    data_dir = pathlib.Path(args.attach or os.environ.get("YIELDLOOP_DATA_DIR", ".yieldloop"))
+    stack_addresses(data_dir)
+    async with _client(args) as client:
+        await client.get_head(config.model)  # NOT_FOUND for a missing model, before any work
+        summary = await _loop(client, config, data_dir / "runs", console)
+    _print_summary(console, summary, config.target_heldout_reward)
+
+
+async def _eval(args: argparse.Namespace) -> None:
+    import collections
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from yieldloop.loop import load_tasks
+    from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
+
+    tasks = load_tasks(args.tasks)
+    console = Console()
+    async with _client(args) as client:
+        job = await Job.start(args.model, args.group, name=args.name or f"eval {args.tasks}", client=client)
+        agent = Agent(model=args.model, temperature=args.temperature, max_tokens=args.max_tokens,
+                      max_steps=args.max_steps)
+        with _progress(console) as progress:
+            bar = progress.add_task(f"eval {len(tasks)} tasks x {args.group}", total=len(tasks) * args.group)
+            runs = await run_tasks(tasks, agent, job=job, max_concurrent=args.max_concurrent,
+                                   checkpoint_id=args.checkpoint, on_run=lambda run: progress.advance(bar))
+    by_task: dict[str, list] = collections.defaultdict(list)
+    for run in runs:
+        by_task[f"{run.task.env}/{run.task.scenario} {run.task.args_json}"].append(run)
+    table = Table("task", "runs", "mean reward", "rewards")
+    for name, task_runs in by_task.items():
+        table.add_row(name, str(len(task_runs)), f"{mean_reward(task_runs):.3f}",
+                      " ".join(f"{r.reward:.2f}" if r.status == 1 else "err" for r in task_runs))
+    console.print(table)
+    flat = report_groups_without_spread(runs)
+    errors = sum(run.status != 1 for run in runs)
+    console.print(f"job {job.id}: {len(runs)} runs, mean reward {mean_reward(runs):.3f}, "
+                  f"{len(flat)} group(s) without reward spread, {errors} not graded")
+    console.print(f"export: yieldloop export {job.id} --format jsonl", markup=False)
+
+
+async def _jobs(args: argparse.Namespace) -> None:
+    import datetime
+
+    from rich.console import Console
+    from rich.table import Table
+
+    async with _client(args, timeout=60) as client:
+        jobs = await client.list_jobs()
+    table = Table("job", "name", "model", "group", "runs", "created")
+    for job in jobs:
+        created = datetime.datetime.fromtimestamp(job.created_time).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(job.job_id, job.name, job.model, str(job.group_size or "-"), str(job.num_runs), created)
+    Console().print(table)
+
+
+async def _export(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from yieldloop.export import export_runs
+
+    console = Console()
+    kind = args.kind or ("rft" if args.format == "jsonl" else "tokens")
+    out = args.out or pathlib.Path(f"{args.job}.{kind}.{args.format}")
+    async with _client(args) as client:
+        with console.status(f"reading the runs of {args.job}..."):
+            runs = [run async for run in client.job_runs(args.job)]
+    count = export_runs(runs, out, args.format, kind)
+    console.print(f"wrote {count} graded run(s) of {len(runs)} to {out} ({kind}, {args.format})")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from yieldloop.errors import YieldloopError
+    from yieldloop.report import write_report
+
+    run_dir = pathlib.Path(args.run)
+    if not run_dir.is_dir():
+        run_dir = pathlib.Path(args.attach or os.environ.get("YIELDLOOP_DATA_DIR", ".yieldloop")) / "runs" / args.run
+    if not run_dir.is_dir():
+        print(f"yieldloop: no run directory {args.run!r} (nor {run_dir})", file=sys.stderr)
+        return 1
+    try:
+        png, page = write_report(run_dir)
+    except YieldloopError as err:
+        print(f"yieldloop: {err}", file=sys.stderr)
+        return 1
+    print(f"report: {page}\nplot: {png}")
+    return 0
+
+
 async def _models(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from yieldloop.client import Client
-
     console = Console()
-    async with Client(**_read_addresses(args.attach), timeout=60) as client:
+    async with _client(args, timeout=60) as client:
         if args.models_command == "list":
             table = Table("model", "base", "parent", "owner", "trainable")
             for m in (await client.list_models()).models:
@@ -252,9 +435,13 @@ async def _models(args: argparse.Namespace) -> None:
             forked = await client.fork_model(args.source, args.name, args.owner)
             console.print(f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id}")
         elif args.models_command == "checkpoints":
-            table = Table("checkpoint", "parent", "step", "head")
+            table = Table("", "checkpoint", "parent", "step", "promotion")
             for c in (await client.list_checkpoints(args.model)).checkpoints:
-                table.add_row(c.checkpoint_id, c.parent_checkpoint_id or "-", str(c.step), "*" if c.is_head else "")
+                decision = {1: "promoted", 2: "not promoted"}.get(c.promotion.state, "")
+                if c.promotion.reason:
+                    decision += f": {c.promotion.reason}"
+                table.add_row(">" if c.is_head else "", c.checkpoint_id, c.parent_checkpoint_id or "-", str(c.step),
+                              decision)
             console.print(table)
         elif args.set_to:
             head = await client.set_head(args.model, args.set_to, expected_checkpoint_id=args.expect)
@@ -268,17 +455,15 @@ async def _trace(args: argparse.Namespace) -> None:
     from google.protobuf import json_format
     from rich.console import Console
 
-    from yieldloop.client import Client
-
-    async with Client(**_read_addresses(args.attach), timeout=60) as client:
+    async with _client(args, timeout=60) as client:
         [run] = await client.get_runs([args.trace_id])
     if args.json:
         print(json_format.MessageToJson(run))
         return
     console = Console()
     console.print(f"run {run.run_id}  trace {run.trace_id}  group {run.group_id}  model {run.model}")
-    console.print(f"task {run.task.env}/{run.task.scenario} {run.task.args_json}")
-    console.print(f"prompt: {run.prompt}")
+    console.print(f"task {run.task.env}/{run.task.scenario} {run.task.args_json}", markup=False)
+    console.print(f"prompt: {run.prompt}", markup=False)
     for i, turn in enumerate(run.turns):
         console.print(f"turn {i}: {len(turn.prompt_token_ids)} prompt + {len(turn.completion_token_ids)} completion "
                       f"tokens, weights {turn.weight_version}: {turn.completion_text!r}", markup=False)
@@ -297,24 +482,18 @@ def _with_errors(coro: Any) -> int:
     return 0
 
 
-def cmd_models(args: argparse.Namespace) -> int:
-    return _with_errors(_models(args))
-
-
-def cmd_trace(args: argparse.Namespace) -> int:
-    return _with_errors(_trace(args))
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    _run(_demo(args))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
-    handlers = {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo, "models": cmd_models, "trace": cmd_trace}
-    return handlers[args.command](args)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "up":
+        return cmd_up(args)
+    if args.command == "report":
+        return cmd_report(args)
+    commands = {"demo": _demo, "models": _models, "trace": _trace, "eval": _eval, "train": _train,
+                "jobs": _jobs, "export": _export}
+    return _with_errors(commands[args.command](args))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from yieldloop.client import Client
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
-from yieldloop.training import Agent, Job, groups_without_spread, mean_reward, run_tasks
+from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
 
 CONFIG_ERROR = "BAD_CONFIG"
 
@@ -303,7 +303,7 @@ async def closed_loop(
         tasks = train if not config.tasks_per_step else rng.sample(train, min(config.tasks_per_step, len(train)))
         runs = await run_tasks(tasks, agent, job=job, max_concurrent=config.max_concurrent)
         rolled = time.perf_counter()
-        flat = groups_without_spread(runs)
+        flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
         fb = await client.forward_backward(
             runs=[r for r in runs if r.status == common_pb.RUN_STATUS_GRADED], loss_fn=config.loss_fn,
             loss_fn_config=config.loss_fn_config, normalize_advantages_by_std=config.normalize_advantages_by_std,
