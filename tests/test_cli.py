@@ -1,28 +1,41 @@
-"""README's main job: `yieldloop demo` runs offline on the embedded default, one process per service."""
+"""The command line against real services: `yieldloop demo` (the README's main job) and every client
+command against a live `yieldloop up`, including their error messages."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
+
+BIN_DIR = pathlib.Path(sys.executable).parent
+YIELDLOOP = str(BIN_DIR / "yieldloop") if (BIN_DIR / "yieldloop").exists() else "yieldloop"
 
 
-def test_demo_runs_the_closed_loop(tmp_path: pathlib.Path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+def test_demo_learns_and_writes_a_report(tmp_path: pathlib.Path) -> None:
+    """The demo lifts held-out reward from <= 0.3 to >= 0.8 through the four services, one process each."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
     result = subprocess.run(
-        [sys.executable, "-m", "yieldloop.cli", "demo", "--iterations", "2", "--group-size", "4",
-         "--letters", "abc", "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "yieldloop.cli", "demo", "--data-dir", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = re.findall(r"iteration (\d): mean reward ([\d.]+) .*sampled by (\S+) .*checkpoint (\S+)\s+now serving (\S+)", result.stdout)
-    assert [line[0] for line in lines] == ["1", "2"], result.stdout
-    first, second = lines
-    assert first[2] == "base"
-    assert first[3] == first[4], "the rollout serves the checkpoint the trainer committed"
-    assert second[2] == first[3], "iteration 2 samples the weights iteration 1 trained"
+    out = result.stdout
+    before, after, steps = re.search(r"held-out reward ([\d.]+) -> ([\d.]+) in (\d+) steps", out).groups()
+    assert float(before) <= 0.3 and float(after) >= 0.8, out
+    assert "time split: rollout" in out and "reload" in out
+    lines = re.findall(r"step +(\d+): train ([\d.]+) +held-out ([\d.]+) .* (step-\d+-\w+) (promoted|NOT promoted)", out)
+    assert len(lines) == int(steps), out
+    report = pathlib.Path(re.search(r"report: (\S+report\.html)", out.replace("\n", "")).group(1))
+    assert report.exists() and (report.parent / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = report.read_text()
+    assert "Checkpoint tree" in page and lines[-1][3] in page and "HEAD" in page
     # Each service ran in its own process and stopped gracefully on SIGTERM.
     logs = sorted((tmp_path / "logs").iterdir())
     assert [p.name for p in logs] == ["checkpoint.log", "env.log", "rollout.log", "trainer.log"]
@@ -30,63 +43,123 @@ def test_demo_runs_the_closed_loop(tmp_path: pathlib.Path) -> None:
         assert "stopping" in log.read_text(), log.name
 
 
-def test_up_then_demo_attach(tmp_path: pathlib.Path) -> None:
-    """`yieldloop up` serves until interrupted; `yieldloop demo --attach` drives those services."""
-    import signal
-    import time
-
-    bin_dir = pathlib.Path(sys.executable).parent
-    yieldloop = str(bin_dir / "yieldloop") if (bin_dir / "yieldloop").exists() else "yieldloop"
-    up = subprocess.Popen(
-        [yieldloop, "up", "--data-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory):
+    """`yieldloop up` in a subprocess, serving until SIGINT."""
+    data_dir = tmp_path_factory.mktemp("up")
+    process = subprocess.Popen(
+        [YIELDLOOP, "up", "--data-dir", str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    try:
-        deadline = time.monotonic() + 300
-        while len(list((tmp_path / "run").glob("*.json"))) < 4:
-            assert up.poll() is None, up.stdout.read()
-            assert time.monotonic() < deadline, "services not up in time"
-            time.sleep(0.2)
-        demo = subprocess.run(
-            [yieldloop, "demo", "--attach", str(tmp_path), "--iterations", "1", "--group-size", "2", "--letters", "ab"],
-            capture_output=True, text=True, timeout=300,
-        )
-        assert demo.returncode == 0, demo.stdout + demo.stderr
-        assert re.search(r"iteration 1: .*now serving step-000001-", demo.stdout), demo.stdout
-        check_model_and_trace_commands(yieldloop, tmp_path)
-    finally:
-        up.send_signal(signal.SIGINT)
-        output, _ = up.communicate(timeout=60)
-    assert up.returncode == 0, output
+    deadline = time.monotonic() + 300
+    while len(list((data_dir / "run").glob("*.json"))) < 4:
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, "services not up in time"
+        time.sleep(0.2)
+    yield data_dir
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
     for service in ("checkpoint", "env", "trainer", "rollout"):
         assert service in output
 
 
-def check_model_and_trace_commands(yieldloop: str, data_dir: pathlib.Path) -> None:
-    """`yieldloop models ...` and `yieldloop trace` against the running stack."""
-    import json
+def run(data_dir: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "250", "YIELDLOOP_DATA_DIR": str(data_dir)}
+    return subprocess.run([YIELDLOOP, *args], capture_output=True, text=True, timeout=300, env=env)
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([yieldloop, *args], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "COLUMNS": "200"})
 
-    attach = ["--attach", str(data_dir)]
-    listed = run("models", *attach, "list")
-    assert listed.returncode == 0 and "tiny" in listed.stdout, listed.stderr
-    tree = run("models", *attach, "checkpoints", "tiny")
-    head = re.search(r"(step-000001-\w+)", tree.stdout).group(1)
-    assert "base" in tree.stdout and "*" in tree.stdout
-    assert f"tiny head: {head}" in run("models", *attach, "head", "tiny").stdout
-    lost = run("models", *attach, "head", "tiny", "--set", "base", "--expect", "base")
-    assert lost.returncode == 1 and "HEAD_CONFLICT" in lost.stderr, "a lost compare-and-swap is a clear error"
-    moved = run("models", *attach, "head", "tiny", "--set", "base", "--expect", head)
-    assert moved.returncode == 0 and "tiny head -> base" in moved.stdout
-    forked = run("models", *attach, "fork", "tiny", "--name", "tiny-copy")
-    assert forked.returncode == 0 and "tiny-copy at base" in forked.stdout
-    trace_id = next((data_dir / "store" / "traces").glob("*.pb")).stem
-    shown = run("trace", trace_id, *attach, "--json")
+def test_eval_jobs_export_and_trace(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    evaluated = run(up, "eval", "yieldloop.envs.letters:heldout_tasks", "tiny", "--group", "3", "--max-concurrent", "8",
+                    "--max-tokens", "8")
+    assert evaluated.returncode == 0, evaluated.stderr
+    job_id = re.search(r"job (job-\S+): 30 runs, mean reward ([\d.]+)", evaluated.stdout).group(1)
+    assert 'letters/repeat {"letter": "z"}' in evaluated.stdout
+    listed = run(up, "jobs")
+    assert listed.returncode == 0 and job_id in listed.stdout and " 30 " in listed.stdout
+
+    rft = run(up, "export", job_id, "--format", "jsonl", "--out", str(tmp_path / "rft.jsonl"))
+    assert rft.returncode == 0, rft.stderr
+    rows = [json.loads(line) for line in (tmp_path / "rft.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and set(rows[0]) >= {"prompt", "completion", "reward"}
+    assert rows[0]["prompt"].startswith("Write the letter")
+    parquet = run(up, "export", job_id, "--format", "parquet", "--out", str(tmp_path / "tokens.parquet"))
+    assert parquet.returncode == 0 and "wrote 30 graded run(s)" in parquet.stdout, parquet.stderr
+
+    shown = run(up, "trace", rows[0]["trace_id"], "--json")
     assert shown.returncode == 0, shown.stderr
-    run_json = json.loads(shown.stdout)
-    assert run_json["traceId"] == trace_id and run_json["turns"][0]["completionTokenIds"]
-    assert "reward" in run("trace", trace_id, *attach).stdout
-    missing = run("trace", "0" * 32, *attach)
-    assert missing.returncode == 1 and "TRACE_NOT_FOUND" in missing.stderr
+    assert json.loads(shown.stdout)["traceId"] == rows[0]["trace_id"]
+    assert "reward" in run(up, "trace", rows[0]["trace_id"]).stdout
+
+    # Errors are one clear line and exit status 1.
+    missing_model = run(up, "eval", "yieldloop.envs.letters:heldout_tasks", "no-such-model", "--group", "1")
+    assert missing_model.returncode == 1 and "MODEL_NOT_FOUND" in missing_model.stderr
+    assert "no-such-model" in missing_model.stderr
+    bad_tasks = run(up, "eval", "nowhere.py", "tiny")
+    assert bad_tasks.returncode == 1 and "nowhere.py does not exist" in bad_tasks.stderr
+    missing_job = run(up, "export", "job-missing")
+    assert missing_job.returncode == 1 and "JOB_NOT_FOUND" in missing_job.stderr
+    missing_trace = run(up, "trace", "0" * 32)
+    assert missing_trace.returncode == 1 and "TRACE_NOT_FOUND" in missing_trace.stderr
+    no_stack = run(tmp_path / "nothing", "jobs")
+    assert no_stack.returncode == 1 and "STACK_NOT_RUNNING" in no_stack.stderr and "yieldloop up" in no_stack.stderr
+
+
+def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "train.toml"
+    config.write_text('model = "tiny"\nsteps = 2\ngroup_size = 4\ntasks_per_step = 6\nname = "cli-train"\n')
+    trained = run(up, "train", str(config))
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert re.search(r"held-out reward [\d.]+ -> [\d.]+ in 2 steps", trained.stdout), trained.stdout
+    job_id = re.search(r"job (job-\S+); report", trained.stdout).group(1)
+    candidates = re.findall(r"(step-00000\d-\w+) (?:promoted|NOT promoted)", trained.stdout)
+    assert len(candidates) == 2
+
+    # The tree lists every candidate with its promotion decision; `head` agrees with the marked head.
+    tree = run(up, "models", "checkpoints", "tiny")
+    assert tree.returncode == 0 and "base" in tree.stdout
+    for candidate in candidates:
+        assert re.search(rf"{candidate} .*(promoted|not promoted): held-out", tree.stdout), tree.stdout
+    head = re.search(r"^\W*>\W+(\S+)", tree.stdout, re.M).group(1)
+    assert f"tiny head: {head}" in run(up, "models", "head", "tiny").stdout
+
+    # Rollback with compare-and-swap; errors name the problem.
+    lost = run(up, "models", "head", "tiny", "--set", "base", "--expect", "not-the-head")
+    assert lost.returncode == 1 and "HEAD_CONFLICT" in lost.stderr
+    moved = run(up, "models", "head", "tiny", "--set", "base", "--expect", head)
+    assert moved.returncode == 0 and "tiny head -> base" in moved.stdout
+    unknown = run(up, "models", "head", "tiny", "--set", "step-999999-nothere")
+    assert unknown.returncode == 1 and "CHECKPOINT_NOT_FOUND" in unknown.stderr
+    missing = run(up, "models", "checkpoints", "no-such-model")
+    assert missing.returncode == 1 and "MODEL_NOT_FOUND" in missing.stderr
+    forked = run(up, "models", "fork", "tiny", "--name", "tiny-copy")
+    assert forked.returncode == 0 and "tiny-copy at base" in forked.stdout
+    assert "tiny-copy" in run(up, "models", "list").stdout
+
+    # The report of that run, by job id.
+    reported = run(up, "report", job_id)
+    assert reported.returncode == 0, reported.stderr
+    assert (up / "runs" / job_id / "report.html").exists() and (up / "runs" / job_id / "report.png").exists()
+    assert run(up, "report", "job-missing").returncode == 1
+
+    # Bad config files: clear messages, nothing started.
+    for text, message in [
+        ("steps = ", "not valid toml"),
+        ('stepz = 3\n', "unknown key(s) stepz"),
+        ('steps = "many"\n', "steps must be int"),
+        ('steps = 0\n', "steps = 0 is out of range"),
+        ('train_tasks = "no_such_module:tasks"\n', "cannot load tasks"),
+    ]:
+        config.write_text(text)
+        bad = run(up, "train", str(config))
+        assert bad.returncode == 1 and message in bad.stderr and "BAD_CONFIG" in bad.stderr, (text, bad.stderr)
+    assert run(up, "train", str(tmp_path / "absent.toml")).returncode == 1
+    config.write_text('model = "no-such-model"\n')
+    bad_model = run(up, "train", str(config))
+    assert bad_model.returncode == 1 and "MODEL_NOT_FOUND" in bad_model.stderr
+
+
+def test_up_then_demo_attach(up: pathlib.Path) -> None:
+    """`yieldloop demo --attach` drives the services of a running `yieldloop up`."""
+    demo = run(up, "demo", "--attach", str(up), "--steps", "1", "--group-size", "2")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert re.search(r"step +\d+: train .* (promoted|NOT promoted)", demo.stdout), demo.stdout

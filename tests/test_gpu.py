@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from yieldloop.client import Client, sampling_params
 from yieldloop.envs.letters import tasks
-from yieldloop.loop import closed_loop
+from yieldloop.loop import LoopConfig, closed_loop
 from yieldloop.services.stack import InProcessStack, StackConfig
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +30,8 @@ async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
 
 
 async def test_closed_loop_on_cuda(cuda_client: Client) -> None:
-    reports = [r async for r in closed_loop(cuda_client, tasks("abcd"), iterations=2, group_size=4)]
+    reports = [r async for r in closed_loop(cuda_client, LoopConfig(steps=2, group_size=4, heldout_tasks=""),
+                                                 train_tasks=tasks("abcd"))]
     assert [r.served_weight_version for r in reports] == [r.checkpoint_id for r in reports]
     assert reports[1].sampled_weight_versions == [reports[0].checkpoint_id]
 

@@ -10,14 +10,15 @@ import pytest
 from yieldloop.client import Client, sampling_params
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import letter_reward, tasks
-from yieldloop.loop import closed_loop
+from yieldloop.loop import LoopConfig, closed_loop
 
 MODEL = "tiny"
 
 
 async def test_one_iteration_commits_moves_head_and_reloads(client: Client) -> None:
     head_before = await client.get_head(MODEL)
-    reports = [r async for r in closed_loop(client, tasks("abcd"), iterations=1, group_size=4, learning_rate=1e-3)]
+    config = LoopConfig(steps=1, group_size=4, heldout_tasks="")  # no held-out gate: the trainer moves HEAD
+    reports = [r async for r in closed_loop(client, config, train_tasks=tasks("abcd"))]
     report = reports[0]
     assert report.num_runs == 16
     assert report.sampled_weight_versions == [head_before.checkpoint_id]

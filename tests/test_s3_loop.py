@@ -9,7 +9,7 @@ import pytest_asyncio
 
 from yieldloop.client import Client
 from yieldloop.envs.letters import tasks
-from yieldloop.loop import closed_loop
+from yieldloop.loop import LoopConfig, closed_loop
 from yieldloop.services.stack import InProcessStack, StackConfig
 
 
@@ -34,7 +34,7 @@ async def test_closed_loop_over_s3(s3_client) -> None:
     import boto3
 
     client, bucket = s3_client
-    [report] = [r async for r in closed_loop(client, tasks("ab"), iterations=1, group_size=2)]
+    [report] = [r async for r in closed_loop(client, LoopConfig(steps=1, group_size=2, heldout_tasks=""), train_tasks=tasks("ab"))]
     assert report.served_weight_version == report.checkpoint_id
     keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket)["Contents"]}
     prefix = f"yieldloop/models/tiny/checkpoints/{report.checkpoint_id}/"
