@@ -92,10 +92,11 @@ def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """A tiny HF model folder (tokenizer + Qwen2 weights) made offline."""
-    from yieldloop.services.common.tiny_model import create_tiny_model
+    """A tiny HF model folder (tokenizer + Qwen2 weights) made offline, with random weights (no warm-up): it
+    rambles on to max_tokens, which the engine tests rely on (long streams, reloads mid-stream)."""
+    from yieldloop.services.common.tiny_model import TinyModelConfig, create_tiny_model
 
-    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelConfig(warmup_steps=0))
 
 
 @pytest_asyncio.fixture(scope="session")
