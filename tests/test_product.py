@@ -49,6 +49,12 @@ async def test_job_taskset_run_and_training_client(client: Client, caplog: pytes
     caplog.set_level(logging.WARNING, logger="yieldloop")
     same = [common_pb.Run(group_id="g-flat", reward=0.5, status=common_pb.RUN_STATUS_GRADED, turns=r.turns,
                           task=r.task) for r in batch[:2]]
+    value, _ = await trainer.forward_backward_custom(  # trace ids work for custom losses too
+        [r.trace_id for r in batch[:4]], lambda datums, logprobs: sum(lp.sum() for lp in logprobs) * 0.0, group_size=4
+    )
+    assert value == 0.0
+    with pytest.raises(errors.InvalidArgumentError):
+        await trainer.forward_backward_custom(batch[:3], lambda datums, logprobs: logprobs[0].sum(), group_size=4)
     result = await trainer.step([*mixed, *same], learning_rate=1e-3, group_size=0)
     assert "without reward spread" in caplog.text and "teach nothing" in caplog.text
     assert result.groups_without_spread >= 1 and result.step >= 1
@@ -102,9 +108,10 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
     await at_base(client)
     baseline: list[Baseline] = []
     config = LoopConfig(steps=2, group_size=4, tasks_per_step=8)
-    reports = [r async for r in closed_loop(client, config, run_dir=tmp_path / "good", baseline=baseline)]
+    reports = [r async for r in closed_loop(client, config, runs_dir=tmp_path, baseline=baseline)]
     assert baseline[0].checkpoint_id == "base" and baseline[0].heldout_reward <= 0.3
-    recorded = [json.loads(line) for line in (tmp_path / "good" / "steps.jsonl").read_text().splitlines()]
+    good = tmp_path / reports[0].job_id
+    recorded = [json.loads(line) for line in (good / "steps.jsonl").read_text().splitlines()]
     assert recorded[0]["checkpoint_id"] == "base" and [row["checkpoint_id"] for row in recorded[1:]] == [
         r.checkpoint_id for r in reports
     ]
@@ -126,7 +133,7 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
     # A deliberately worse checkpoint (a learning rate that wrecks the weights) is not promoted.
     head = await client.get_head(MODEL)
     wrecking = LoopConfig(steps=1, group_size=4, tasks_per_step=4, learning_rate=0.5)
-    [bad] = [r async for r in closed_loop(client, wrecking, run_dir=tmp_path / "bad")]
+    [bad] = [r async for r in closed_loop(client, wrecking, runs_dir=tmp_path)]
     assert not bad.promoted, bad
     assert bad.heldout_reward < bad.head_heldout_reward - wrecking.promotion_tolerance
     assert "<" in bad.reason and bad.head_checkpoint_id == head.checkpoint_id
@@ -160,7 +167,7 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
     # The report of the good run.
     from yieldloop.report import write_report
 
-    png, page = write_report(tmp_path / "good")
+    png, page = write_report(good)
     assert png.read_bytes()[:4] == b"\x89PNG" and reports[-1].checkpoint_id in page.read_text()
 
 

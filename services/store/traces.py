@@ -10,6 +10,7 @@ Layout in the object store:
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 import uuid
@@ -48,19 +49,32 @@ class TraceStore:
         if self.store.stat(f"jobs/{_check(job_id, 'job_id')}/job.json") is None:
             self.create_job(rollout_pb.Job(job_id=job_id, model=model, name=job_id))
 
-    def get_job(self, job_id: str) -> rollout_pb.Job:
+    def _read_job(self, job_id: str) -> rollout_pb.Job:
         try:
             data, _ = self.store.get_bytes(f"jobs/{_check(job_id, 'job_id')}/job.json")
         except ObjectNotFound:
             raise NotFoundError(f"no job {job_id!r}", reason="JOB_NOT_FOUND") from None
-        job = rollout_pb.Job(**json.loads(data))
+        return rollout_pb.Job(**json.loads(data))
+
+    def get_job(self, job_id: str) -> rollout_pb.Job:
+        job = self._read_job(job_id)
         job.num_runs = len(self.job_runs(job_id))
         return job
 
     def list_jobs(self) -> list[rollout_pb.Job]:
-        """Every job, oldest first."""
-        ids = {key.split("/")[1] for key in self.store.list("jobs/") if key.endswith("/job.json")}
-        return sorted((self.get_job(job_id) for job_id in ids), key=lambda job: (job.created_time, job.job_id))
+        """Every job with its run count (one listing of ``jobs/``), oldest first."""
+        runs: collections.Counter[str] = collections.Counter()
+        recorded = []
+        for key in self.store.list("jobs/"):
+            job_id, _, rest = key[len("jobs/"):].partition("/")
+            if rest == "job.json":
+                recorded.append(job_id)
+            elif rest.startswith("runs/"):
+                runs[job_id] += 1
+        jobs = [self._read_job(job_id) for job_id in recorded]
+        for job in jobs:
+            job.num_runs = runs[job.job_id]
+        return sorted(jobs, key=lambda job: (job.created_time, job.job_id))
 
     def put(self, run: common_pb.Run, job_id: str = "default") -> str:
         """Persists ``run`` under a new trace id (set on the run) and returns the id."""

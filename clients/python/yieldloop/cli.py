@@ -8,7 +8,6 @@ command imports what it needs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
@@ -232,7 +231,7 @@ def _progress(console: Any) -> Any:
                     console=console, transient=True)
 
 
-async def _loop(client: Any, config: Any, run_root: pathlib.Path, console: Any) -> dict[str, Any]:
+async def _loop(client: Any, config: Any, run_root: pathlib.Path, console: Any, **tasks: Any) -> dict[str, Any]:
     """Runs the closed loop with a progress bar and per-step lines; writes the report; returns a summary."""
     import time
 
@@ -241,11 +240,10 @@ async def _loop(client: Any, config: Any, run_root: pathlib.Path, console: Any) 
 
     baseline: list[Baseline] = []
     steps = []
-    run_dir = run_root / "pending"
     started = time.perf_counter()
     with _progress(console) as progress:
         bar = progress.add_task("training steps", total=config.steps)
-        async for report in closed_loop(client, config, run_dir=run_dir, baseline=baseline):
+        async for report in closed_loop(client, config, runs_dir=run_root, baseline=baseline, **tasks):
             if not steps and baseline:
                 progress.console.print(f"held-out reward of {baseline[0].checkpoint_id}: {baseline[0].heldout_reward:.3f}")
             steps.append(report)
@@ -256,10 +254,8 @@ async def _loop(client: Any, config: Any, run_root: pathlib.Path, console: Any) 
                 progress.console.print(f"  [bold yellow]warning:[/] {report.warning}", soft_wrap=True)
             progress.advance(bar)
     elapsed = time.perf_counter() - started
-    job_id = json.loads((run_dir / "run.json").read_text())["job_id"]
-    final_dir = run_root / job_id
-    run_dir.rename(final_dir)
-    png, page = write_report(final_dir)
+    job_id = steps[-1].job_id
+    png, page = write_report(run_root / job_id)
     return {"steps": steps, "baseline": baseline[0] if baseline else None, "elapsed_s": elapsed,
             "report": page, "png": png, "job_id": job_id}
 
@@ -324,16 +320,15 @@ async def _train(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from yieldloop.loop import LoopConfig, load_tasks
-    from yieldloop.training import stack_addresses
+    from yieldloop.training import data_dir_of
 
     config = LoopConfig.from_file(args.config)
-    load_tasks(config.train_tasks), load_tasks(config.heldout_tasks)  # bad task specs fail before any work
+    # Bad task specs and a missing model fail before any work.
+    tasks = {"train_tasks": load_tasks(config.train_tasks), "heldout_tasks": load_tasks(config.heldout_tasks)}
     console = Console()
-    data_dir = pathlib.Path(args.attach or os.environ.get("YIELDLOOP_DATA_DIR", ".yieldloop"))
-    stack_addresses(data_dir)
     async with _client(args) as client:
-        await client.get_head(config.model)  # NOT_FOUND for a missing model, before any work
-        summary = await _loop(client, config, data_dir / "runs", console)
+        await client.get_head(config.model)
+        summary = await _loop(client, config, data_dir_of(args.attach) / "runs", console, **tasks)
     _print_summary(console, summary, config.target_heldout_reward)
 
 
@@ -343,6 +338,7 @@ async def _eval(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from yieldloop.common.v1.common_pb2 import RUN_STATUS_GRADED as GRADED
     from yieldloop.loop import load_tasks
     from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
 
@@ -362,10 +358,10 @@ async def _eval(args: argparse.Namespace) -> None:
     table = Table("task", "runs", "mean reward", "rewards")
     for name, task_runs in by_task.items():
         table.add_row(name, str(len(task_runs)), f"{mean_reward(task_runs):.3f}",
-                      " ".join(f"{r.reward:.2f}" if r.status == 1 else "err" for r in task_runs))
+                      " ".join(f"{r.reward:.2f}" if r.status == GRADED else "err" for r in task_runs))
     console.print(table)
     flat = report_groups_without_spread(runs)
-    errors = sum(run.status != 1 for run in runs)
+    errors = sum(run.status != GRADED for run in runs)
     console.print(f"job {job.id}: {len(runs)} runs, mean reward {mean_reward(runs):.3f}, "
                   f"{len(flat)} group(s) without reward spread, {errors} not graded")
     console.print(f"export: yieldloop export {job.id} --format jsonl", markup=False)
@@ -404,10 +400,11 @@ async def _export(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from yieldloop.errors import YieldloopError
     from yieldloop.report import write_report
+    from yieldloop.training import data_dir_of
 
     run_dir = pathlib.Path(args.run)
     if not run_dir.is_dir():
-        run_dir = pathlib.Path(args.attach or os.environ.get("YIELDLOOP_DATA_DIR", ".yieldloop")) / "runs" / args.run
+        run_dir = data_dir_of(args.attach) / "runs" / args.run
     if not run_dir.is_dir():
         print(f"yieldloop: no run directory {args.run!r} (nor {run_dir})", file=sys.stderr)
         return 1

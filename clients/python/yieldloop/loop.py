@@ -14,7 +14,7 @@ Each step:
 5. the reward-hacking monitor compares training reward and held-out reward: rising training reward with
    falling held-out reward two evals in a row is a warning.
 
-Every step is written to ``<run_dir>/steps.jsonl`` (plus sample trajectories and, at the end, the
+Every step is written to ``<runs_dir>/<job id>/steps.jsonl`` (plus sample trajectories and, at the end, the
 checkpoint tree), which ``yieldloop report`` turns into a PNG and an HTML page.
 """
 
@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
-from yieldloop.client import Client
+from yieldloop.client import Client, task_to_proto
 from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
@@ -151,9 +151,8 @@ def load_tasks(spec: str) -> list[Task]:
 
 
 def _task_key(task: Task | common_pb.Task) -> tuple[str, str, str]:
-    if isinstance(task, Task):
-        return (task.env, task.scenario, json.dumps(task.args, sort_keys=True))
-    return (task.env, task.scenario, json.dumps(json.loads(task.args_json or "{}"), sort_keys=True))
+    proto = task_to_proto(task)
+    return (proto.env, proto.scenario, json.dumps(json.loads(proto.args_json or "{}"), sort_keys=True))
 
 
 @dataclasses.dataclass
@@ -161,6 +160,8 @@ class StepReport:
     """One loop step, as printed and written to ``steps.jsonl``."""
 
     step: int
+    job_id: str
+    """The loop's job (its training runs; ``runs_dir/<job_id>/`` holds the record)."""
     checkpoint_id: str
     """The candidate this step committed."""
     parent_checkpoint_id: str
@@ -253,12 +254,13 @@ async def closed_loop(
     *,
     train_tasks: Sequence[Task] | None = None,
     heldout_tasks: Sequence[Task] | None = None,
-    run_dir: pathlib.Path | None = None,
+    runs_dir: pathlib.Path | None = None,
     baseline: list[Baseline] | None = None,
 ) -> AsyncIterator[StepReport]:
     """Runs the loop and yields a report after each step (see the module docstring).
 
-    Tasks default to the config's specs; ``baseline``, when given, receives the step-0 held-out evaluation.
+    Tasks default to the config's specs; with ``runs_dir`` the run is recorded in ``runs_dir/<job id>/``;
+    ``baseline``, when given, receives the step-0 held-out evaluation.
     """
     train = list(train_tasks) if train_tasks is not None else load_tasks(config.train_tasks)
     heldout = list(heldout_tasks) if heldout_tasks is not None else load_tasks(config.heldout_tasks)
@@ -277,7 +279,7 @@ async def closed_loop(
     job = await Job.start(config.model, config.group_size, name=config.name or "train", client=client,
                           metadata={"loop": dataclasses.asdict(config)})
     heldout_job = await Job.start(config.model, config.heldout_group_size, name=f"{job.id}-heldout", client=client)
-    recorder = RunRecorder(run_dir, config, job.id) if run_dir is not None else None
+    recorder = RunRecorder(runs_dir / job.id, config, job.id) if runs_dir is not None else None
 
     async def evaluate(checkpoint_id: str) -> tuple[float, list[common_pb.Run]]:
         runs = await run_tasks(heldout, heldout_agent, job=heldout_job, max_concurrent=config.max_concurrent,
@@ -347,7 +349,7 @@ async def closed_loop(
                 warning = (f"possible reward hacking: training reward rose while held-out fell {diverging} evals "
                            f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})")
         report = StepReport(
-            step=optim.step, checkpoint_id=candidate, parent_checkpoint_id=parent, promoted=promoted, reason=reason,
+            step=optim.step, job_id=job.id, checkpoint_id=candidate, parent_checkpoint_id=parent, promoted=promoted, reason=reason,
             head_checkpoint_id=head.checkpoint_id, served_weight_version=info.weight_version,
             train_reward=train_reward, heldout_reward=score, head_heldout_reward=head_score, num_runs=len(runs),
             groups_without_spread=len(flat), loss=fb.loss_sum, kl=fb.metrics.get("kl_sampler_learner", math.nan),

@@ -27,7 +27,7 @@ def load_run(run_dir: pathlib.Path) -> dict[str, Any]:
     rows = _rows(run_dir / "steps.jsonl")
     return {
         "meta": json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {},
-        "baseline": next((r for r in rows if r.get("step") == 0 and "checkpoint_id" in r and "promoted" not in r), None),
+        "baseline": next((r for r in rows if "promoted" not in r), None),  # the step-0 row of RunRecorder.baseline
         "steps": [r for r in rows if "promoted" in r],
         "samples": _rows(run_dir / "samples.jsonl"),
         "checkpoints": json.loads((run_dir / "checkpoints.json").read_text())

@@ -26,6 +26,7 @@ Everything goes over gRPC to a running stack: ``connect()`` finds it from
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -47,6 +48,11 @@ log = logging.getLogger("yieldloop")
 SERVICES = ("checkpoint", "env", "trainer", "rollout")
 
 
+def data_dir_of(data_dir: str | pathlib.Path | None = None) -> pathlib.Path:
+    """The stack's data directory: ``data_dir`` when given, else ``$YIELDLOOP_DATA_DIR``, else ``.yieldloop``."""
+    return pathlib.Path(data_dir or os.environ.get("YIELDLOOP_DATA_DIR", ".yieldloop"))
+
+
 def stack_addresses(data_dir: str | pathlib.Path | None = None) -> dict[str, str]:
     """Service addresses of a running stack: ``YIELDLOOP_<SERVICE>_ADDRESS`` variables, else the ready files
     ``yieldloop up`` writes under ``<data_dir>/run/`` (``data_dir``: ``YIELDLOOP_DATA_DIR`` or ``.yieldloop``).
@@ -57,7 +63,7 @@ def stack_addresses(data_dir: str | pathlib.Path | None = None) -> dict[str, str
     from_env = {s: os.environ.get(f"YIELDLOOP_{s.upper()}_ADDRESS", "") for s in SERVICES}
     if all(from_env.values()):
         return from_env
-    folder = pathlib.Path(data_dir or os.environ.get("YIELDLOOP_DATA_DIR", ".yieldloop"))
+    folder = data_dir_of(data_dir)
     addresses = {}
     for service in SERVICES:
         ready = folder / "run" / f"{service}.json"
@@ -284,16 +290,14 @@ class TrainingClient:
     ) -> tuple[float, dict[str, float]]:
         """Accumulates the gradient of ``loss_fn(datums, logprobs)`` (client-side torch, see Client)."""
         await self._check_model()
-        report_groups_without_spread(runs)
-        if group_size:
-            sizes = {}
-            for run in runs:
-                if not isinstance(run, str):
-                    sizes[run.group_id] = sizes.get(run.group_id, 0) + 1
-            wrong = {g: n for g, n in sizes.items() if n != group_size}
-            if wrong:
-                raise invalid_field("group_size", f"{len(wrong)} group(s) are not of size {group_size}: {wrong}")
-        return await self.client.forward_backward_custom(runs, loss_fn)
+        ids = [run for run in runs if isinstance(run, str)]
+        by_id = dict(zip(ids, await self.client.get_runs(ids), strict=True)) if ids else {}
+        resolved = [by_id[run] if isinstance(run, str) else run for run in runs]
+        report_groups_without_spread(resolved)
+        wrong = {g: n for g, n in collections.Counter(r.group_id for r in resolved).items() if n != group_size}
+        if group_size and wrong:
+            raise invalid_field("group_size", f"{len(wrong)} group(s) are not of size {group_size}: {wrong}")
+        return await self.client.forward_backward_custom(resolved, loss_fn)
 
     async def optim_step(self, learning_rate: float, *, set_head: bool = True, **adam: float) -> StepResult:
         """AdamW step and checkpoint commit (HEAD moves when ``set_head``)."""
