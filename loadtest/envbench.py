@@ -28,6 +28,7 @@ import os
 import pathlib
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ import grpc
 
 ECHO_SERVICE = "yieldloop.loadtest.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"
+RUNS = ("inprocess", "echo", "ours", "ours-workers")
 
 
 # Measuring -------------------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its children so far."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
-    for stat in [pathlib.Path(f"/proc/{pid}/stat"), *pathlib.Path("/proc").glob("[0-9]*/stat")]:
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):  # the process itself is one of them
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError, IndexError):
@@ -326,7 +328,24 @@ def make_clients(address: str, episodes: int, streams_per_channel: int) -> list[
     return [Client(env=address) for _ in range(max(1, math.ceil(episodes / streams_per_channel)))]
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round with the median calls/s (its latencies come with it), with every round's calls/s."""
+    ordered = sorted(rounds, key=lambda r: r["tool_calls_per_s"])
+    result = dict(ordered[(len(ordered) - 1) // 2])
+    result["rounds_calls_per_s"] = [r["tool_calls_per_s"] for r in rounds]
+    result["num_errors"] = sum(r["num_errors"] for r in rounds)
+    result["errors"] = dict(sum((collections.Counter(r["errors"]) for r in rounds), collections.Counter()))
+    if "server_rss_mb" in rounds[0]:
+        # Memory from the first round, when the server process was fresh: later rounds reuse the
+        # arenas CPython kept, which would understate the growth per live episode.
+        for key in ("server_rss_mb", "server_rss_kb_per_live_episode"):
+            result[key] = rounds[0][key]
+    return result
+
+
 async def bench(args: argparse.Namespace) -> dict:
+    """Runs every variant ``args.rounds`` times, interleaved, so a slower spell of this shared machine
+    falls on all of them; ratios are per round (ours and echo back to back), then the median."""
     from yieldloop.client import channel_options
     from yieldloop.services.env.inprocess import InProcessHost
     from yieldloop.services.env.loader import load_environment
@@ -334,60 +353,99 @@ async def bench(args: argparse.Namespace) -> dict:
 
     pace = (args.think_min, args.think_max) if args.mode == "agent-pace" else None
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="yl-envbench-"))
-    results: dict[str, Any] = {"mode": args.mode, "episodes": args.episodes, "calls_per_episode": args.calls}
+    n_channels = max(1, math.ceil(args.episodes / args.streams_per_channel))
 
     host = InProcessHost([load_environment("yieldloop.envs.bench:env")])
     await host.start()
-    stats = Stats()
-    results["inprocess"] = await run_agents(
-        lambda i: inprocess_agent(host, i, args.calls, pace, stats), args.episodes, args.timeout, None, stats
-    )
 
-    async with ServerProcess([__file__, "echo-server"], workdir, "echo") as server:
-        channels = [grpc.aio.insecure_channel(server.address, options=channel_options())
-                    for _ in range(max(1, math.ceil(args.episodes / args.streams_per_channel)))]
-        payloads, stats = request_payloads(args.calls), Stats()
-        results["echo"] = await run_agents(
-            lambda i: echo_agent(channels[i % len(channels)], payloads, args.calls, pace, stats),
-            args.episodes, args.timeout, server, stats,
+    async def inprocess() -> dict:
+        stats = Stats()
+        return await run_agents(
+            lambda i: inprocess_agent(host, i, args.calls, pace, stats), args.episodes, args.timeout, None, stats
         )
-        for channel in channels:
-            await channel.close()
 
-    for name, workers in (("ours", 0), ("ours-workers", args.env_workers)):
-        options = ServeOptions(service="env", data_dir=workdir, env_specs=("yieldloop.envs.bench:env",), env_workers=workers)
-        async with ServerProcess(["-m", "yieldloop.cli", *options.to_args()], workdir, name) as server:
-            clients, stats = make_clients(server.address, args.episodes, args.streams_per_channel), Stats()
-            results[name] = await run_agents(
+    async def echo(server: ServerProcess) -> dict:
+        channels = [grpc.aio.insecure_channel(server.address, options=channel_options()) for _ in range(n_channels)]
+        payloads, stats = request_payloads(args.calls), Stats()
+        try:
+            return await run_agents(
+                lambda i: echo_agent(channels[i % len(channels)], payloads, args.calls, pace, stats),
+                args.episodes, args.timeout, server, stats,
+            )
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    async def ours(server: ServerProcess) -> dict:
+        clients, stats = make_clients(server.address, args.episodes, args.streams_per_channel), Stats()
+        try:
+            return await run_agents(
                 lambda i: our_agent(clients[i % len(clients)], args.calls, pace, stats),
                 args.episodes, args.timeout, server, stats,
             )
+        finally:
             for client in clients:
                 await client.close()
 
-    echo, inproc = results["echo"]["tool_calls_per_s"], results["inprocess"]["tool_calls_per_s"]
+    def our_server(name: str, workers: int) -> ServerProcess:
+        options = ServeOptions(service="env", data_dir=workdir, env_specs=("yieldloop.envs.bench:env",), env_workers=workers)
+        return ServerProcess(["-m", "yieldloop.cli", *options.to_args()], workdir, name)
+
+    rounds: dict[str, list[dict]] = {name: [] for name in RUNS}
+    async with (
+        ServerProcess([__file__, "echo-server"], workdir, "echo") as echo_server,
+        our_server("ours", 0) as ours_server,
+        our_server("ours-workers", args.env_workers) as workers_server,
+    ):
+        for _ in range(args.rounds):
+            rounds["inprocess"].append(await inprocess())
+            rounds["echo"].append(await echo(echo_server))
+            rounds["ours"].append(await ours(ours_server))
+            rounds["ours-workers"].append(await ours(workers_server))
+
+    results: dict[str, Any] = {
+        "mode": args.mode, "episodes": args.episodes, "calls_per_episode": args.calls, "rounds": args.rounds,
+    }
+    results.update({name: median_round(runs) for name, runs in rounds.items()})
     for name in ("ours", "ours-workers"):
-        ours = results[name]["tool_calls_per_s"]
-        results[name]["calls_per_s_vs_echo"] = round(ours / echo, 3) if echo else None
-        results[name]["calls_per_s_vs_inprocess"] = round(ours / inproc, 3) if inproc else None
+        for base in ("echo", "inprocess"):
+            per_round = [
+                ours_run["tool_calls_per_s"] / base_run["tool_calls_per_s"]
+                for ours_run, base_run in zip(rounds[name], rounds[base])
+                if base_run["tool_calls_per_s"]
+            ]
+            results[name][f"rounds_vs_{base}"] = [round(r, 3) for r in per_round]
+            results[name][f"calls_per_s_vs_{base}"] = round(statistics.median(per_round), 3) if per_round else None
     return results
 
 
 def print_results(results: dict) -> None:
-    print(f"mode={results['mode']} episodes={results['episodes']} calls/episode={results['calls_per_episode']}")
-    header = f"{'run':<14}{'eps/s':>9}{'calls/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}{'RSS MB before/peak/after':>27}{'KB/ep':>8}{'vs echo':>9}{'vs inproc':>10}"
+    print(
+        f"mode={results['mode']} episodes={results['episodes']} calls/episode={results['calls_per_episode']} "
+        f"rounds={results['rounds']} (the median round of each run; ratios are medians of per-round ratios)"
+    )
+    header = (
+        f"{'run':<14}{'eps/s':>9}{'calls/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}"
+        f"{'RSS MB before/peak/after':>27}{'KB/ep':>8}{'CPU us/call srv+cli':>21}{'vs echo':>9}{'vs inproc':>10}"
+    )
     print(header)
-    for name in ("inprocess", "echo", "ours", "ours-workers"):
+    for name in RUNS:
         r = results[name]
         rss = r.get("server_rss_mb")
         rss_text = f"{rss['before']}/{rss['peak']}/{rss['after']}" if rss else "-"
+        cpu = f"{r.get('server_cpu_us_per_call', 0):.0f}+{r['client_cpu_us_per_call']:.0f}"
         print(
             f"{name:<14}{r['episodes_per_s']:>9}{r['tool_calls_per_s']:>10}{r['latency_ms']['p50']:>9}"
             f"{r['latency_ms']['p95']:>9}{r['latency_ms']['p99']:>9}{r['num_errors']:>8}{rss_text:>27}"
-            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{r.get('calls_per_s_vs_echo', '-'):>9}"
+            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{cpu:>21}{r.get('calls_per_s_vs_echo', '-'):>9}"
             f"{r.get('calls_per_s_vs_inprocess', '-'):>10}"
         )
-    for name in ("inprocess", "echo", "ours", "ours-workers"):
+    for name in RUNS:
+        line = f"  {name}: calls/s by round {results[name]['rounds_calls_per_s']}"
+        if "rounds_vs_echo" in results[name]:
+            line += f", vs echo by round {results[name]['rounds_vs_echo']}"
+        print(line)
+    for name in RUNS:
         if results[name]["errors"]:
             print(f"errors in {name}: {results[name]['errors']} e.g. {results[name]['error_samples']}")
 
@@ -403,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env-workers", type=int, default=2, help="worker processes for the ours-workers run")
     parser.add_argument("--streams-per-channel", type=int, default=2048, help="streams on one client channel")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound on each run, seconds")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run; medians reported")
     parser.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     parser.add_argument("--ready-file", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
