@@ -25,7 +25,8 @@ async def measure(group_size: int, max_tokens: int, device: str) -> None:
     await stack.start()
     try:
         async with Client(**stack.addresses) as client:
-            sampling = sampling_params(temperature=1.0, max_tokens=max_tokens)
+            # ignore_eos: every completion runs its whole budget (the warmed-up base model ends early).
+            sampling = sampling_params(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
             runs = [run async for run in client.stream_rollouts(tasks(), group_size=group_size, sampling=sampling)]
             learner = await client.forward(runs=runs)
         worst, num_tokens = 0.0, 0

@@ -14,10 +14,20 @@ async def test_generate_logprobs_match_trainer_forward(client: Client) -> None:
     trainer = await client.get_trainer_info()
     assert info.weight_version == trainer.checkpoint_id, "both must hold the same weights"
     prompt = [1, 40, 41, 42, 43, 44]
-    completions = [
+    # The stack's base model is warmed up and ends its answers within a few tokens; with ignore_eos every
+    # completion runs its whole budget, so the comparison covers 3 x 24 sampled tokens.
+    ended = [
         await client.generate(prompt, sampling=sampling_params(max_tokens=24, temperature=1.0, seed=seed))
         for seed in (1, 2, 3)
     ]
+    assert any(c.stop_reason == common_pb.STOP_REASON_EOS for c in ended), "the model ends answers by itself"
+    completions = [
+        await client.generate(prompt, sampling=sampling_params(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True))
+        for seed in (1, 2, 3)
+    ]
+    for short, full in zip(ended, completions, strict=True):
+        assert len(full.token_ids) == 24 and full.stop_reason == common_pb.STOP_REASON_LENGTH
+        assert full.token_ids[:len(short.token_ids)] == short.token_ids, "same seed, same tokens up to its end"
     datums = [
         common_pb.Datum(
             input_tokens=(prompt + c.token_ids)[:-1],

@@ -46,6 +46,19 @@ async def test_streams_tokens_logprobs_and_weight_version(served_engine: ServedE
         assert deltas[-1].stop_reason == "length"
 
 
+async def test_ignore_eos_samples_the_whole_budget(served_engine: ServedEngine) -> None:
+    sampling = SamplingConfig(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    deltas = await collect(served_engine.engine, PROMPT, sampling)
+    assert len(flat(deltas)[0]) == 16 and deltas[-1].stop_reason == "length"
+    if served_engine.kind == "vllm":  # handed to vLLM as is (its own ignore_eos)
+        assert served_engine.engine._sampling_params(sampling, 16).ignore_eos
+    # Through gRPC too.
+    completion = await served_engine.client.generate(
+        PROMPT, sampling=sampling_params(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    )
+    assert len(completion.token_ids) == 16 and completion.stop_reason == common_pb.STOP_REASON_LENGTH
+
+
 async def test_seeded_and_greedy_sampling_repeat(served_engine: ServedEngine) -> None:
     engine = served_engine.engine
     seeded = SamplingConfig(max_tokens=10, temperature=1.0, seed=123)

@@ -40,7 +40,9 @@ async def test_cuda_sampler_matches_cuda_trainer(cuda_client: Client) -> None:
     from yieldloop.common.v1 import common_pb2 as common_pb
 
     prompt = [1, 40, 41, 42]
-    completion = await cuda_client.generate(prompt, sampling=sampling_params(max_tokens=32, temperature=1.0, seed=7))
+    sampling = sampling_params(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True)
+    completion = await cuda_client.generate(prompt, sampling=sampling)
+    assert len(completion.token_ids) == 32
     tokens = prompt + completion.token_ids
     [learner] = await cuda_client.forward(datums=[common_pb.Datum(input_tokens=tokens[:-1], target_tokens=tokens[1:])])
     worst = max(abs(a - b) for a, b in zip(learner[len(prompt) - 1:], completion.logprobs, strict=True))

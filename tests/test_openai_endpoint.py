@@ -39,6 +39,11 @@ async def test_completion_returns_the_sampled_token_ids_and_logprobs(oai: openai
     assert same.token_ids == token_ids
     assert choice.logprobs.token_logprobs == pytest.approx(same.logprobs, abs=1e-5)
     assert choice.model_extra["weight_version"] == same.weight_version
+    # ignore_eos (vLLM's extension): the whole budget, whatever the model would have ended with.
+    full = await oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert full.usage.completion_tokens == 8 and full.choices[0].finish_reason == "length"
+    assert full.choices[0].model_extra["token_ids"][:len(token_ids)] == token_ids
     text = await oai.completions.create(model="tiny", prompt="the a of", max_tokens=4, temperature=0)
     assert text.choices[0].finish_reason in ("stop", "length") and text.model_extra["prompt_token_ids"]
 
@@ -84,9 +89,10 @@ async def test_chat_with_tools_renders_the_template_and_streams(oai: openai.Asyn
         ({"model": "tiny", "prompt": [1] * 2100, "max_tokens": 2}, openai.BadRequestError),
         ({"model": "tiny", "prompt": [1, 10**6], "max_tokens": 2}, openai.BadRequestError),
         ({"model": "tiny", "prompt": [], "max_tokens": 2}, openai.BadRequestError),
+        ({"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "extra_body": {"ignore_eos": "yes"}}, openai.BadRequestError),
     ],
     ids=["unknown-model", "max-tokens-zero", "negative-temperature", "prompt-too-long", "token-out-of-vocab",
-         "empty-prompt"],
+         "empty-prompt", "ignore-eos-not-bool"],
 )
 async def test_bad_input_is_an_openai_error(oai: openai.AsyncOpenAI, kwargs: dict, error: type) -> None:
     with pytest.raises(error) as err:

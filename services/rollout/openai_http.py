@@ -48,6 +48,8 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
             raise invalid_field(name, f"{name} must be a number")
     if not isinstance(max_tokens, int):
         raise invalid_field("max_tokens", "max_tokens must be an integer")
+    if not isinstance(body.get("ignore_eos", False), bool):
+        raise invalid_field("ignore_eos", "ignore_eos must be a boolean")
     return SamplingConfig(
         max_tokens=max_tokens,
         temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
@@ -55,6 +57,7 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         top_k=max(0, int(body.get("top_k") or 0)),
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         seed=int(body.get("seed") or 0),
+        ignore_eos=body.get("ignore_eos", False),
     ).validate()
 
 

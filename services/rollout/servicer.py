@@ -29,6 +29,7 @@ def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
         top_k=message.top_k,
         stop=tuple(message.stop),
         seed=message.seed,
+        ignore_eos=message.ignore_eos,
     ).validate()
 
 

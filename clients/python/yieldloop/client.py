@@ -62,7 +62,7 @@ def task_to_proto(task: Task | common_pb.Task) -> common_pb.Task:
 
 
 def sampling_params(**kwargs: Any) -> rollout_pb.SamplingParams:
-    """SamplingParams from keyword arguments (temperature, top_p, top_k, max_tokens, stop, seed)."""
+    """SamplingParams from keyword arguments (temperature, top_p, top_k, max_tokens, stop, seed, ignore_eos)."""
     return rollout_pb.SamplingParams(**kwargs)
 
 

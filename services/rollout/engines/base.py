@@ -27,6 +27,8 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     seed: int = 0
     """0: unseeded."""
+    ignore_eos: bool = False
+    """Sample past the end-of-sequence token (only max_tokens, the context and stop strings end it)."""
 
     def validate(self) -> SamplingConfig:
         if self.max_tokens <= 0:

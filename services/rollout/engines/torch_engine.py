@@ -277,7 +277,7 @@ class TorchEngine(Engine):
 
     @staticmethod
     def _stop_reason(weights: _Weights, request: _Request, generated: list[int], budget: int) -> str:
-        if generated[-1] in weights.eos_ids:
+        if generated[-1] in weights.eos_ids and not request.sampling.ignore_eos:
             return "eos"
         if request.sampling.stop:
             text = weights.tokenizer.decode(generated, skip_special_tokens=True)

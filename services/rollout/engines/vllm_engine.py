@@ -173,6 +173,7 @@ class VllmEngine(Engine):
             top_k=sampling.top_k or -1,
             stop=list(sampling.stop) or None,
             seed=sampling.seed or None,
+            ignore_eos=sampling.ignore_eos,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
         )
