@@ -160,7 +160,9 @@ async def test_hot_reloads_under_generation_load_fail_no_request(client: Client)
         while not stop.is_set():
             try:
                 versions = set()
-                stream = client.generate_stream([1, 2, 3, seed], sampling=sampling_params(max_tokens=8, temperature=1.0))
+                # ignore_eos: every request runs 8 tokens, so head moves land while requests are in flight.
+                sampling = sampling_params(max_tokens=8, temperature=1.0, ignore_eos=True)
+                stream = client.generate_stream([1, 2, 3, seed], sampling=sampling)
                 async for delta in stream:
                     versions.add(delta.weight_version)
                 assert len(versions) == 1, f"one request, several weight versions: {versions}"
