@@ -19,7 +19,7 @@ import tempfile
 async def measure(group_size: int, max_tokens: int, device: str) -> None:
     from yieldloop.client import Client, sampling_params
     from yieldloop.envs.letters import tasks
-    from yieldloop.services.stack import InProcessStack, StackConfig
+    from yieldloop_server.stack import InProcessStack, StackConfig
 
     stack = InProcessStack(StackConfig(data_dir=pathlib.Path(tempfile.mkdtemp(prefix="yl-consistency-")), device=device))
     await stack.start()

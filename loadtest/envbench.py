@@ -109,7 +109,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _message_type() -> Any:
-    from yieldloop.env.v1 import env_service_pb2 as env_pb
+    from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
 
     return env_pb.StreamEpisodeRequest
 
@@ -120,7 +120,7 @@ async def echo_server(ready_file: pathlib.Path) -> None:
     It parses and re-serializes the same protobuf messages our EnvService receives, as any real
     service must, and does nothing else.
     """
-    from yieldloop.services.common.grpc_server import server_options
+    from yieldloop.transport import TransportConfig
 
     async def stream(request_iterator: Any, context: Any) -> Any:
         async for request in request_iterator:
@@ -131,7 +131,7 @@ async def echo_server(ready_file: pathlib.Path) -> None:
         stream, request_deserializer=message.FromString, response_serializer=message.SerializeToString
     )
     # The same transport settings as our services: the comparison is about what happens per message.
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=TransportConfig().server_options())
     handler = grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Stream": method})
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -182,8 +182,8 @@ class ServerProcess:
 
 def request_payloads(calls: int) -> dict[str, Any]:
     """The StreamEpisodeRequests an agent sends, so the echo baseline moves the same messages."""
-    from yieldloop.common.v1 import common_pb2 as common_pb
-    from yieldloop.env.v1 import env_service_pb2 as env_pb
+    from yieldloop.proto.common.v1 import common_pb2 as common_pb
+    from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
 
     task = common_pb.Task(env="bench", scenario="walk", args_json=json.dumps({"n": calls}))
     return {
@@ -199,7 +199,7 @@ async def think(pace: tuple[float, float] | None) -> None:
 
 
 async def our_agent(client: Any, calls: int, pace: tuple[float, float] | None, stats: Stats) -> None:
-    from yieldloop.common.v1 import common_pb2 as common_pb
+    from yieldloop.proto.common.v1 import common_pb2 as common_pb
 
     episode = client.episode(common_pb.Task(env="bench", scenario="walk", args_json=json.dumps({"n": calls})))
     try:
@@ -346,10 +346,10 @@ def median_round(rounds: list[dict]) -> dict:
 async def bench(args: argparse.Namespace) -> dict:
     """Runs every variant ``args.rounds`` times, interleaved, so a slower spell of this shared machine
     falls on all of them; ratios are per round (ours and echo back to back), then the median."""
-    from yieldloop.client import channel_options
-    from yieldloop.services.env.inprocess import InProcessHost
-    from yieldloop.services.env.loader import load_environment
-    from yieldloop.services.serve import ServeOptions
+    from yieldloop.transport import open_channel
+    from yieldloop_server.env.inprocess import InProcessHost
+    from yieldloop_server.env.loader import load_environment
+    from yieldloop_server.serve import ServeOptions
 
     pace = (args.think_min, args.think_max) if args.mode == "agent-pace" else None
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="yl-envbench-"))
@@ -365,7 +365,7 @@ async def bench(args: argparse.Namespace) -> dict:
         )
 
     async def echo(server: ServerProcess) -> dict:
-        channels = [grpc.aio.insecure_channel(server.address, options=channel_options()) for _ in range(n_channels)]
+        channels = [open_channel(server.address) for _ in range(n_channels)]
         payloads, stats = request_payloads(args.calls), Stats()
         try:
             return await run_agents(

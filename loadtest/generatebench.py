@@ -24,7 +24,7 @@ import time
 
 
 async def _in_process(engine, prompt: list[int], concurrency: int, max_tokens: int) -> int:
-    from yieldloop.services.rollout.engines import SamplingConfig
+    from yieldloop_server.rollout.engines import SamplingConfig
 
     async def one(i: int) -> int:
         sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=1000 + i)
@@ -56,8 +56,8 @@ async def _timed(coro_factory, repeats: int) -> tuple[float, int]:
 async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int], max_tokens: int,
                        repeats: int, device: str) -> list[dict]:
     from yieldloop.client import Client
-    from yieldloop.services.rollout.engines import create_engine
-    from yieldloop.services.rollout.server import serve_engine
+    from yieldloop_server.rollout.engines import create_engine
+    from yieldloop_server.rollout.server import serve_engine
 
     engine = create_engine(kind, device=device)
     await engine.load_weights(folder, "bench")
@@ -85,7 +85,7 @@ async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int]
 
 
 def make_model(size: str, out: pathlib.Path) -> pathlib.Path:
-    from yieldloop.services.common.tiny_model import TinyModelConfig, create_tiny_model
+    from yieldloop_server.common.tiny_model import TinyModelConfig, create_tiny_model
 
     if size == "tiny":
         return create_tiny_model(out)
@@ -96,7 +96,7 @@ def make_model(size: str, out: pathlib.Path) -> pathlib.Path:
 
 
 def main() -> None:
-    from yieldloop.services.rollout.engines.vllm_engine import vllm_available
+    from yieldloop_server.rollout.engines.vllm_engine import vllm_available
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="torch,vllm", help="comma-separated (vllm skipped when not installed)")

@@ -43,11 +43,10 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 
 async def bench(args: argparse.Namespace) -> dict:
     from yieldloop.client import Client, sampling_params
-    from yieldloop.services.checkpoint.files import upload_folder
-    from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
-    from yieldloop.services.checkpoint.servicer import manifest_pb
-    from yieldloop.services.serve import ServeOptions, build_service
-    from yieldloop.services.store import open_store
+    from yieldloop_server.checkpoint.files import upload_folder
+    from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
+    from yieldloop_server.serve import ServeOptions, build_service
+    from yieldloop_server.store import open_store
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="yl-reloadbench-"))
     folder = build_model(root / "model", args.hidden, args.layers)
@@ -70,7 +69,7 @@ async def bench(args: argparse.Namespace) -> dict:
     addresses: dict[str, str] = {}
     stoppers = []
     for service in ("checkpoint", "env", "rollout"):
-        options = ServeOptions(service, root, store=url, model="bench", env_workers=0,
+        options = ServeOptions(service=service, data_dir=root, store=url, model="bench", env_workers=0,
                                checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""))
         start, stop = await build_service(options)
         addresses[service] = await start()
@@ -103,7 +102,7 @@ async def bench(args: argparse.Namespace) -> dict:
             await asyncio.to_thread(store.get_file, obj.key, scratch / obj.name)
         raw.append(time.perf_counter() - started)
         started = time.perf_counter()
-        await client.commit_checkpoint(manifest_pb(manifest), set_head=True)
+        await client.commit_checkpoint(manifest, set_head=True)
         while (await client.generate([1, 2], sampling=sampling_params(max_tokens=1))).weight_version != checkpoint_id:
             await asyncio.sleep(0.005)
         reload.append(time.perf_counter() - started)

@@ -3,7 +3,7 @@
 A Qwen2 model is built locally (random weights, ``--hidden``/``--layers``), published as the base checkpoint
 of a fresh filesystem store, and trained two ways, alternating step by step:
 
-- ``bare``: forward, the loss, backward and AdamW in plain torch (``yieldloop.services.trainer.losses``);
+- ``bare``: forward, the loss, backward and AdamW in plain torch (``yieldloop_server.trainer.losses``);
 - ``service``: ``ForwardBackward`` (datums streamed over gRPC) + ``OptimStep`` through the real client and a
   TrainerService in this process (its own worker thread), without and with the checkpoint commit.
 
@@ -26,7 +26,7 @@ def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: in
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from yieldloop.services.common.tiny_model import TinyModelConfig, train_tokenizer
+    from yieldloop_server.common.tiny_model import TinyModelConfig, train_tokenizer
 
     tokenizer = train_tokenizer(TinyModelConfig())
     config = Qwen2Config(
@@ -41,7 +41,7 @@ def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: in
 
 
 def make_batch(num_datums: int, num_tokens: int, vocab_size: int, seed: int = 0) -> list:
-    from yieldloop.services.trainer.datums import Datum
+    from yieldloop_server.trainer.datums import Datum
 
     rng = random.Random(seed)
     datums = []
@@ -59,7 +59,7 @@ def bare_step(model, optimizer, datums, device: str) -> float:
     """The same work as the service's step, with nothing around it."""
     import torch
 
-    from yieldloop.services.trainer.losses import importance_sampling
+    from yieldloop_server.trainer.losses import importance_sampling
 
     started = time.perf_counter()
     tokens = torch.tensor([d.input_tokens for d in datums], device=device)
@@ -80,14 +80,14 @@ async def bench(args: argparse.Namespace) -> dict:
     import torch
 
     from yieldloop.client import Client
-    from yieldloop.common.v1 import common_pb2 as common_pb
-    from yieldloop.services.checkpoint import server as checkpoint_server
-    from yieldloop.services.checkpoint.files import upload_folder
-    from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
-    from yieldloop.services.common.hf import load_causal_lm
-    from yieldloop.services.store import open_store
-    from yieldloop.services.trainer import server as trainer_server
-    from yieldloop.services.trainer.trainer import TrainerConfig
+    from yieldloop.proto.common.v1 import common_pb2 as common_pb
+    from yieldloop_server.checkpoint import server as checkpoint_server
+    from yieldloop_server.checkpoint.files import upload_folder
+    from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
+    from yieldloop_server.common.hf import load_causal_lm
+    from yieldloop_server.store import open_store
+    from yieldloop_server.trainer import server as trainer_server
+    from yieldloop_server.trainer.trainer import TrainerConfig
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="yl-trainerbench-"))
     folder = build_model(root / "model", args.hidden, args.layers, args.intermediate)

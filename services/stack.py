@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import pathlib
@@ -21,56 +20,24 @@ import sys
 import tempfile
 import time
 
-from yieldloop.services.checkpoint.files import upload_folder
-from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
-from yieldloop.services.serve import ServeOptions, Stopper, build_service
-from yieldloop.services.store import ObjectStore
+from yieldloop_server.checkpoint.files import upload_folder
+from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
+from yieldloop_server.config import SERVICES, ServeOptions, StackConfig
+from yieldloop_server.serve import Stopper, build_service
+from yieldloop_server.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("checkpoint", "env", "trainer", "rollout")
 BASE_CHECKPOINT = "base"
-DEFAULT_MODEL = "tiny"
 
 
-@dataclasses.dataclass
-class StackConfig:
-    """What a local stack serves."""
-
-    data_dir: pathlib.Path
-    """Root of the store, scratch space, address files and logs."""
-    store: str = ""
-    """Object store URL (``s3://bucket/prefix``, a path); default: the filesystem store in data_dir."""
-    model: str = DEFAULT_MODEL
-    """Model slug served and trained (created offline when absent)."""
-    env_specs: tuple[str, ...] = ("yieldloop.envs.letters:env",)
-    """Environments EnvService loads (``module:attr`` or ``file.py:attr``)."""
-    env_workers: int = 2
-    """EnvService worker processes (0: environment code in the service's process)."""
-    engine: str = "torch"
-    http_port: int = 0
-    """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
-    device: str = "cpu"
-    trainer_dtype: str = "auto"
-    """"auto": bfloat16 on CUDA, float32 elsewhere."""
-    nproc: int = 1
-    """Trainer ranks (data parallel)."""
-    keep_last: int = 0
-    """Checkpoint retention: the last K plus every checkpoint that was ever head (0: all)."""
-    host: str = "127.0.0.1"
-
-    @property
-    def store_url(self) -> str:
-        return self.store or str(self.data_dir / "store")
-
-
-def ensure_base_model(store: ObjectStore, slug: str = DEFAULT_MODEL) -> bool:
+def ensure_base_model(store: ObjectStore, slug: str = StackConfig.model) -> bool:
     """Creates the tiny model offline and commits it as ``slug``'s head when the slug is absent.
 
     Returns True when a model was created.
     """
     from yieldloop.errors import NotFoundError
-    from yieldloop.services.common.tiny_model import create_tiny_model
+    from yieldloop_server.common.tiny_model import create_tiny_model
 
     registry = CheckpointRegistry(store)
     try:
@@ -86,27 +53,6 @@ def ensure_base_model(store: ObjectStore, slug: str = DEFAULT_MODEL) -> bool:
     return True
 
 
-def service_options(config: StackConfig, service: str, addresses: dict[str, str]) -> ServeOptions:
-    """How ``service`` is started in a stack whose earlier services listen at ``addresses``."""
-    return ServeOptions(
-        service=service,
-        data_dir=config.data_dir,
-        store=config.store,
-        host=config.host,
-        model=config.model,
-        checkpoint_address=addresses.get("checkpoint", ""),
-        env_address=addresses.get("env", ""),
-        env_specs=config.env_specs,
-        env_workers=config.env_workers,
-        engine=config.engine,
-        http_port=config.http_port,
-        device=config.device,
-        trainer_dtype=config.trainer_dtype,
-        nproc=config.nproc,
-        keep_last=config.keep_last,
-    )
-
-
 class InProcessStack:
     """All four services in the current event loop, on free ports (for tests and embedding)."""
 
@@ -116,11 +62,11 @@ class InProcessStack:
         self._stoppers: list[Stopper] = []
 
     async def start(self) -> dict[str, str]:
-        from yieldloop.services.store import open_store
+        from yieldloop_server.store import open_store
 
         await asyncio.to_thread(ensure_base_model, open_store(self.config.store_url), self.config.model)
         for service in SERVICES:  # in dependency order
-            start, stop = await build_service(service_options(self.config, service, self.addresses))
+            start, stop = await build_service(ServeOptions.of(self.config, service, self.addresses))
             self.addresses[service] = await start()
             self._stoppers.append(stop)
         return self.addresses
@@ -145,7 +91,7 @@ class ProcessStack:
         logs_dir = self.config.data_dir / "logs"
         run_dir.mkdir(parents=True, exist_ok=True)
         logs_dir.mkdir(parents=True, exist_ok=True)
-        options = service_options(self.config, service, self.addresses)
+        options = ServeOptions.of(self.config, service, self.addresses)
         options.ready_file = run_dir / f"{service}.json"
         options.ready_file.unlink(missing_ok=True)
         with open(logs_dir / f"{service}.log", "ab") as log_file:
@@ -164,7 +110,7 @@ class ProcessStack:
         self.addresses[service] = json.loads(options.ready_file.read_text())["address"]
 
     async def start(self) -> dict[str, str]:
-        from yieldloop.services.store import open_store
+        from yieldloop_server.store import open_store
 
         await asyncio.to_thread(ensure_base_model, open_store(self.config.store_url), self.config.model)
         try:

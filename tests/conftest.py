@@ -5,6 +5,7 @@ The stack (and its tiny model, created offline) is built once per test session.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 from yieldloop.cli import quiet_libraries
@@ -16,7 +17,8 @@ import pytest_asyncio  # noqa: E402
 import uvloop  # noqa: E402
 
 from yieldloop.client import Client  # noqa: E402
-from yieldloop.services.stack import InProcessStack, StackConfig  # noqa: E402
+from yieldloop.transport import TransportConfig  # noqa: E402
+from yieldloop_server.stack import InProcessStack, StackConfig  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,7 +75,7 @@ def s3_store(moto_endpoint: str):
 
     import boto3
 
-    from yieldloop.services.store.s3 import S3Store
+    from yieldloop_server.store.s3 import S3Store
 
     bucket = f"yl-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
@@ -85,7 +87,7 @@ def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path):
     """Each object store implementation: the filesystem one and S3 against moto_server."""
     if request.param == "s3":
         return request.getfixturevalue("s3_store")
-    from yieldloop.services.store.fs import FsStore
+    from yieldloop_server.store.fs import FsStore
 
     return FsStore(tmp_path / "store")
 
@@ -94,14 +96,40 @@ def any_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path):
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """A tiny HF model folder (tokenizer + Qwen2 weights) made offline, with random weights (no warm-up): it
     rambles on to max_tokens, which the engine tests rely on (long streams, reloads mid-stream)."""
-    from yieldloop.services.common.tiny_model import TinyModelConfig, create_tiny_model
+    from yieldloop_server.common.tiny_model import TinyModelConfig, create_tiny_model
 
     return create_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelConfig(warmup_steps=0))
 
 
+class CallRecorder:
+    """A transport interceptor that records every call it wraps: (method, protocol, error type on exit or None).
+
+    The session stack runs every test's calls through it, so every handler style is exercised with an
+    interceptor installed; tests/test_transport.py checks what it saw.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str | None]] = []
+
+    @contextlib.asynccontextmanager
+    async def intercept(self, call):
+        try:
+            yield
+        except BaseException as exc:
+            self.calls.append((call.method, call.protocol, type(exc).__name__))
+            raise
+        self.calls.append((call.method, call.protocol, None))
+
+
+@pytest.fixture(scope="session")
+def call_recorder() -> CallRecorder:
+    return CallRecorder()
+
+
 @pytest_asyncio.fixture(scope="session")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> InProcessStack:
-    stack = InProcessStack(StackConfig(data_dir=tmp_path_factory.mktemp("stack")))
+async def stack(tmp_path_factory: pytest.TempPathFactory, call_recorder: CallRecorder) -> InProcessStack:
+    transport = TransportConfig(server_interceptors=(call_recorder,))
+    stack = InProcessStack(StackConfig(data_dir=tmp_path_factory.mktemp("stack"), transport=transport))
     await stack.start()
     yield stack
     await stack.stop()
@@ -130,10 +158,10 @@ async def served_engine(request: pytest.FixtureRequest, engine_folders):
     from engine_harness import serve_engine, stop_engine
 
     if request.param == "vllm":
-        from yieldloop.services.rollout.engines.vllm_engine import vllm_available
+        from yieldloop_server.rollout.engines.vllm_engine import vllm_available
 
         if not vllm_available():
-            pytest.skip("vLLM is not installed (pip install 'yieldloop[vllm]')")
+            pytest.skip("vLLM is not installed (pip install 'yieldloop-server[vllm]')")
     served = await serve_engine(request.param, engine_folders)
     yield served
     await stop_engine(served)

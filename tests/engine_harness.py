@@ -12,9 +12,9 @@ import pathlib
 import shutil
 
 from yieldloop.client import Client
-from yieldloop.services.common.grpc_server import GrpcServer
-from yieldloop.services.rollout.engines import Engine, create_engine
-from yieldloop.services.rollout.server import serve_engine as serve_engine_grpc
+from yieldloop_server.common.grpc_server import GrpcServer
+from yieldloop_server.rollout.engines import Engine, create_engine
+from yieldloop_server.rollout.server import serve_engine as serve_engine_grpc
 
 
 def perturbed_copy(folder: pathlib.Path, out: pathlib.Path, scale: float = 0.05, seed: int = 1) -> pathlib.Path:

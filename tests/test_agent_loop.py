@@ -16,12 +16,12 @@ import pytest_asyncio
 from engine_harness import ServedEngine
 
 from yieldloop.client import Client
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.services.env.host import HostConfig, create_host
-from yieldloop.services.env.server import build
-from yieldloop.services.rollout.agent import MalformedToolCall, parse_tool_calls, tools_for_template
-from yieldloop.services.rollout.engines import Engine, SamplingConfig, TokenDelta
-from yieldloop.services.rollout.rollouts import AgentConfig, run_episode, stream_rollouts
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop_server.env.hosts import HostConfig, create_host
+from yieldloop_server.env.server import build
+from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, tools_for_template
+from yieldloop_server.rollout.engines import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.rollouts import AgentConfig, run_episode, stream_rollouts
 
 SDK_ENV = f"{pathlib.Path(__file__).parent / 'envs' / 'sdk_env.py'}:env"
 SAMPLING = SamplingConfig(max_tokens=64, temperature=1.0)

@@ -9,9 +9,9 @@ import pathlib
 import pytest
 
 from yieldloop import errors
-from yieldloop.services.checkpoint.files import download_verified
-from yieldloop.services.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo, ObjectInfo
-from yieldloop.services.store import PreconditionFailed
+from yieldloop_server.checkpoint.files import download_verified
+from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo, ObjectInfo
+from yieldloop_server.store import PreconditionFailed
 
 
 def test_conditional_puts(any_store) -> None:
@@ -180,9 +180,9 @@ def test_retention_never_deletes_objects_a_fork_references(any_store) -> None:
 
 UPLOADER = """
 import pathlib, sys, time
-from yieldloop.services.checkpoint.files import upload_folder
-from yieldloop.services.store import open_store
-from yieldloop.services.store.s3 import S3Store
+from yieldloop_server.checkpoint.files import upload_folder
+from yieldloop_server.store import open_store
+from yieldloop_server.store.s3 import S3Store
 url, endpoint, folder = sys.argv[1:4]
 store = S3Store(url[5:].split("/", 1)[0], url[5:].split("/", 1)[1], endpoint_url=endpoint) if url.startswith("s3://") else open_store(url)
 print("uploading", flush=True)

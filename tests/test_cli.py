@@ -152,6 +152,19 @@ def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> No
         config.write_text(text)
         bad = run(up, "train", str(config))
         assert bad.returncode == 1 and message in bad.stderr and "BAD_CONFIG" in bad.stderr, (text, bad.stderr)
+    # A malformed tasks file: one line on stderr with the reason, exit 1 (no traceback).
+    for name, text, message in [
+        ("tasks.jsonl", '{"scenario": "repeat", "args": {"letter": "a"}}\n{not json\n', "tasks.jsonl:2: not valid JSON"),
+        ("tasks.json", '{"scenario": "letters"}', "a .json taskset is a list"),
+        ("tasks.py", "tasks = [1 +\n", "SyntaxError"),
+        ("tasks.py", "raise RuntimeError('boom')\n", "RuntimeError: boom"),
+    ]:
+        (tmp_path / name).write_text(text)
+        config.write_text(f'train_tasks = "{tmp_path / name}"\n')
+        bad = run(up, "train", str(config))
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 1 and len(lines) == 1, (name, bad.stderr)
+        assert message in lines[0] and "BAD_CONFIG" in lines[0], (name, bad.stderr)
     assert run(up, "train", str(tmp_path / "absent.toml")).returncode == 1
     config.write_text('model = "no-such-model"\n')
     bad_model = run(up, "train", str(config))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from yieldloop.client import Client, sampling_params
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import tasks
 
 TOLERANCE = 1e-4

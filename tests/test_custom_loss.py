@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from yieldloop.client import Client
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.services.checkpoint import server as checkpoint_server
-from yieldloop.services.stack import ensure_base_model
-from yieldloop.services.store import open_store
-from yieldloop.services.trainer import server as trainer_server
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop_server.checkpoint import server as checkpoint_server
+from yieldloop_server.stack import ensure_base_model
+from yieldloop_server.store import open_store
+from yieldloop_server.trainer import server as trainer_server
 
 RATIOS = [0.5, 0.79, 0.81, 1.0, 1.19, 1.21, 2.0, 0.3, 1.5]
 

@@ -6,8 +6,8 @@ import pathlib
 
 import torch
 
-from yieldloop.services.trainer.distributed import DistributedTrainer
-from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig
+from yieldloop_server.trainer.distributed import DistributedTrainer
+from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
 from test_trainer import batch
 
 
@@ -37,16 +37,16 @@ def test_world_size_2_equals_single_process(tiny_model_dir: pathlib.Path) -> Non
 async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
     """`yieldloop serve trainer --nproc 2`: the service trains data-parallel and commits checkpoints."""
     from yieldloop.client import Client
-    from yieldloop.common.v1 import common_pb2 as common_pb
-    from yieldloop.services.serve import ServeOptions, build_service
-    from yieldloop.services.stack import ensure_base_model
-    from yieldloop.services.store import open_store
+    from yieldloop.proto.common.v1 import common_pb2 as common_pb
+    from yieldloop_server.serve import ServeOptions, build_service
+    from yieldloop_server.stack import ensure_base_model
+    from yieldloop_server.store import open_store
 
     ensure_base_model(open_store(str(tmp_path / "store")), "tiny")
-    start_checkpoint, stop_checkpoint = await build_service(ServeOptions("checkpoint", tmp_path))
+    start_checkpoint, stop_checkpoint = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
     checkpoint = await start_checkpoint()
     start_trainer, stop_trainer = await build_service(
-        ServeOptions("trainer", tmp_path, checkpoint_address=checkpoint, nproc=2)
+        ServeOptions(service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint, nproc=2)
     )
     trainer = await start_trainer()
     try:

@@ -14,8 +14,8 @@ from engine_harness import ServedEngine
 
 from yieldloop import errors
 from yieldloop.client import sampling_params
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.services.rollout.engines import SamplingConfig, TokenDelta
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta
 
 PROMPT = [1, 40, 41, 42, 43, 44]
 # Sampler vs trainer logprobs on the same tokens, fp32 on CPU. The torch engine runs the trainer's
@@ -78,8 +78,8 @@ async def test_context_limit_stops_with_context(served_engine: ServedEngine) -> 
 
 
 async def test_logprobs_match_the_trainer_recomputation(served_engine: ServedEngine) -> None:
-    from yieldloop.services.trainer.datums import Datum
-    from yieldloop.services.trainer.trainer import Trainer
+    from yieldloop_server.trainer.datums import Datum
+    from yieldloop_server.trainer.trainer import Trainer
 
     completions = [
         flat(await collect(served_engine.engine, PROMPT, SamplingConfig(max_tokens=24, temperature=1.0, seed=seed)))

@@ -17,11 +17,12 @@ import pytest_asyncio
 
 from yieldloop import errors
 from yieldloop.client import Client
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.env.v1 import env_service_pb2 as env_pb
-from yieldloop.env.v1 import env_service_pb2_grpc as env_grpc
-from yieldloop.services.env.host import HostConfig, create_host
-from yieldloop.services.env.server import build
+from yieldloop.transport import TransportConfig
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
+from yieldloop.proto.env.v1 import env_service_pb2_grpc as env_grpc
+from yieldloop_server.env.hosts import HostConfig, create_host
+from yieldloop_server.env.server import build
 
 SDK_ENV = f"{pathlib.Path(__file__).parent / 'envs' / 'sdk_env.py'}:env"
 MAX_MESSAGE_BYTES = 1 << 20
@@ -53,7 +54,7 @@ async def serve(kind: str, markers: pathlib.Path) -> Served:
     os.environ["YL_TEST_MARKERS"] = str(markers)  # worker processes inherit it
     config = HostConfig("workers", num_workers=2, hang_timeout_s=5.0) if kind == "workers" else HostConfig("inprocess")
     host = create_host((SDK_ENV,), config)
-    server = await build(host, max_message_bytes=MAX_MESSAGE_BYTES)
+    server = await build(host, transport=TransportConfig(max_message_bytes=MAX_MESSAGE_BYTES))
     await server.start()
     return Served(server, host, markers)
 

@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 
+from yieldloop.episode import Episode
 from yieldloop.environment import Environment, EpisodeContext, Grade, Task
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from yieldloop.taskset import Taskset
@@ -126,7 +127,7 @@ def test_task_binds_and_validates() -> None:
     with pytest.raises(InvalidArgumentError, match=r"argument 'times'='2' does not match"):
         echo.task(word="hi", times="2")
     with pytest.raises(NotFoundError, match="has no scenario 'nope'"):
-        env.episode("nope", {})
+        Episode.of(env, "nope", {})
 
 
 def test_taskset_round_trips(tmp_path: pathlib.Path) -> None:
@@ -151,7 +152,7 @@ def test_taskset_round_trips(tmp_path: pathlib.Path) -> None:
 
 
 async def test_episode_round_trip_with_hooks_and_fresh_state() -> None:
-    first = env.episode("echo", {"word": "hi", "times": 2}, episode_id="e1")
+    first = Episode.of(env, "echo", {"word": "hi", "times": 2}, episode_id="e1")
     assert await first.start() == "Say hi 2 times"
     assert await first.call_tool("add", {"a": 1}) == ("3", False)
     assert await first.call_tool("remember", {"item": "x"}) == ('["x"]', False)
@@ -171,7 +172,7 @@ async def test_episode_round_trip_with_hooks_and_fresh_state() -> None:
     await first.close()
     await first.close()  # idempotent: teardown runs once
 
-    second = env.episode("chat", {"topic": "rl"}, episode_id="e2")
+    second = Episode.of(env, "chat", {"topic": "rl"}, episode_id="e2")
     prompt = await second.start()
     assert prompt[1] == {"role": "user", "content": "About rl?"}
     assert await second.call_tool("remember", {"item": "y"}) == ('["y"]', False), "state is per episode"
@@ -180,7 +181,7 @@ async def test_episode_round_trip_with_hooks_and_fresh_state() -> None:
 
 
 async def test_protocol_order() -> None:
-    episode = env.episode("echo", {"word": "a"})
+    episode = Episode.of(env, "echo", {"word": "a"})
     with pytest.raises(InvalidArgumentError, match="tool call before start"):
         await episode.call_tool("add", {"a": 1})
     with pytest.raises(InvalidArgumentError, match="submit before start"):
@@ -205,7 +206,7 @@ async def test_protocol_order() -> None:
     ],
 )
 async def test_protocol_misuse_is_an_environment_error(scenario: str, message: str) -> None:
-    episode = env.episode(scenario, {})
+    episode = Episode.of(env, scenario, {})
     await episode.start()
     with pytest.raises(FailedPreconditionError, match=message) as err:
         await episode.submit("answer")
@@ -218,7 +219,7 @@ async def test_protocol_misuse_is_an_environment_error(scenario: str, message: s
     [("no_prompt", "ended without yielding a prompt"), ("raises_before_prompt", "raised before its prompt: KeyError")],
 )
 async def test_scenario_failing_before_its_prompt(scenario: str, message: str) -> None:
-    episode = env.episode(scenario, {})
+    episode = Episode.of(env, scenario, {})
     with pytest.raises(FailedPreconditionError, match=message):
         await episode.start()
     await episode.close()

@@ -9,7 +9,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import repeat
 
 
@@ -132,8 +132,8 @@ async def test_health_and_reflection(stack) -> None:
 
 
 async def test_rollout_server_for_unknown_model_fails_fast(stack, tmp_path) -> None:
-    from yieldloop.services.rollout.server import RolloutServer
-    from yieldloop.services.store import open_store
+    from yieldloop_server.rollout.server import RolloutServer
+    from yieldloop_server.store import open_store
 
     server = RolloutServer(
         "no-such-model", open_store(stack.config.store_url), stack.addresses["checkpoint"],

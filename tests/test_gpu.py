@@ -13,7 +13,7 @@ import pytest_asyncio
 from yieldloop.client import Client, sampling_params
 from yieldloop.envs.letters import tasks
 from yieldloop.loop import LoopConfig, closed_loop
-from yieldloop.services.stack import InProcessStack, StackConfig
+from yieldloop_server.stack import InProcessStack, StackConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ async def test_closed_loop_on_cuda(cuda_client: Client) -> None:
 
 
 async def test_cuda_sampler_matches_cuda_trainer(cuda_client: Client) -> None:
-    from yieldloop.common.v1 import common_pb2 as common_pb
+    from yieldloop.proto.common.v1 import common_pb2 as common_pb
 
     prompt = [1, 40, 41, 42]
     sampling = sampling_params(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True)
@@ -54,8 +54,8 @@ def test_bf16_trainer_step(tiny_model_dir: pathlib.Path) -> None:
 
     import torch
 
-    from yieldloop.services.trainer.datums import Datum
-    from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig
+    from yieldloop_server.trainer.datums import Datum
+    from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
 
     trainer = Trainer(tiny_model_dir, TrainerConfig(device="cuda", dtype="bfloat16"))
     assert next(trainer.model.parameters()).dtype == torch.bfloat16

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from yieldloop.client import Client, sampling_params
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import letter_reward, tasks
 from yieldloop.loop import LoopConfig, closed_loop
 
@@ -62,7 +62,7 @@ async def test_rollouts_are_scored_by_the_environment(client: Client) -> None:
 
 async def test_corrupt_checkpoint_is_refused_and_old_weights_keep_serving(client: Client, stack) -> None:
     from yieldloop import errors
-    from yieldloop.services.store import open_store
+    from yieldloop_server.store import open_store
 
     store = open_store(stack.config.store_url)
     good = await client.get_head(MODEL)
@@ -105,7 +105,7 @@ async def weights_health(stack) -> str:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from yieldloop.services.rollout.server import WEIGHTS_HEALTH
+    from yieldloop_server.rollout.server import WEIGHTS_HEALTH
 
     async with grpc.aio.insecure_channel(stack.addresses["rollout"]) as channel:
         response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=WEIGHTS_HEALTH))

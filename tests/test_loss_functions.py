@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from yieldloop.errors import InvalidArgumentError
-from yieldloop.services.trainer import losses
+from yieldloop_server.trainer import losses
 
 # Ratios r = exp(lp - q) placed on both sides of the PPO bounds (0.8, 1.2) and the CISPO upper bound (4.0),
 # never on a bound, with positive and negative advantages; the last two positions are prompt tokens (A = 0).

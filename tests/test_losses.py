@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from yieldloop.client import Client
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.services.common.hf import load_causal_lm
-from yieldloop.services.trainer.datums import Datum, RunData, TurnData, group_advantages, runs_to_datums
-from yieldloop.services.trainer.trainer import Trainer
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop_server.common.hf import load_causal_lm
+from yieldloop_server.trainer.datums import Datum, RunData, TurnData, group_advantages, runs_to_datums
+from yieldloop_server.trainer.trainer import Trainer
 
 
 def random_datums(vocab_size: int, seed: int = 0) -> list[Datum]:
@@ -85,7 +85,7 @@ def test_loss_value_and_gradient_through_the_model(tiny_model_dir: pathlib.Path,
 
 
 def test_micro_batching_does_not_change_the_gradient(tiny_model_dir: pathlib.Path) -> None:
-    from yieldloop.services.trainer.trainer import TrainerConfig
+    from yieldloop_server.trainer.trainer import TrainerConfig
 
     whole, split = Trainer(tiny_model_dir), Trainer(tiny_model_dir, TrainerConfig(micro_batch_tokens=16))
     datums = random_datums(whole.vocab_size, seed=1)
@@ -118,7 +118,7 @@ def test_grpo_advantages_and_groups_without_signal() -> None:
 
 def test_multi_turn_runs_must_extend_the_previous_turn() -> None:
     from yieldloop.errors import InvalidArgumentError
-    from yieldloop.services.trainer.datums import run_to_datum
+    from yieldloop_server.trainer.datums import run_to_datum
 
     good = RunData("g", 1.0, [TurnData([1, 2], [3], [-0.1]), TurnData([1, 2, 3, 9, 9], [4, 5], [-0.2, -0.3])])
     datum = run_to_datum(good, 1.0, "run")

@@ -14,9 +14,9 @@ import pytest
 import pytest_asyncio
 
 from yieldloop.client import Client
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.services.env.host import HostConfig, create_host
-from yieldloop.services.env.server import build
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop_server.env.hosts import HostConfig, create_host
+from yieldloop_server.env.server import build
 
 HERE = pathlib.Path(__file__).parent
 

@@ -11,13 +11,13 @@ import pathlib
 import pytest
 
 from yieldloop import errors
-from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client, sampling_params
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import heldout_tasks, tasks, train_tasks
 from yieldloop.export import export_runs, read_export
 from yieldloop.loop import Baseline, LoopConfig, closed_loop
-from yieldloop.services.trainer.datums import stitch_turns
+from yieldloop_server.trainer.datums import stitch_turns
 from yieldloop.taskset import Taskset
 from yieldloop.training import Job, TrainingClient, create_agent
 

@@ -10,7 +10,7 @@ import pytest_asyncio
 from yieldloop.client import Client
 from yieldloop.envs.letters import tasks
 from yieldloop.loop import LoopConfig, closed_loop
-from yieldloop.services.stack import InProcessStack, StackConfig
+from yieldloop_server.stack import InProcessStack, StackConfig
 
 
 @pytest_asyncio.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from yieldloop.errors import InvalidArgumentError
-from yieldloop.services.trainer.datums import Datum, RunData, TurnData, runs_to_datums
-from yieldloop.services.trainer.trainer import AdamConfig, Trainer
+from yieldloop_server.trainer.datums import Datum, RunData, TurnData, runs_to_datums
+from yieldloop_server.trainer.trainer import AdamConfig, Trainer
 
 
 def batch(seed: int, vocab_size: int) -> list[Datum]:

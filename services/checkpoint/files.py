@@ -12,9 +12,9 @@ import shutil
 import tempfile
 
 from yieldloop.errors import FailedPreconditionError
-from yieldloop.services.checkpoint.registry import Manifest, ObjectInfo, checkpoint_prefix
-from yieldloop.services.store import ObjectStore
-from yieldloop.services.store.base import sha256_file
+from yieldloop_server.checkpoint.registry import Manifest, ObjectInfo, checkpoint_prefix
+from yieldloop_server.store import ObjectStore
+from yieldloop_server.store.base import sha256_file
 
 
 def upload_folder(store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path) -> list[ObjectInfo]:

@@ -26,56 +26,11 @@ from yieldloop.errors import (
     NotFoundError,
     invalid_field,
 )
-from yieldloop.services.store import ObjectNotFound, ObjectStore, PreconditionFailed
-from yieldloop.services.store.base import check_name
+from yieldloop.types import Head, Manifest, ModelInfo, ObjectInfo  # noqa: F401  (re-exported)
+from yieldloop_server.store import ObjectNotFound, ObjectStore, PreconditionFailed
+from yieldloop_server.store.base import check_name
 
 MANIFEST = "manifest.json"
-
-
-@dataclasses.dataclass
-class ModelInfo:
-    slug: str
-    base: str
-    parent: str = ""
-    owner: str = ""
-    trainable: bool = True
-    created_time: float = 0.0
-
-
-@dataclasses.dataclass
-class ObjectInfo:
-    name: str
-    size: int
-    sha256: str
-    key: str
-
-
-@dataclasses.dataclass
-class Manifest:
-    model: str
-    checkpoint_id: str
-    objects: list[ObjectInfo]
-    parent_checkpoint_id: str = ""
-    step: int = 0
-    created_time: float = 0.0
-    metadata_json: str = ""
-
-    def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
-        raw = json.loads(data)
-        raw["objects"] = [ObjectInfo(**o) for o in raw["objects"]]
-        return cls(**raw)
-
-
-@dataclasses.dataclass
-class Head:
-    model: str
-    checkpoint_id: str
-    sequence: int
-    updated_time: float
 
 
 def model_prefix(slug: str) -> str:
@@ -318,11 +273,11 @@ class CheckpointRegistry:
             loop.call_soon_threadsafe(event.set)
 
     async def watch_head(self, model: str, after_sequence: int = 0) -> AsyncIterator[Head]:
-        """Yields the head whenever its sequence passes ``after_sequence``, forever."""
-        self.get_model(model)
+        """Yields the head whenever its sequence passes ``after_sequence``, forever (store reads in a thread)."""
+        await asyncio.to_thread(self.get_model, model)
         while True:
             event, _ = self._head_moved.setdefault(model, (asyncio.Event(), asyncio.get_running_loop()))
-            head, _ = self._read_head(model)
+            head, _ = await asyncio.to_thread(self._read_head, model)
             if head is not None and head.sequence > after_sequence:
                 after_sequence = head.sequence
                 yield head

@@ -1,11 +1,13 @@
-"""The gRPC server shell every service runs in: health, reflection, graceful stop.
+"""The gRPC server shell every service runs in: health, reflection, graceful stop, built from a TransportConfig.
 
-Also the servicer decorator that turns :class:`yieldloop.errors.YieldloopError`
+The one place servers are built: options, and the transport's interceptors wrapped around every handler
+(see :mod:`yieldloop.transport`). Also the servicer decorator that turns :class:`yieldloop.errors.YieldloopError`
 (raised by domain code) into a ``google.rpc.Status`` with ``ErrorInfo``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -17,29 +19,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from yieldloop._status import to_rpc_status
-from yieldloop.client import MAX_MESSAGE_BYTES
-from yieldloop.errors import InternalError, YieldloopError
+from yieldloop.errors import YieldloopError, as_yieldloop_error
+from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, ServerInterceptor, TransportConfig, intercepting
 
 log = logging.getLogger(__name__)
-
-
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    """Server options for thousands of concurrent streams.
-
-    - gRPC core rejects new streams once 1000 calls wait for the application (hard limit 3000):
-      2048 episodes opened at once would fail with INTERNAL/CANCELLED on the clients;
-    - clients send keepalive pings every 30 s (``channel_options``); the default server answers
-      them with GOAWAY ``too_many_pings`` on long runs.
-    """
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.server.max_pending_requests", 1 << 16),
-        ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ]
 
 
 def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,8 +35,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if not isinstance(exc, YieldloopError):
             log.exception("unexpected error in %s", fn.__qualname__)
-            exc = InternalError(f"{type(exc).__name__}: {exc}")
-        await context.abort_with_status(to_rpc_status(exc))
+        await context.abort_with_status(to_rpc_status(as_yieldloop_error(exc)))
 
     if inspect.isasyncgenfunction(fn):
 
@@ -77,18 +59,83 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     return unary_wrapper
 
 
+class _Interceptors(grpc.aio.ServerInterceptor):
+    """Runs yieldloop :class:`ServerInterceptor` objects around every handler, whatever its kind.
+
+    grpc.aio's own interceptor pattern (wrap response streams in ``async for``) breaks handlers that
+    write with ``context.write()`` and return None (StreamEpisode, Health.Watch): here a streaming
+    handler is wrapped as what it is, an async generator or a coroutine.
+    """
+
+    def __init__(self, interceptors: tuple[ServerInterceptor, ...]) -> None:
+        self.interceptors = interceptors
+
+    async def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        call = CallInfo(method=details.method, metadata=tuple(details.invocation_metadata or ()), protocol="grpc")
+        for kind, make in _HANDLER_KINDS.items():
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return make(
+                    self._wrap(behavior, call),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+    def _wrap(self, behavior: Callable[..., Any], call: CallInfo) -> Callable[..., Any]:
+        interceptors = self.interceptors
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                async with _refusals(context), intercepting(interceptors, call):
+                    async for item in behavior(request, context):
+                        yield item
+
+            return stream
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with _refusals(context), intercepting(interceptors, call):
+                return await behavior(request, context)
+
+        return unary
+
+
+_HANDLER_KINDS = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+@contextlib.asynccontextmanager
+async def _refusals(context: grpc.aio.ServicerContext) -> Any:
+    """An interceptor refusing a call (a YieldloopError on entry) answers its typed status."""
+    try:
+        yield
+    except YieldloopError as exc:
+        await context.abort_with_status(to_rpc_status(exc))
+
+
 class GrpcServer:
     """A ``grpc.aio`` server with health checking and reflection.
 
     Args:
         host: Interface to bind (loopback by default).
         port: Port to bind; 0 picks a free one (see :attr:`port` after start).
+        transport: Message limits and interceptors (the same config the service's own clients use).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_message_bytes: int | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, transport: TransportConfig = DEFAULT_TRANSPORT) -> None:
         self.host = host
         self.port = port
-        self._server = grpc.aio.server(options=server_options(max_message_bytes or MAX_MESSAGE_BYTES))
+        self.transport = transport
+        interceptors = [_Interceptors(transport.server_interceptors)] if transport.server_interceptors else None
+        self._server = grpc.aio.server(options=transport.server_options(), interceptors=interceptors)
         self._on_stop: list[Callable[[], Any]] = []
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 from yieldloop.environment import Environment, Grade, Prompt
 from yieldloop.errors import NotFoundError
@@ -80,28 +80,3 @@ class EpisodeHost(abc.ABC):
     @property
     @abc.abstractmethod
     def num_live_episodes(self) -> int: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class HostConfig:
-    """How EnvService runs environment code."""
-
-    type: Literal["inprocess", "workers"] = "workers"
-    """"workers": a pool of processes; "inprocess": the service's own loop (trusted, light environments)."""
-    num_workers: int = 2
-    """Worker processes in the pool (type "workers")."""
-    hang_timeout_s: float = 10.0
-    """A worker that answers no heartbeat for this long is killed and replaced."""
-
-
-def create_host(env_specs: tuple[str, ...], config: HostConfig) -> EpisodeHost:
-    if config.type == "inprocess":
-        from yieldloop.services.env.inprocess import InProcessHost
-        from yieldloop.services.env.loader import load_environment
-
-        return InProcessHost([load_environment(spec) for spec in env_specs])
-    if config.type == "workers":
-        from yieldloop.services.env.workers import WorkerPoolHost
-
-        return WorkerPoolHost(env_specs, config.num_workers, config.hang_timeout_s)
-    raise ValueError(f"unknown host type {config.type!r}")

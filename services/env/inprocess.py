@@ -6,7 +6,7 @@ from typing import Any
 
 from yieldloop.environment import Environment, Grade, Prompt
 from yieldloop.episode import Episode, protocol_error
-from yieldloop.services.env.host import EnvInfo, EpisodeHost, resolve_env
+from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
 
 
 class InProcessHost(EpisodeHost):
@@ -40,7 +40,7 @@ class InProcessHost(EpisodeHost):
         if episode_id in self._episodes:
             raise protocol_error(f"episode {episode_id!r} is already live")
         environment = self._environments[resolve_env(self.envs, env).name]
-        episode = environment.episode(scenario, args, episode_id)
+        episode = Episode.of(environment, scenario, args, episode_id)
         self._episodes[episode_id] = episode
         try:
             return await episode.start()

@@ -11,13 +11,13 @@ from typing import Any
 
 import grpc
 
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.env.v1 import env_service_pb2 as pb
-from yieldloop.env.v1 import env_service_pb2_grpc as pb_grpc
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.env.v1 import env_service_pb2 as pb
+from yieldloop.proto.env.v1 import env_service_pb2_grpc as pb_grpc
 from yieldloop.episode import protocol_error
 from yieldloop.errors import DeadlineExceededError, InvalidArgumentError
-from yieldloop.services.common.grpc_server import rpc
-from yieldloop.services.env.host import EnvInfo, EpisodeHost, resolve_env
+from yieldloop_server.common.grpc_server import rpc
+from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
 
 
 def _json_object(text: str, reason: str, field: str) -> dict[str, Any]:

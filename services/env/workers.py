@@ -24,8 +24,8 @@ from typing import Any
 
 from yieldloop.environment import Grade, Prompt
 from yieldloop.episode import protocol_error
-from yieldloop.errors import ERRORS_BY_CODE, UnavailableError, YieldloopError
-from yieldloop.services.env.host import EnvInfo, EpisodeHost
+from yieldloop.errors import UnavailableError, YieldloopError, as_yieldloop_error, error_from_wire
+from yieldloop_server.env.host import EnvInfo, EpisodeHost
 
 log = logging.getLogger(__name__)
 _SPAWN = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
@@ -53,8 +53,8 @@ def worker_main(sock: socket.socket, env_specs: tuple[str, ...]) -> None:
 
 
 async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None:
-    from yieldloop.services.env.inprocess import InProcessHost
-    from yieldloop.services.env.loader import load_environment
+    from yieldloop_server.env.inprocess import InProcessHost
+    from yieldloop_server.env.loader import load_environment
 
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     host = InProcessHost([load_environment(spec) for spec in env_specs])
@@ -69,13 +69,12 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
                 task.cancel()
         try:
             reply = (request_id, True, None if op == "ping" else await getattr(host, op)(*args))
-        except YieldloopError as err:
-            reply = (request_id, False, (err.code, err.message, err.reason, err.field))
         except asyncio.CancelledError:
             return
-        except Exception as err:  # unexpected: report it, keep the worker serving
-            log.exception("worker op %s failed", op)
-            reply = (request_id, False, ("INTERNAL", f"{type(err).__name__}: {err}", "INTERNAL", ""))
+        except Exception as err:  # report it to the service, keep the worker serving
+            if not isinstance(err, YieldloopError):
+                log.exception("worker op %s failed", op)
+            reply = (request_id, False, as_yieldloop_error(err).to_wire())
         writer.write(_frame(reply))  # buffered: a busy peer never blocks this loop
 
     while True:
@@ -224,8 +223,7 @@ class WorkerPoolHost(EpisodeHost):
             worker.pending.pop(request_id, None)
         if ok:
             return payload
-        code, message, reason, field = payload
-        raise ERRORS_BY_CODE[code](message, reason=reason, field=field)
+        raise error_from_wire(payload)
 
     # Failure handling ------------------------------------------------------------------------
 

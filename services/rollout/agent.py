@@ -18,9 +18,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.errors import FailedPreconditionError
-from yieldloop.services.rollout.engines import Engine
+from yieldloop_server.rollout.engines import Engine
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _SENTINEL = "\u27e6yieldloop-assistant-turn\u27e7"
@@ -70,7 +69,7 @@ def strip_tool_calls(text: str) -> str:
     return _TOOL_CALL.sub("", text).strip()
 
 
-def tools_for_template(tools: Sequence[common_pb.ToolSpec]) -> list[dict[str, Any]]:
+def tools_for_template(tools: Sequence[Any]) -> list[dict[str, Any]]:
     """EnvService tool specs in the OpenAI function format chat templates take."""
     return [
         {

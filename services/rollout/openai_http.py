@@ -10,12 +10,15 @@ rollouts. Tools are rendered with the model's chat template and tool calls
 parsed from Hermes/Qwen ``<tool_call>`` markup into ``message.tool_calls``.
 
 Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
-with 400 (bad request), 404 (unknown model) or 503 (engine not ready).
+with the HTTP status of the error's gRPC code (:attr:`yieldloop.errors.YieldloopError.http_status`: 400 bad
+request, 401, 403, 404 unknown model, 409, 429, 503 engine not ready, ...). The transport's
+interceptors run around every request, as they do around every gRPC call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -23,20 +26,24 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from yieldloop.errors import NotFoundError, YieldloopError, invalid_field
-from yieldloop.services.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
-from yieldloop.services.rollout.engines import Engine, SamplingConfig, TokenDelta
+from yieldloop.errors import InvalidArgumentError, NotFoundError, YieldloopError, as_yieldloop_error, invalid_field
+from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
+from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
+from yieldloop_server.rollout.engines import Engine, SamplingConfig, TokenDelta
 
 log = logging.getLogger(__name__)
 _FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length", "cancelled": "stop"}
-_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "UNAVAILABLE": 503, "FAILED_PRECONDITION": 400}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> Any:
+def _error(err: YieldloopError) -> Any:
+    """The OpenAI-shaped answer for a typed error (its HTTP status, reason as ``code``)."""
     from aiohttp import web
 
-    kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    status = err.http_status
+    kind = _ERROR_TYPES.get(status, "server_error")
+    body = {"error": {"message": err.message, "type": kind, "param": err.field or None, "code": err.reason.lower()}}
     return web.json_response(body, status=status)
 
 
@@ -78,15 +85,22 @@ def _message_text(message: dict[str, Any]) -> str:
 class OpenAIEndpoint:
     """The HTTP endpoint of one RolloutService (``base_url`` is ``http://host:port/v1``)."""
 
-    def __init__(self, model: str, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, model: str, engine: Engine, host: str = "127.0.0.1", port: int = 0,
+        transport: TransportConfig = DEFAULT_TRANSPORT,
+    ) -> None:
         self.model, self.engine, self.host, self.port = model, engine, host, port
+        self.transport = transport
         self._runner: Any = None
         self.base_url = ""
 
     async def start(self) -> str:
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 << 20)
+        middlewares = []
+        if self.transport.server_interceptors:  # aiohttp takes a decorated function, not a bound method
+            middlewares.append(web.middleware(functools.partial(OpenAIEndpoint._intercept, self)))
+        app = web.Application(client_max_size=self.transport.max_message_bytes, middlewares=middlewares)
         app.add_routes([
             web.get("/v1/models", self._models),
             web.post("/v1/completions", self._completions),
@@ -105,6 +119,16 @@ class OpenAIEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def _intercept(self, request: Any, handler: Any) -> Any:
+        """aiohttp middleware: the transport's interceptors around each request, refusals answered typed."""
+        call = CallInfo(method=f"{request.method} {request.path}",
+                        metadata=tuple((k.lower(), v) for k, v in request.headers.items()), protocol="http")
+        try:
+            async with intercepting(self.transport.server_interceptors, call):
+                return await handler(request)
+        except YieldloopError as err:
+            return _error(err)
 
     # Handlers ----------------------------------------------------------------------------
 
@@ -127,7 +151,7 @@ class OpenAIEndpoint:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not JSON", "invalid_json")
+            return _error(InvalidArgumentError("the request body is not JSON", reason="INVALID_JSON"))
         try:
             if not isinstance(body, dict):
                 raise invalid_field("body", "the request body must be a JSON object")
@@ -148,8 +172,10 @@ class OpenAIEndpoint:
                     raise invalid_field("n", "streaming supports n = 1")
                 return await self._stream(request, chat, body, prompt_ids, sampling)
             choices = await asyncio.gather(*(self._collect(prompt_ids, sampling, i) for i in range(n)))
-        except YieldloopError as err:
-            return _error(_STATUS.get(err.code, 500), err.message, err.reason.lower(), err.field or None)
+        except Exception as err:  # the request's boundary: a typed answer, the endpoint keeps serving
+            if not isinstance(err, YieldloopError):
+                log.exception("unexpected error in %s", request.path)
+            return _error(as_yieldloop_error(err))
         from aiohttp import web
 
         return web.json_response(self._response(chat, body, prompt_ids, choices))

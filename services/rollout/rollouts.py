@@ -21,7 +21,6 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from yieldloop.client import Client
-from yieldloop.common.v1 import common_pb2 as common_pb
 from yieldloop.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -29,21 +28,22 @@ from yieldloop.errors import (
     UnavailableError,
     YieldloopError,
 )
-from yieldloop.services.rollout.agent import (
+from yieldloop_server.rollout.agent import (
     MalformedToolCall,
     continuation_ids,
     parse_tool_calls,
     strip_tool_calls,
     tools_for_template,
 )
-from yieldloop.services.rollout.engines import Engine, SamplingConfig
+from yieldloop.types import AgentStopReason, Run, RunStatus, StopReason, TaskRef, Turn
+from yieldloop_server.rollout.engines import Engine, SamplingConfig
 
 STOP_REASONS = {
-    "eos": common_pb.STOP_REASON_EOS,
-    "length": common_pb.STOP_REASON_LENGTH,
-    "stop_string": common_pb.STOP_REASON_STOP_STRING,
-    "cancelled": common_pb.STOP_REASON_CANCELLED,
-    "context": common_pb.STOP_REASON_CONTEXT,
+    "eos": StopReason.EOS,
+    "length": StopReason.LENGTH,
+    "stop_string": StopReason.STOP_STRING,
+    "cancelled": StopReason.CANCELLED,
+    "context": StopReason.CONTEXT,
 }
 
 
@@ -59,9 +59,9 @@ class AgentConfig:
     """Attempts per episode when infrastructure fails."""
 
 
-async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingConfig) -> common_pb.Turn:
+async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingConfig) -> Turn:
     """Samples one completion and returns it as a token-exact Turn."""
-    turn = common_pb.Turn(prompt_token_ids=prompt_ids)
+    turn = Turn(prompt_token_ids=list(prompt_ids))
     try:
         async for delta in engine.generate(prompt_ids, sampling):
             turn.completion_token_ids.extend(delta.token_ids)
@@ -78,7 +78,7 @@ async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingC
 
 
 async def agent_loop(
-    engine: Engine, episode, started, run: common_pb.Run, sampling: SamplingConfig, config: AgentConfig
+    engine: Engine, episode, started, run: Run, sampling: SamplingConfig, config: AgentConfig
 ) -> str:
     """Drives the model through one started episode; fills ``run.turns``; returns the answer to submit."""
     deadline = time.monotonic() + config.episode_timeout_s if config.episode_timeout_s > 0 else None
@@ -88,16 +88,16 @@ async def agent_loop(
     answer = ""
     for step in range(config.max_steps):
         if len(prompt_ids) >= engine.max_model_len:
-            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_CONTEXT
+            run.agent_stop_reason = AgentStopReason.CONTEXT
             return answer
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
-            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_DEADLINE
+            run.agent_stop_reason = AgentStopReason.DEADLINE
             return answer
         try:
             turn = await asyncio.wait_for(sample_turn(engine, prompt_ids, sampling), remaining)
         except TimeoutError:
-            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_DEADLINE
+            run.agent_stop_reason = AgentStopReason.DEADLINE
             return answer
         run.turns.append(turn)
         text = turn.completion_text
@@ -105,10 +105,10 @@ async def agent_loop(
         try:
             calls = parse_tool_calls(text)
         except MalformedToolCall:
-            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_MALFORMED_TOOL_CALL
+            run.agent_stop_reason = AgentStopReason.MALFORMED_TOOL_CALL
             return text
         if not calls:
-            run.agent_stop_reason = common_pb.AGENT_STOP_REASON_ANSWER
+            run.agent_stop_reason = AgentStopReason.ANSWER
             return answer
         if step == config.max_steps - 1:
             break
@@ -122,47 +122,47 @@ async def agent_loop(
             *continuation_ids(engine, messages, tools, turn.completion_token_ids, results),
         ]
         messages += [{"role": "assistant", "content": text}, *results]
-    run.agent_stop_reason = common_pb.AGENT_STOP_REASON_MAX_STEPS
+    run.agent_stop_reason = AgentStopReason.MAX_STEPS
     return answer
 
 
 async def run_episode(
     engine: Engine,
     env: Client,
-    task: common_pb.Task,
+    task: TaskRef,
     group_id: str,
     sampling: SamplingConfig,
     model: str,
     config: AgentConfig = AgentConfig(),
-) -> common_pb.Run:
+) -> Run:
     """One episode: start, the agent loop, submit; a graded (or failed) Run.
 
     An infrastructure failure is tried again, ``config.max_attempts`` times at most (``Run.attempts``).
     """
     for attempt in range(1, config.max_attempts + 1):
-        run = common_pb.Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt)
+        run = Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt)
         await _attempt(engine, env, run, sampling, config)
-        if run.status != common_pb.RUN_STATUS_INFRA_ERROR:
+        if run.status != RunStatus.INFRA_ERROR:
             break
     return run
 
 
-async def _attempt(engine: Engine, env: Client, run: common_pb.Run, sampling: SamplingConfig, config: AgentConfig) -> None:
+async def _attempt(engine: Engine, env: Client, run: Run, sampling: SamplingConfig, config: AgentConfig) -> None:
     episode = env.episode(run.task)
     try:
         started = await episode.start()
         run.prompt = started.prompt
         run.answer = await agent_loop(engine, episode, started, run, sampling, config)
         graded = await episode.submit(run.answer)
-        run.reward, run.info_json, run.status = graded.reward, graded.info_json, common_pb.RUN_STATUS_GRADED
+        run.reward, run.info_json, run.status = graded.reward, graded.info_json, RunStatus.GRADED
     except (NotFoundError, InvalidArgumentError):
         raise  # the task itself is bad: fail the request, do not record a run
     except FailedPreconditionError as err:
         if err.reason != "ENVIRONMENT_ERROR":
             raise
-        run.status, run.error = common_pb.RUN_STATUS_ENV_ERROR, str(err)
+        run.status, run.error = RunStatus.ENV_ERROR, str(err)
     except YieldloopError as err:
-        run.status, run.error = common_pb.RUN_STATUS_INFRA_ERROR, str(err)
+        run.status, run.error = RunStatus.INFRA_ERROR, str(err)
     finally:
         await episode.close()
 
@@ -170,20 +170,20 @@ async def _attempt(engine: Engine, env: Client, run: common_pb.Run, sampling: Sa
 async def stream_rollouts(
     engine: Engine,
     env: Client,
-    tasks: Sequence[common_pb.Task],
+    tasks: Sequence[TaskRef],
     *,
     group_size: int,
     max_concurrent: int,
     sampling: SamplingConfig,
     model: str,
     config: AgentConfig = AgentConfig(),
-) -> AsyncIterator[common_pb.Run]:
+) -> AsyncIterator[Run]:
     """Runs every task ``group_size`` times, at most ``max_concurrent`` at once; yields Runs as they finish."""
     limit = asyncio.Semaphore(max_concurrent or len(tasks) * group_size)
     finished: asyncio.Queue = asyncio.Queue()
     nonce = uuid.uuid4().hex[:8]
 
-    async def one(task: common_pb.Task, group_id: str) -> None:
+    async def one(task: TaskRef, group_id: str) -> None:
         async with limit:
             try:
                 await finished.put(await run_episode(engine, env, task, group_id, sampling, model, config))

@@ -7,14 +7,16 @@ import contextlib
 import pathlib
 
 from yieldloop.client import Client
-from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
-from yieldloop.services.common.grpc_server import GrpcServer
-from yieldloop.services.rollout.engines import create_engine
-from yieldloop.services.rollout.openai_http import OpenAIEndpoint
-from yieldloop.services.rollout.servicer import RolloutServicer
-from yieldloop.services.rollout.weights import PinnedEngines, WeightFollower
-from yieldloop.services.store import ObjectStore
-from yieldloop.services.store.traces import TraceStore
+from yieldloop.convert import run_from_bytes, run_to_bytes
+from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
+from yieldloop_server.common.grpc_server import GrpcServer
+from yieldloop_server.rollout.engines import create_engine
+from yieldloop_server.rollout.openai_http import OpenAIEndpoint
+from yieldloop_server.rollout.servicer import RolloutServicer
+from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
+from yieldloop_server.store import ObjectStore
+from yieldloop_server.store.traces import TraceStore
 
 SERVICE_NAME = "yieldloop.rollout.v1.RolloutService"
 WEIGHTS_HEALTH = SERVICE_NAME + "/weights"
@@ -32,6 +34,7 @@ class RolloutServer:
         cache_dir: Local folder for verified checkpoints.
         engine: Engine kind ("torch" or "vllm").
         http_port: Port of the OpenAI-compatible HTTP endpoint (0: a free one; None: off).
+        transport: Limits and interceptors of the gRPC server, the HTTP endpoint and the internal clients.
     """
 
     def __init__(
@@ -45,17 +48,18 @@ class RolloutServer:
         host: str = "127.0.0.1",
         port: int = 0,
         http_port: int | None = 0,
+        transport: TransportConfig = DEFAULT_TRANSPORT,
         **engine_options: object,
     ) -> None:
         self.engine = create_engine(engine, **engine_options)
-        self.http = None if http_port is None else OpenAIEndpoint(model, self.engine, host, http_port)
-        self.clients = Client(env=env_address, checkpoint=checkpoint_address)
+        self.http = None if http_port is None else OpenAIEndpoint(model, self.engine, host, http_port, transport)
+        self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport)
         self.follower = WeightFollower(self.engine, model, store, self.clients, cache_dir)
         # Candidates are evaluated on the light torch engine, beside whatever engine serves the head.
         device = str(engine_options.get("device", "cpu"))
         self.pinned = PinnedEngines(self.follower, lambda: create_engine("torch", device=device))
-        self.grpc = GrpcServer(host, port)
-        self.servicer = RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store), self.pinned)
+        self.grpc = GrpcServer(host, port, transport)
+        self.servicer = RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), self.pinned)
         self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
         self._follow_task: asyncio.Task | None = None
 

@@ -11,14 +11,16 @@ from collections.abc import AsyncIterator
 import grpc
 
 from yieldloop.client import Client
+from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
+from yieldloop.types import JobInfo
 from yieldloop.errors import NotFoundError, invalid_field
-from yieldloop.rollout.v1 import rollout_service_pb2 as pb
-from yieldloop.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
-from yieldloop.services.common.grpc_server import rpc
-from yieldloop.services.rollout.engines import Engine, SamplingConfig
-from yieldloop.services.rollout.rollouts import STOP_REASONS, AgentConfig, stream_rollouts
-from yieldloop.services.rollout.weights import PinnedEngines, WeightFollower
-from yieldloop.services.store.traces import TraceStore
+from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
+from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from yieldloop_server.common.grpc_server import rpc
+from yieldloop_server.rollout.engines import Engine, SamplingConfig
+from yieldloop_server.rollout.rollouts import STOP_REASONS, AgentConfig, stream_rollouts
+from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
+from yieldloop_server.store.traces import TraceStore
 
 
 def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
@@ -118,7 +120,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             async for run in stream_rollouts(
                 engine,
                 self.env,
-                list(request.tasks),
+                [task_ref_from_pb(task) for task in request.tasks],
                 group_size=request.group_size,
                 max_concurrent=request.max_concurrent,
                 sampling=sampling,
@@ -127,12 +129,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             ):
                 # Persisted before it is streamed: a run the client saw always has its trace.
                 await asyncio.to_thread(self.traces.put, run, job_id)
-                yield pb.StreamRolloutsResponse(run=run)
+                yield pb.StreamRolloutsResponse(run=run_to_pb(run))
 
     @rpc
     async def GetRuns(self, request: pb.GetRunsRequest, context: grpc.aio.ServicerContext) -> pb.GetRunsResponse:
         runs = [await asyncio.to_thread(self.traces.get, trace_id) for trace_id in request.trace_ids]
-        return pb.GetRunsResponse(runs=runs)
+        return pb.GetRunsResponse(runs=[run_to_pb(run) for run in runs])
 
     @rpc
     async def GetServingInfo(
@@ -160,13 +162,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     raise ValueError("not an object")
             except ValueError as err:
                 raise invalid_field("metadata_json", f"metadata_json must be a JSON object: {err}") from None
-        job = pb.Job(model=self.model, name=request.name, group_size=request.group_size,
-                     metadata_json=request.metadata_json)
-        return pb.CreateJobResponse(job=await asyncio.to_thread(self.traces.create_job, job))
+        job = JobInfo(model=self.model, name=request.name, group_size=request.group_size,
+                      metadata_json=request.metadata_json)
+        return pb.CreateJobResponse(job=job_to_pb(await asyncio.to_thread(self.traces.create_job, job)))
 
     @rpc
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=await asyncio.to_thread(self.traces.list_jobs))
+        return pb.ListJobsResponse(jobs=[job_to_pb(job) for job in await asyncio.to_thread(self.traces.list_jobs)])
 
     @rpc
     async def StreamJobRuns(
@@ -174,4 +176,4 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> AsyncIterator[pb.StreamJobRunsResponse]:
         await asyncio.to_thread(self.traces.get_job, request.job_id)  # NOT_FOUND (JOB_NOT_FOUND)
         for trace_id in await asyncio.to_thread(self.traces.job_runs, request.job_id):
-            yield pb.StreamJobRunsResponse(run=await asyncio.to_thread(self.traces.get, trace_id))
+            yield pb.StreamJobRunsResponse(run=run_to_pb(await asyncio.to_thread(self.traces.get, trace_id)))

@@ -14,13 +14,12 @@ import pathlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client
 from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError
-from yieldloop.services.checkpoint.files import download_verified
-from yieldloop.services.checkpoint.servicer import manifest_from_pb
-from yieldloop.services.rollout.engines import Engine
-from yieldloop.services.store import ObjectStore
+from yieldloop.types import Head
+from yieldloop_server.checkpoint.files import download_verified
+from yieldloop_server.rollout.engines import Engine
+from yieldloop_server.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +63,12 @@ class WeightFollower:
 
     async def fetch(self, checkpoint_id: str) -> pathlib.Path:
         """Downloads one checkpoint of the model and verifies every object; returns its local folder."""
-        manifest = manifest_from_pb(await self.checkpoints.get_checkpoint(self.model, checkpoint_id))
+        manifest = await self.checkpoints.get_checkpoint(self.model, checkpoint_id)
         return await asyncio.to_thread(
             download_verified, self.store, manifest, self.cache_dir / self.model / manifest.checkpoint_id
         )
 
-    async def load(self, head: ckpt_pb.Head) -> None:
+    async def load(self, head: Head) -> None:
         """Loads one head (or records why it was refused)."""
         try:
             await self.engine.load_weights(await self.fetch(head.checkpoint_id), head.checkpoint_id)

@@ -7,13 +7,13 @@ the S3 store (endpoint and credentials from the usual AWS configuration).
 
 from __future__ import annotations
 
-from yieldloop.services.store.base import ObjectNotFound, ObjectStat, ObjectStore, PreconditionFailed
+from yieldloop_server.store.base import ObjectNotFound, ObjectStat, ObjectStore, PreconditionFailed
 
 
 def open_store(url: str) -> ObjectStore:
     """Opens the object store named by ``url``: a path, ``file://path`` or ``s3://bucket[/prefix]``."""
     if url.startswith("s3://"):
-        from yieldloop.services.store.s3 import S3Store
+        from yieldloop_server.store.s3 import S3Store
 
         bucket, _, prefix = url[len("s3://"):].partition("/")
         return S3Store(bucket, prefix)
@@ -21,7 +21,7 @@ def open_store(url: str) -> ObjectStore:
         url = url[len("file://"):]
     if "://" in url:
         raise ValueError(f"unsupported object store URL {url!r} (supported: a path, file://, s3://)")
-    from yieldloop.services.store.fs import FsStore
+    from yieldloop_server.store.fs import FsStore
 
     return FsStore(url)
 

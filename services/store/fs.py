@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from yieldloop.services.store.base import (
+from yieldloop_server.store.base import (
     ObjectNotFound,
     ObjectStat,
     ObjectStore,

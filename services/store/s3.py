@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from yieldloop.services.store.base import ObjectNotFound, ObjectStat, ObjectStore, PreconditionFailed, check_key
+from yieldloop_server.store.base import ObjectNotFound, ObjectStat, ObjectStore, PreconditionFailed, check_key
 
 _MiB = 1 << 20
 

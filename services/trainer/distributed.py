@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, invalid_field
-from yieldloop.services.trainer import losses
-from yieldloop.services.trainer.datums import Datum
-from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig, metrics_from_totals, zero_totals
+from yieldloop_server.trainer import losses
+from yieldloop_server.trainer.datums import Datum
+from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig, metrics_from_totals, zero_totals
 
 
 def free_port() -> int:

@@ -16,19 +16,20 @@ from typing import Any
 import grpc
 
 from yieldloop.client import Client
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.convert import run_from_bytes, run_from_pb, run_to_bytes
+from yieldloop.types import Run, RunStatus
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.errors import invalid_field
-from yieldloop.services.checkpoint.files import download_verified, upload_folder
-from yieldloop.services.checkpoint.registry import Manifest
-from yieldloop.services.checkpoint.servicer import manifest_from_pb, manifest_pb
-from yieldloop.services.common.grpc_server import rpc
-from yieldloop.services.store import ObjectStore
-from yieldloop.services.store.traces import TraceStore
-from yieldloop.services.trainer import losses
-from yieldloop.services.trainer.datums import Datum, RunData, TurnData, runs_to_datums
-from yieldloop.services.trainer.trainer import AdamConfig, Trainer, TrainerConfig
-from yieldloop.trainer.v1 import trainer_service_pb2 as pb
-from yieldloop.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
+from yieldloop_server.checkpoint.files import download_verified, upload_folder
+from yieldloop_server.checkpoint.registry import Manifest
+from yieldloop_server.common.grpc_server import rpc
+from yieldloop_server.store import ObjectStore
+from yieldloop_server.store.traces import TraceStore
+from yieldloop_server.trainer import losses
+from yieldloop_server.trainer.datums import Datum, runs_to_datums
+from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
+from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
+from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 
 
 def datum_from_pb(message: common_pb.Datum) -> Datum:
@@ -43,17 +44,6 @@ def datum_from_pb(message: common_pb.Datum) -> Datum:
 
 def datum_pb(datum: Datum) -> common_pb.Datum:
     return common_pb.Datum(**dataclasses.asdict(datum))
-
-
-def run_from_pb(message: common_pb.Run) -> RunData:
-    return RunData(
-        group_id=message.group_id,
-        reward=message.reward,
-        turns=[
-            TurnData(list(t.prompt_token_ids), list(t.completion_token_ids), list(t.completion_logprobs))
-            for t in message.turns
-        ],
-    )
 
 
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
@@ -109,12 +99,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def load_head(self) -> None:
         """Loads the model's head checkpoint (weights and optimizer state) from the store."""
         head = await self.checkpoints.get_head(self.model)
-        manifest = manifest_from_pb(await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id))
+        manifest = await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id)
         folder = await asyncio.to_thread(
             download_verified, self.store, manifest, self.work_dir / "cache" / self.model / manifest.checkpoint_id
         )
         if self.nproc > 1:  # data parallel: rank 0 here, the other ranks in spawned processes
-            from yieldloop.services.trainer.distributed import DistributedTrainer
+            from yieldloop_server.trainer.distributed import DistributedTrainer
 
             self.trainer = await self._run(DistributedTrainer, folder, self.config, self.nproc)
         else:
@@ -132,10 +122,10 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         await self.follow_head()
         assert self.trainer is not None
         config: pb.ForwardBackwardConfig | None = None
-        runs: list[RunData] = []
+        runs: list[Run] = []
         datums: list[Datum] = []
         num_ungraded = 0
-        traces = TraceStore(self.store)
+        traces = TraceStore(self.store, run_to_bytes, run_from_bytes)
         async for request in request_iterator:
             item = request.WhichOneof("item")
             if config is None and item != "config":
@@ -148,9 +138,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             elif item == "datum":
                 datums.append(datum_from_pb(request.datum).validate(self.trainer.vocab_size, f"datums[{len(datums)}]"))
             elif item in ("run", "trace_id"):
-                run = request.run if item == "run" else await asyncio.to_thread(traces.get, request.trace_id)
-                if run.status in (common_pb.RUN_STATUS_GRADED, common_pb.RUN_STATUS_UNSPECIFIED):
-                    runs.append(run_from_pb(run))
+                run = run_from_pb(request.run) if item == "run" else await asyncio.to_thread(traces.get, request.trace_id)
+                if run.status in (RunStatus.GRADED, RunStatus.UNSPECIFIED):
+                    runs.append(run)
                 else:  # env or infra failures carry no reward signal
                     num_ungraded += 1
             else:
@@ -189,7 +179,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         await self.follow_head()
         assert self.trainer is not None
         items: list[Datum | int] = []  # a datum, or the index of a run
-        runs: list[RunData] = []
+        runs: list[Run] = []
         async for request in request_iterator:
             kind = request.WhichOneof("item")
             if kind == "datum":
@@ -258,13 +248,13 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             step=step,
             metadata_json=request.metadata_json or json.dumps({"grad_norm": grad_norm}),
         )
-        response = await self.checkpoints.commit_checkpoint(manifest_pb(manifest), set_head=request.set_head)
+        _, head = await self.checkpoints.commit_checkpoint(manifest, set_head=request.set_head)
         self.checkpoint_id = checkpoint_id
         return pb.OptimStepResponse(
             step=step,
             checkpoint=common_pb.CheckpointRef(model=self.model, checkpoint_id=checkpoint_id),
             grad_norm=grad_norm,
-            head_sequence=response.head.sequence if request.set_head else 0,
+            head_sequence=head.sequence if head is not None else 0,
         )
 
     @rpc

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, invalid_field
-from yieldloop.services.trainer import losses
-from yieldloop.services.trainer.datums import Datum
+from yieldloop_server.trainer import losses
+from yieldloop_server.trainer.datums import Datum
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -77,7 +77,7 @@ class Trainer:
     def __init__(self, folder: pathlib.Path, config: TrainerConfig = TrainerConfig()) -> None:
         import torch
 
-        from yieldloop.services.common.hf import load_causal_lm
+        from yieldloop_server.common.hf import load_causal_lm
 
         self.config = config
         self.model, self.tokenizer = load_causal_lm(folder, config.dtype, config.device)

@@ -2,7 +2,7 @@
 
 The import root holds the client library (``yieldloop.client``), the
 environment SDK (``yieldloop.environment``), the generated protobuf packages
-(``yieldloop.<service>.v1``) and the servers (``yieldloop.services``). Names
+(``yieldloop.<service>.v1``) and the servers (``yieldloop_server``). Names
 below are imported lazily so ``import yieldloop`` stays fast.
 """
 
@@ -27,6 +27,7 @@ _LAZY = {
     "connect": "yieldloop.training",
     "create_agent": "yieldloop.training",
     "Environment": "yieldloop.environment",
+    "TransportConfig": "yieldloop.transport",
     "EpisodeContext": "yieldloop.environment",
     "Grade": "yieldloop.environment",
     "Task": "yieldloop.environment",

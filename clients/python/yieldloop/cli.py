@@ -1,5 +1,10 @@
-"""The ``yieldloop`` command line: services (``serve``, ``up``), the loop (``eval``, ``train``, ``demo``), the
-checkpoint tree (``models``), recorded data (``jobs``, ``trace``, ``export``) and ``report``.
+"""The ``yieldloop`` command line: the loop (``eval``, ``train``), the checkpoint tree (``models``), recorded data
+(``jobs``, ``trace``, ``export``) and ``report``, against a running stack.
+
+The server distribution (``yieldloop-server``) plugs its subcommands (``serve``, ``up``, ``demo``) into this
+one command through the entry point group ``yieldloop.commands``: an entry point names a
+``register(commands)`` function that adds subparsers and returns ``{name: handler(args) -> exit status}``.
+Without it, those subcommands say how to install it.
 
 Only argparse is imported up front so ``yieldloop --help`` is instant; each
 command imports what it needs.
@@ -13,8 +18,10 @@ import pathlib
 import sys
 from typing import Any
 
-SERVICES = ("checkpoint", "env", "trainer", "rollout")
-DEFAULT_ENV_SPEC = "yieldloop.envs.letters:env"
+SERVER_COMMANDS = {"serve": "run one service in this process",
+                   "up": "start all four services on localhost (the embedded default)",
+                   "demo": "the closed loop on the embedded default: watch a tiny model learn"}
+"""Subcommands the server distribution adds (an entry point in the group ``yieldloop.commands``)."""
 
 
 def quiet_libraries() -> None:
@@ -26,7 +33,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _run(coro: Any) -> Any:
+def run_async(coro: Any) -> Any:
+    """Runs a coroutine on uvloop when available."""
     try:
         import uvloop
     except ImportError:  # uvloop is optional off Linux/macOS
@@ -36,52 +44,18 @@ def _run(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def _add_stack_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="model slug served and trained (default: tiny)")
-    parser.add_argument("--env-spec", action="append", dest="env_specs",
-                        help=f"environment module:attr or file.py:attr (repeatable; default {DEFAULT_ENV_SPEC})")
-    parser.add_argument("--env-workers", type=int, default=2,
-                        help="EnvService worker processes running environment code (0: in-process; default 2)")
-    parser.add_argument("--engine", default="torch", choices=("torch", "vllm"),
-                        help="rollout engine: torch (default) or vllm (pip install 'yieldloop[vllm]')")
-    parser.add_argument("--http-port", type=int, default=0,
-                        help="rollout: OpenAI-compatible HTTP endpoint port (0: a free one, -1: off; default 0)")
-    parser.add_argument("--device", default="cpu", help="torch device for trainer and engine (default: cpu)")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="trainer ranks, data parallel (gloo on CPU, NCCL on CUDA; default 1)")
-    parser.add_argument("--trainer-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                        help="trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--keep-last", type=int, default=0,
-                        help="checkpoint retention: keep the last K plus every one that was ever head (0: all)")
-    parser.add_argument("--store", default="",
-                        help="object store: a path or s3://bucket/prefix (default: DATA_DIR/store)")
-
-
 def _add_attach(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attach", type=pathlib.Path, default=None,
                         help="data directory of a running `yieldloop up` (default: $YIELDLOOP_DATA_DIR or .yieldloop)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    """The parser of every subcommand, and each server subcommand's handler."""
     parser = argparse.ArgumentParser(
         prog="yieldloop", description="Self-hosted closed loop from agent evals to RL training data."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-
-    serve = commands.add_parser("serve", help="run one service in this process")
-    serve.add_argument("service", choices=SERVICES)
-    serve.add_argument("--port", type=int, default=0, help="port to bind (0: a free one; see --ready-file)")
-    serve.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
-    serve.add_argument("--checkpoint-address", default="", help="CheckpointService host:port (trainer, rollout)")
-    serve.add_argument("--env-address", default="", help="EnvService host:port (rollout)")
-    serve.add_argument("--ready-file", type=pathlib.Path, help="write {address} here once serving")
-    serve.add_argument("--max-message-bytes", type=int, default=0, help="largest gRPC message accepted (0: 64 MiB)")
-    _add_stack_args(serve)
-
-    up = commands.add_parser("up", help="start all four services on localhost (the embedded default)")
-    up.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
-    _add_stack_args(up)
+    handlers: dict[str, Any] = {}
 
     models = commands.add_parser("models", help="models, checkpoints and heads of a running stack")
     _add_attach(models)
@@ -135,87 +109,29 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run", help="a run directory, or the job id of a `yieldloop train` run in --attach/runs/")
     _add_attach(report)
 
-    demo = commands.add_parser("demo", help="the closed loop on the embedded default: watch a tiny model learn")
-    demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
-    demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")
-    demo.add_argument("--steps", type=int, default=30, help="optimizer steps at most (default 30)")
-    demo.add_argument("--target", type=float, default=0.8, help="stop once held-out reward reaches this (default 0.8)")
-    demo.add_argument("--group-size", type=int, default=8)
-    demo.add_argument("--learning-rate", type=float, help="AdamW learning rate (default: the loop's, 1e-3)")
-    _add_stack_args(demo)
-    return parser
+    handlers.update(_plugins(commands))
+    for name, text in SERVER_COMMANDS.items():
+        if name not in handlers:
+            commands.add_parser(name, help=f"{text} (needs the server distribution)", add_help=False)
+            handlers[name] = _needs_server
+    return parser, handlers
 
 
-def _stack_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The options every service of a stack shares (the `_add_stack_args` flags)."""
-    return {
-        "model": args.model,
-        "env_specs": tuple(args.env_specs or (DEFAULT_ENV_SPEC,)),
-        "env_workers": args.env_workers,
-        "engine": args.engine,
-        "http_port": args.http_port,
-        "device": args.device,
-        "trainer_dtype": args.trainer_dtype,
-        "nproc": args.nproc,
-        "host": args.host,
-        "store": args.store,
-        "keep_last": args.keep_last,
-    }
+def _plugins(commands: Any) -> dict[str, Any]:
+    """Subcommands of installed distributions (entry points in the group ``yieldloop.commands``)."""
+    from importlib.metadata import entry_points
+
+    handlers: dict[str, Any] = {}
+    for entry in entry_points(group="yieldloop.commands"):
+        handlers.update(entry.load()(commands))
+    return handlers
 
 
-def _stack_config(args: argparse.Namespace, data_dir: pathlib.Path) -> Any:
-    from yieldloop.services.stack import StackConfig
-
-    return StackConfig(data_dir=data_dir.resolve(), **_stack_fields(args))
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
-    from yieldloop.services.serve import ServeOptions, serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    options = ServeOptions(
-        service=args.service,
-        data_dir=args.data_dir.resolve(),
-        port=args.port,
-        checkpoint_address=args.checkpoint_address,
-        env_address=args.env_address,
-        max_message_bytes=args.max_message_bytes,
-        ready_file=args.ready_file,
-        **_stack_fields(args),
-    )
-    _run(serve(options))
-    return 0
-
-
-async def _up(args: argparse.Namespace) -> None:
-    import asyncio
-    import signal
-
-    from rich.console import Console
-
-    from yieldloop.services.stack import ProcessStack
-
-    console = Console()
-    stack = ProcessStack(_stack_config(args, args.data_dir))
-    with console.status("starting checkpoint, env, trainer and rollout services..."):
-        addresses = await stack.start()
-    for service, address in addresses.items():
-        console.print(f"  {service:<11} {address}")
-    console.print(f"data in {stack.config.data_dir}; logs in {stack.config.data_dir / 'logs'}; Ctrl-C stops")
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
-    with console.status("stopping..."):
-        await stack.stop()
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    _run(_up(args))
-    return 0
+def _needs_server(args: argparse.Namespace) -> int:
+    print(f"yieldloop: `yieldloop {args.command}` runs the services, which are the server distribution: "
+          "install it with `pip install -e ./clients/python -e .` from a yieldloop checkout "
+          "(or `pip install yieldloop-server`)", file=sys.stderr)
+    return 1
 
 
 def _client(args: argparse.Namespace, timeout: float = 300.0) -> Any:
@@ -231,7 +147,7 @@ def _progress(console: Any) -> Any:
                     console=console, transient=True)
 
 
-async def _loop(client: Any, config: Any, run_root: pathlib.Path, console: Any, **tasks: Any) -> dict[str, Any]:
+async def run_loop(client: Any, config: Any, run_root: pathlib.Path, console: Any, **tasks: Any) -> dict[str, Any]:
     """Runs the closed loop with a progress bar and per-step lines; writes the report; returns a summary."""
     import time
 
@@ -260,7 +176,7 @@ async def _loop(client: Any, config: Any, run_root: pathlib.Path, console: Any, 
             "report": page, "png": png, "job_id": job_id}
 
 
-def _print_summary(console: Any, summary: dict[str, Any], target: float = 0.0) -> None:
+def print_summary(console: Any, summary: dict[str, Any], target: float = 0.0) -> None:
     steps, baseline = summary["steps"], summary["baseline"]
     if steps and baseline:
         after = steps[-1].head_heldout_reward
@@ -276,46 +192,6 @@ def _print_summary(console: Any, summary: dict[str, Any], target: float = 0.0) -
     console.print(f"job {summary['job_id']}; report: {summary['report']} (plot {summary['png']})")
 
 
-async def _demo(args: argparse.Namespace) -> None:
-    import tempfile
-
-    from rich.console import Console
-
-    from yieldloop.client import Client
-    from yieldloop.loop import LoopConfig
-    from yieldloop.training import stack_addresses
-
-    console = Console()
-    stack = None
-    if args.attach:
-        addresses = stack_addresses(args.attach)
-        data_dir = args.attach
-    else:
-        from yieldloop.services.stack import ProcessStack
-
-        data_dir = args.data_dir or pathlib.Path(tempfile.mkdtemp(prefix="yieldloop-demo-"))
-        stack = ProcessStack(_stack_config(args, data_dir))
-        with console.status("starting the four services (creating the tiny model offline on first use)..."):
-            addresses = await stack.start()
-        console.print(f"services up: {addresses}")
-    overrides = {"learning_rate": args.learning_rate} if args.learning_rate else {}
-    config = LoopConfig(model=args.model, steps=args.steps, target_heldout_reward=args.target,
-                        group_size=args.group_size, name="demo", **overrides).validate("demo")
-    console.print(
-        f"GRPO on {config.train_tasks} (group {config.group_size}), promotion gate on {config.heldout_tasks} "
-        f"(disjoint), until held-out reward >= {config.target_heldout_reward:g} or {config.steps} steps"
-    )
-    try:
-        async with Client(**addresses, timeout=300) as client:
-            summary = await _loop(client, config, pathlib.Path(data_dir) / "runs", console)
-        _print_summary(console, summary, config.target_heldout_reward)
-        if stack is not None:
-            console.print(f"data kept in {stack.config.data_dir}")
-    finally:
-        if stack is not None:
-            await stack.stop()
-
-
 async def _train(args: argparse.Namespace) -> None:
     from rich.console import Console
 
@@ -328,8 +204,8 @@ async def _train(args: argparse.Namespace) -> None:
     console = Console()
     async with _client(args) as client:
         await client.get_head(config.model)
-        summary = await _loop(client, config, data_dir_of(args.attach) / "runs", console, **tasks)
-    _print_summary(console, summary, config.target_heldout_reward)
+        summary = await run_loop(client, config, data_dir_of(args.attach) / "runs", console, **tasks)
+    print_summary(console, summary, config.target_heldout_reward)
 
 
 async def _eval(args: argparse.Namespace) -> None:
@@ -338,7 +214,7 @@ async def _eval(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from yieldloop.common.v1.common_pb2 import RUN_STATUS_GRADED as GRADED
+    from yieldloop.proto.common.v1.common_pb2 import RUN_STATUS_GRADED as GRADED
     from yieldloop.loop import load_tasks
     from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
 
@@ -467,12 +343,12 @@ async def _trace(args: argparse.Namespace) -> None:
     console.print(f"answer: {run.answer!r}  reward {run.reward:.3f}  info {run.info_json}", markup=False)
 
 
-def _with_errors(coro: Any) -> int:
+def with_errors(coro: Any) -> int:
     """Runs a client command; a yieldloop error becomes one line on stderr and exit status 1."""
     from yieldloop.errors import YieldloopError
 
     try:
-        _run(coro)
+        run_async(coro)
     except YieldloopError as err:
         print(f"yieldloop: {err}", file=sys.stderr)
         return 1
@@ -480,17 +356,18 @@ def _with_errors(coro: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser, handlers = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and handlers.get(args.command) is not _needs_server:  # a stub takes any arguments
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     quiet_libraries()
-    if args.command == "serve":
-        return cmd_serve(args)
-    if args.command == "up":
-        return cmd_up(args)
+    if args.command in handlers:
+        return handlers[args.command](args)
     if args.command == "report":
         return cmd_report(args)
-    commands = {"demo": _demo, "models": _models, "trace": _trace, "eval": _eval, "train": _train,
+    commands = {"models": _models, "trace": _trace, "eval": _eval, "train": _train,
                 "jobs": _jobs, "export": _export}
-    return _with_errors(commands[args.command](args))
+    return with_errors(commands[args.command](args))
 
 
 if __name__ == "__main__":

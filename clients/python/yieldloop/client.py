@@ -25,34 +25,22 @@ from typing import Any
 import grpc
 
 from yieldloop._status import error_from_rpc
-from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
-from yieldloop.checkpoint.v1 import checkpoint_service_pb2_grpc as ckpt_grpc
-from yieldloop.common.v1 import common_pb2 as common_pb
-from yieldloop.env.v1 import env_service_pb2 as env_pb
-from yieldloop.env.v1 import env_service_pb2_grpc as env_grpc
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as ckpt_grpc
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
+from yieldloop.proto.env.v1 import env_service_pb2_grpc as env_grpc
+from yieldloop.convert import head_from_pb, manifest_from_pb, manifest_to_pb
 from yieldloop.environment import Task
 from yieldloop.errors import FailedPreconditionError, invalid_field
-from yieldloop.rollout.v1 import rollout_service_pb2 as rollout_pb
-from yieldloop.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
-from yieldloop.trainer.v1 import trainer_service_pb2 as trainer_pb
-from yieldloop.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    """Options for channels and servers: large messages, keepalive, round-robin over DNS."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.lb_policy_name", "round_robin"),
-        # Each channel gets its own connections: channels to one address otherwise share one TCP
-        # connection, and thousands of streams on one HTTP/2 connection fail under load.
-        ("grpc.use_local_subchannel_pool", 1),
-    ]
+from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
+from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
+from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
+from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
+from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig, open_channel
+from yieldloop.types import Head, Manifest
+SERVICES = ("checkpoint", "env", "trainer", "rollout")
+"""The four services, in the order a stack starts them (each calls only those before it)."""
 
 
 def task_to_proto(task: Task | common_pb.Task) -> common_pb.Task:
@@ -162,6 +150,7 @@ class Client:
             several EnvService replicas (a list, or comma-separated): episodes
             are spread across them in turn.
         timeout: Default deadline in seconds for unary calls (None: no deadline).
+        transport: How channels are built (message limits, interceptors; see :mod:`yieldloop.transport`).
     """
 
     def __init__(
@@ -172,8 +161,10 @@ class Client:
         checkpoint: str | None = None,
         *,
         timeout: float | None = None,
+        transport: TransportConfig = DEFAULT_TRANSPORT,
     ) -> None:
         self.timeout = timeout
+        self.transport = transport
         self._channels: dict[str, grpc.aio.Channel] = {}
         envs = [env] if isinstance(env, str) else list(env or ())
         self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
@@ -185,7 +176,7 @@ class Client:
         if not address:
             raise FailedPreconditionError(f"no address given for the {service} service", reason="INVALID_FIELD")
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options())
+            self._channels[address] = open_channel(address, self.transport)
         return self._channels[address]
 
     @property
@@ -498,38 +489,41 @@ class Client:
         request = ckpt_pb.ListCheckpointsRequest(model=model)
         return await _unary(self.checkpoint_stub.ListCheckpoints, request, self.timeout)
 
-    async def get_checkpoint(self, model: str, checkpoint_id: str) -> ckpt_pb.Manifest:
+    async def get_checkpoint(self, model: str, checkpoint_id: str) -> Manifest:
         request = ckpt_pb.GetCheckpointRequest(model=model, checkpoint_id=checkpoint_id)
-        return (await _unary(self.checkpoint_stub.GetCheckpoint, request, self.timeout)).manifest
+        return manifest_from_pb((await _unary(self.checkpoint_stub.GetCheckpoint, request, self.timeout)).manifest)
 
     async def commit_checkpoint(
-        self, manifest: ckpt_pb.Manifest, *, set_head: bool = False, expected_head_checkpoint_id: str = ""
-    ) -> ckpt_pb.CommitCheckpointResponse:
+        self, manifest: Manifest, *, set_head: bool = False, expected_head_checkpoint_id: str = ""
+    ) -> tuple[Manifest, Head | None]:
+        """Commits a checkpoint whose objects are written; returns it (as stored) and the head when it moved."""
         request = ckpt_pb.CommitCheckpointRequest(
-            manifest=manifest, set_head=set_head, expected_head_checkpoint_id=expected_head_checkpoint_id
+            manifest=manifest_to_pb(manifest), set_head=set_head, expected_head_checkpoint_id=expected_head_checkpoint_id
         )
-        return await _unary(self.checkpoint_stub.CommitCheckpoint, request, self.timeout)
+        response = await _unary(self.checkpoint_stub.CommitCheckpoint, request, self.timeout)
+        return manifest_from_pb(response.manifest), head_from_pb(response.head) if response.HasField("head") else None
 
-    async def get_head(self, model: str) -> ckpt_pb.Head:
-        return (await _unary(self.checkpoint_stub.GetHead, ckpt_pb.GetHeadRequest(model=model), self.timeout)).head
+    async def get_head(self, model: str) -> Head:
+        request = ckpt_pb.GetHeadRequest(model=model)
+        return head_from_pb((await _unary(self.checkpoint_stub.GetHead, request, self.timeout)).head)
 
     async def set_head(
         self, model: str, checkpoint_id: str, expected_checkpoint_id: str = "", expected_sequence: int = 0
-    ) -> ckpt_pb.Head:
+    ) -> Head:
         """Moves a model's head (compare-and-swap on the expected checkpoint id and/or sequence)."""
         request = ckpt_pb.SetHeadRequest(
             model=model, checkpoint_id=checkpoint_id, expected_checkpoint_id=expected_checkpoint_id,
             expected_sequence=expected_sequence,
         )
-        return (await _unary(self.checkpoint_stub.SetHead, request, self.timeout)).head
+        return head_from_pb((await _unary(self.checkpoint_stub.SetHead, request, self.timeout)).head)
 
     async def record_promotion(self, model: str, checkpoint_id: str, promotion: ckpt_pb.Promotion) -> None:
         """Records the promotion gate's decision on a checkpoint (HEAD does not move)."""
         request = ckpt_pb.RecordPromotionRequest(model=model, checkpoint_id=checkpoint_id, promotion=promotion)
         await _unary(self.checkpoint_stub.RecordPromotion, request, self.timeout)
 
-    async def watch_head(self, model: str, after_sequence: int = 0) -> AsyncIterator[ckpt_pb.Head]:
+    async def watch_head(self, model: str, after_sequence: int = 0) -> AsyncIterator[Head]:
         """Yields the model's head on every move (first the current one when newer than after_sequence)."""
         request = ckpt_pb.WatchHeadRequest(model=model, after_sequence=after_sequence)
         async for response in _stream(self.checkpoint_stub.WatchHead(request)):
-            yield response.head
+            yield head_from_pb(response.head)

@@ -36,13 +36,10 @@ import hashlib
 import inspect
 import json
 from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from yieldloop.errors import NotFoundError
 from yieldloop.schema import docstring_args, injected_parameters, signature_schema, validate_arguments
-
-if TYPE_CHECKING:
-    from yieldloop.episode import Episode
 
 Prompt = str | list[dict[str, str]]
 
@@ -231,14 +228,3 @@ class Environment:
                 reason="SCENARIO_NOT_FOUND",
             )
         return self.scenarios[name]
-
-    def episode(self, scenario: str, args: dict[str, Any], episode_id: str = "") -> Episode:
-        """A fresh episode of ``scenario`` (arguments validated now)."""
-        import uuid
-
-        from yieldloop.episode import Episode
-
-        spec = self.get_scenario(scenario)
-        spec.validate(args)
-        ctx = EpisodeContext(episode_id or uuid.uuid4().hex, Task(self.name, scenario, args))
-        return Episode(self, spec, args, ctx)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import uuid
 from typing import Any
 
-from yieldloop.environment import Environment, EpisodeContext, Grade, Prompt, Scenario, call_maybe_async
+from yieldloop.environment import Environment, EpisodeContext, Grade, Prompt, Scenario, Task, call_maybe_async
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,14 @@ class Episode:
         self._started = False
         self._graded = False
         self._closed = False
+
+    @classmethod
+    def of(cls, env: Environment, scenario: str, args: dict[str, Any], episode_id: str = "") -> Episode:
+        """A fresh episode of ``env``'s ``scenario`` (arguments validated now)."""
+        spec = env.get_scenario(scenario)
+        spec.validate(args)
+        ctx = EpisodeContext(episode_id or uuid.uuid4().hex, Task(env.name, scenario, args))
+        return cls(env, spec, args, ctx)
 
     @property
     def episode_id(self) -> str:

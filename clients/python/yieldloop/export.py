@@ -16,7 +16,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Any
 
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.errors import InvalidArgumentError
 
 FORMATS = ("jsonl", "parquet")
@@ -34,7 +34,7 @@ def rft_row(run: common_pb.Run) -> dict[str, Any]:
 
 
 def token_row(run: common_pb.Run) -> dict[str, Any]:
-    from yieldloop.services.trainer.datums import stitch_turns
+    from yieldloop_server.trainer.datums import stitch_turns
 
     tokens, logprobs, is_action = stitch_turns(run.turns, f"run {run.run_id}")
     return {

@@ -31,9 +31,9 @@ import tomllib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client, task_to_proto
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
 from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks

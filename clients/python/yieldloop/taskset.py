@@ -16,20 +16,34 @@ from collections.abc import Iterable
 from typing import Any
 
 from yieldloop.environment import Environment, Task
-from yieldloop.errors import InvalidArgumentError
+from yieldloop.errors import InvalidArgumentError, YieldloopError
+
+TASKSET_ERROR = "BAD_CONFIG"
+"""The reason of every error a malformed taskset file raises (INVALID_ARGUMENT)."""
+
+
+def _bad(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(message, reason=TASKSET_ERROR)
 
 
 def _task_from_dict(raw: Any, where: str, env: Environment | None) -> Task:
     if not isinstance(raw, dict) or "scenario" not in raw:
-        raise InvalidArgumentError(f"{where}: a task is an object with 'scenario' and 'args'", reason="INVALID_FIELD")
+        raise _bad(f"{where}: a task is an object with 'scenario' and 'args'")
     args = raw.get("args", {})
     if not isinstance(args, dict):
-        raise InvalidArgumentError(f"{where}: 'args' must be an object", reason="INVALID_FIELD")
+        raise _bad(f"{where}: 'args' must be an object")
     if env is None:
         return Task(env=raw.get("env", ""), scenario=raw["scenario"], args=args)
     if raw.get("env", env.name) != env.name:
-        raise InvalidArgumentError(f"{where}: task is for env {raw['env']!r}, not {env.name!r}", reason="INVALID_FIELD")
+        raise _bad(f"{where}: task is for env {raw['env']!r}, not {env.name!r}")
     return env.get_scenario(raw["scenario"]).task(**args)
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _bad(f"{where}: not valid JSON ({err})") from None
 
 
 class Taskset(list):
@@ -40,28 +54,27 @@ class Taskset(list):
 
     @classmethod
     def load(cls, path: str | pathlib.Path, env: Environment | None = None) -> Taskset:
-        """Loads tasks from a ``.py``, ``.json`` or ``.jsonl`` file (validated against ``env`` when given)."""
+        """Loads tasks from a ``.py``, ``.json`` or ``.jsonl`` file (validated against ``env`` when given).
+
+        Raises:
+            InvalidArgumentError: BAD_CONFIG naming the file (and line or index) when it is malformed.
+        """
         path = pathlib.Path(path)
+        if path.suffix not in (".py", ".json", ".jsonl"):
+            raise _bad(f"unsupported taskset file {path} (use .py, .json or .jsonl)")
         if path.suffix == ".py":
-            spec = importlib.util.spec_from_file_location(f"yieldloop_tasks_{path.stem}", path)
-            if spec is None or spec.loader is None:
-                raise ValueError(f"cannot import {path}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            tasks = getattr(module, "tasks", None)
-            tasks = tasks() if callable(tasks) else tasks
-            if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks):
-                raise ValueError(f"{path} must define `tasks`: a list of Task (or a function returning one)")
-            return cls(tasks)
+            return cls(_load_module_tasks(path))
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise _bad(f"cannot read taskset {path}: {err}") from None
         if path.suffix == ".json":
-            raws = json.loads(path.read_text())
+            raws = _parse_json(text, str(path))
             if not isinstance(raws, list):
-                raise ValueError(f"{path}: a .json taskset is a list of task objects")
+                raise _bad(f"{path}: a .json taskset is a list of task objects")
             return cls(_task_from_dict(raw, f"{path}[{i}]", env) for i, raw in enumerate(raws))
-        if path.suffix == ".jsonl":
-            lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-            return cls(_task_from_dict(json.loads(line), f"{path}:{n}", env) for n, line in lines)
-        raise ValueError(f"unsupported taskset file {path} (use .py, .json or .jsonl)")
+        lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        return cls(_task_from_dict(_parse_json(line, f"{path}:{n}"), f"{path}:{n}", env) for n, line in lines)
 
     async def run(
         self, agent: Any, *, job: Any, max_concurrent: int = 0, checkpoint_id: str = "", on_run: Any = None
@@ -82,5 +95,24 @@ class Taskset(list):
         elif path.suffix == ".jsonl":
             path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         else:
-            raise ValueError(f"unsupported taskset file {path} (use .json or .jsonl)")
+            raise _bad(f"unsupported taskset file {path} (use .json or .jsonl)")
         return path
+
+
+def _load_module_tasks(path: pathlib.Path) -> list[Task]:
+    """The ``tasks`` a ``.py`` file defines; whatever fails in the user's module is reported as BAD_CONFIG."""
+    spec = importlib.util.spec_from_file_location(f"yieldloop_tasks_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise _bad(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        tasks = getattr(module, "tasks", None)
+        tasks = tasks() if callable(tasks) else tasks
+    except YieldloopError:
+        raise
+    except Exception as err:  # user code: any failure is the file's, reported in one line
+        raise _bad(f"{path}: {type(err).__name__}: {err}") from None
+    if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks):
+        raise _bad(f"{path} must define `tasks`: a list of Task (or a function returning one)")
+    return tasks

@@ -36,16 +36,15 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
-from yieldloop.client import Client, sampling_params
-from yieldloop.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.client import SERVICES, Client, sampling_params
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop.types import Head
 from yieldloop.errors import FailedPreconditionError, NotFoundError, invalid_field
-from yieldloop.rollout.v1 import rollout_service_pb2 as rollout_pb
-from yieldloop.trainer.v1 import trainer_service_pb2 as trainer_pb
+from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
+from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
 
 log = logging.getLogger("yieldloop")
-
-SERVICES = ("checkpoint", "env", "trainer", "rollout")
 
 
 def data_dir_of(data_dir: str | pathlib.Path | None = None) -> pathlib.Path:
@@ -339,9 +338,9 @@ class TrainingClient:
         """The model's checkpoint tree, oldest first (head marked, promotion decisions attached)."""
         return list((await self.client.list_checkpoints(self.model)).checkpoints)
 
-    async def head(self) -> ckpt_pb.Head:
+    async def head(self) -> Head:
         return await self.client.get_head(self.model)
 
-    async def set_head(self, checkpoint_id: str, *, expected: str = "") -> ckpt_pb.Head:
+    async def set_head(self, checkpoint_id: str, *, expected: str = "") -> Head:
         """Moves HEAD (rollback or branch point); the rollout fleet reloads it, the next step extends from it."""
         return await self.client.set_head(self.model, checkpoint_id, expected_checkpoint_id=expected)

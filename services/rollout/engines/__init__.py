@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from yieldloop.services.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
 
 
 def create_engine(kind: str, **options: object) -> Engine:
-    """The engine named ``kind``: "torch", or "vllm" (``pip install 'yieldloop[vllm]'``)."""
+    """The engine named ``kind``: "torch", or "vllm" (``pip install 'yieldloop-server[vllm]'``)."""
     if kind == "torch":
-        from yieldloop.services.rollout.engines.torch_engine import TorchEngine
+        from yieldloop_server.rollout.engines.torch_engine import TorchEngine
 
         return TorchEngine(**options)
     if kind == "vllm":
-        from yieldloop.services.rollout.engines.vllm_engine import VllmEngine, vllm_available
+        from yieldloop_server.rollout.engines.vllm_engine import VllmEngine, vllm_available
 
         if not vllm_available():
-            raise ValueError("the vllm engine needs vLLM: pip install 'yieldloop[vllm]'")
+            raise ValueError("the vllm engine needs vLLM: pip install 'yieldloop-server[vllm]'")
         return VllmEngine(**options)
     raise ValueError(f"unknown engine {kind!r} (available: torch, vllm)")
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import UnavailableError
-from yieldloop.services.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
 
 log = logging.getLogger(__name__)
 _WAKE = object()
@@ -52,7 +52,7 @@ class _Request:
 
 def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str) -> _Weights:
     """Loads an HF checkpoint folder for inference (eager attention: left padding stays NaN-free)."""
-    from yieldloop.services.common.hf import load_causal_lm
+    from yieldloop_server.common.hf import load_causal_lm
 
     model, tokenizer = load_causal_lm(folder, dtype, device, attn_implementation="eager")
     model.eval()

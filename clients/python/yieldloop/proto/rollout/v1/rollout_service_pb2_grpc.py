@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from yieldloop.rollout.v1 import rollout_service_pb2 as yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2
+from yieldloop.proto.rollout.v1 import rollout_service_pb2 as yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

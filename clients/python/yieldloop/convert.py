@@ -1,0 +1,114 @@
+"""The one converter between domain types (:mod:`yieldloop.types`) and the generated protobuf messages.
+
+Servicers and the client call these at the wire; nothing else builds protobuf from domain objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
+from yieldloop.types import (
+    AgentStopReason,
+    Head,
+    JobInfo,
+    Manifest,
+    ModelInfo,
+    ObjectInfo,
+    Run,
+    RunStatus,
+    StopReason,
+    TaskRef,
+    Turn,
+)
+
+
+def head_to_pb(head: Head) -> ckpt_pb.Head:
+    return ckpt_pb.Head(**dataclasses.asdict(head))
+
+
+def head_from_pb(message: ckpt_pb.Head) -> Head:
+    return Head(message.model, message.checkpoint_id, message.sequence, message.updated_time)
+
+
+def model_to_pb(info: ModelInfo) -> ckpt_pb.ModelInfo:
+    return ckpt_pb.ModelInfo(**dataclasses.asdict(info))
+
+
+def model_from_pb(message: ckpt_pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(message.slug, message.base, message.parent, message.owner, message.trainable,
+                     message.created_time)
+
+
+def manifest_to_pb(manifest: Manifest | ckpt_pb.Manifest) -> ckpt_pb.Manifest:
+    if isinstance(manifest, ckpt_pb.Manifest):
+        return manifest
+    return ckpt_pb.Manifest(**dataclasses.asdict(manifest))
+
+
+def manifest_from_pb(message: ckpt_pb.Manifest) -> Manifest:
+    return Manifest(
+        model=message.model,
+        checkpoint_id=message.checkpoint_id,
+        objects=[ObjectInfo(o.name, o.size, o.sha256, o.key) for o in message.objects],
+        parent_checkpoint_id=message.parent_checkpoint_id,
+        step=message.step,
+        created_time=message.created_time,
+        metadata_json=message.metadata_json,
+    )
+
+
+def task_ref_from_pb(message: common_pb.Task) -> TaskRef:
+    return TaskRef(message.env, message.scenario, message.args_json, message.task_id)
+
+
+def turn_to_pb(turn: Turn) -> common_pb.Turn:
+    return common_pb.Turn(
+        prompt_token_ids=turn.prompt_token_ids, completion_token_ids=turn.completion_token_ids,
+        completion_logprobs=turn.completion_logprobs, weight_version=turn.weight_version,
+        completion_text=turn.completion_text, stop_reason=int(turn.stop_reason),
+    )
+
+
+def turn_from_pb(message: common_pb.Turn) -> Turn:
+    return Turn(list(message.prompt_token_ids), list(message.completion_token_ids), list(message.completion_logprobs),
+                message.weight_version, message.completion_text, StopReason(message.stop_reason))
+
+
+def run_to_pb(run: Run | common_pb.Run) -> common_pb.Run:
+    if isinstance(run, common_pb.Run):
+        return run
+    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
+    fields.update(task=common_pb.Task(**dataclasses.asdict(run.task)), turns=[turn_to_pb(t) for t in run.turns],
+                  status=int(run.status), agent_stop_reason=int(run.agent_stop_reason))
+    return common_pb.Run(**fields)
+
+
+def run_from_pb(message: common_pb.Run) -> Run:
+    return Run(
+        run_id=message.run_id, task=task_ref_from_pb(message.task), group_id=message.group_id,
+        prompt=message.prompt, turns=[turn_from_pb(t) for t in message.turns], answer=message.answer,
+        reward=message.reward, info_json=message.info_json, status=RunStatus(message.status), error=message.error,
+        model=message.model, trace_id=message.trace_id, agent_stop_reason=AgentStopReason(message.agent_stop_reason),
+        attempts=message.attempts,
+    )
+
+
+def run_to_bytes(run: Run) -> bytes:
+    """A run in its wire encoding (how the trace store keeps it)."""
+    return run_to_pb(run).SerializeToString()
+
+
+def run_from_bytes(data: bytes) -> Run:
+    return run_from_pb(common_pb.Run.FromString(data))
+
+
+def job_to_pb(job: JobInfo) -> rollout_pb.Job:
+    return rollout_pb.Job(**dataclasses.asdict(job))
+
+
+def job_from_pb(message: rollout_pb.Job) -> JobInfo:
+    return JobInfo(message.job_id, message.model, message.name, message.group_size, message.created_time,
+                   message.metadata_json, message.num_runs)

@@ -1,0 +1,127 @@
+"""The one transport seam: every gRPC channel and server, and the HTTP endpoint, are built from a TransportConfig.
+
+- Clients (the client library, service-to-service clients, the load tests) get channels from
+  :func:`open_channel`.
+- Servers are built by ``yieldloop_server.common.grpc_server.GrpcServer`` from the same config, and the
+  RolloutService's HTTP endpoint runs the same :class:`ServerInterceptor` objects as middleware.
+
+So authentication, TLS and tracing are each one addition here: a field of :class:`TransportConfig` and
+the code that reads it. A :class:`ServerInterceptor` sees every call of every kind (unary, server
+streaming, client streaming, bidi, including handlers written with ``context.read()/write()`` such as
+StreamEpisode and Health.Watch) and every HTTP request, through one small protocol::
+
+    class CountCalls:
+        def __init__(self): self.methods = []
+
+        @contextlib.asynccontextmanager
+        async def intercept(self, call: CallInfo):
+            self.methods.append(call.method)  # raise a YieldloopError here to refuse the call
+            yield
+
+    TransportConfig(server_interceptors=(CountCalls(),))
+
+Imports grpc only: the client distribution owns this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+import grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInfo:
+    """What an interceptor knows of one incoming call."""
+
+    method: str
+    """gRPC: the full method (``/yieldloop.env.v1.EnvService/StreamEpisode``); HTTP: ``POST /v1/completions``."""
+    metadata: tuple[tuple[str, str], ...]
+    """Invocation metadata (gRPC) or request headers (HTTP), keys lower-case."""
+    protocol: Literal["grpc", "http"]
+    """Which transport the call came in on."""
+
+    def header(self, key: str) -> str:
+        """The first value of a metadata key or header ("" when absent)."""
+        return next((value for name, value in self.metadata if name == key), "")
+
+
+class ServerInterceptor(Protocol):
+    """Wraps every incoming call: entered before the handler runs, exited after it finished or failed.
+
+    Raising a :class:`yieldloop.errors.YieldloopError` on entry refuses the call with that status (gRPC
+    status + reason; the matching HTTP status on the HTTP endpoint). An exception leaving the handler
+    passes through the context manager's exit (a tracer records it) before it is answered.
+    """
+
+    def intercept(self, call: CallInfo) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """How channels and servers are built: one config for every service, client and load test."""
+
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    """Largest gRPC message sent or accepted (a batch of runs streams as many messages)."""
+    server_interceptors: tuple[ServerInterceptor, ...] = dataclasses.field(default=(), metadata={"cli": False})
+    """Wrap every call a server built from this config receives, gRPC and HTTP alike."""
+    client_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = dataclasses.field(
+        default=(), metadata={"cli": False}
+    )
+    """grpc.aio client interceptors on every channel built from this config."""
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        """Channel options: large messages, keepalive, round-robin over DNS, a connection per channel."""
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.lb_policy_name", "round_robin"),
+            # Each channel gets its own connections: channels to one address otherwise share one TCP
+            # connection, and thousands of streams on one HTTP/2 connection fail under load.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        """Server options for thousands of concurrent streams.
+
+        - gRPC core rejects new streams once 1000 calls wait for the application (hard limit 3000):
+          2048 episodes opened at once would fail with INTERNAL/CANCELLED on the clients;
+        - clients send keepalive pings every 30 s (:meth:`channel_options`); the default server answers
+          them with GOAWAY ``too_many_pings`` on long runs.
+        """
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.server.max_pending_requests", 1 << 16),
+            ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+
+
+DEFAULT_TRANSPORT = TransportConfig()
+
+
+def open_channel(address: str, config: TransportConfig = DEFAULT_TRANSPORT) -> grpc.aio.Channel:
+    """A channel to ``address`` (``host:port`` or ``dns:///host:port``) built from ``config``."""
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None = list(config.client_interceptors) or None
+    return grpc.aio.insecure_channel(address, options=config.channel_options(), interceptors=interceptors)
+
+
+@contextlib.asynccontextmanager
+async def intercepting(interceptors: Sequence[ServerInterceptor], call: CallInfo) -> Any:
+    """Enters every interceptor for ``call`` (first outermost); gRPC servers and the HTTP endpoint share it."""
+    async with contextlib.AsyncExitStack() as stack:
+        for interceptor in interceptors:
+            await stack.enter_async_context(interceptor.intercept(call))
+        yield
+

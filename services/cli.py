@@ -1,0 +1,118 @@
+"""The server subcommands of the ``yieldloop`` command: ``serve``, ``up`` and ``demo``.
+
+The client distribution owns the command; this module is its plugin (entry point group
+``yieldloop.commands``). Every flag comes from :mod:`yieldloop_server.config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any
+
+from yieldloop.cli import print_summary, run_async, run_loop
+from yieldloop_server.config import ServeOptions, StackConfig, add_arguments, from_arguments
+
+
+def register(commands: Any) -> dict[str, Any]:
+    """Adds ``serve``, ``up`` and ``demo`` to the ``yieldloop`` subparsers; returns their handlers."""
+    serve = commands.add_parser("serve", help="run one service in this process")
+    add_arguments(serve, ServeOptions)
+
+    up = commands.add_parser("up", help="start all four services on localhost (the embedded default)")
+    add_arguments(up, StackConfig)
+
+    demo = commands.add_parser("demo", help="the closed loop on the embedded default: watch a tiny model learn")
+    add_arguments(demo, StackConfig, skip=("data_dir",))
+    demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
+    demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")
+    demo.add_argument("--steps", type=int, default=30, help="optimizer steps at most (default 30)")
+    demo.add_argument("--target", type=float, default=0.8, help="stop once held-out reward reaches this (default 0.8)")
+    demo.add_argument("--group-size", type=int, default=8)
+    demo.add_argument("--learning-rate", type=float, help="AdamW learning rate (default: the loop's, 1e-3)")
+    return {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from yieldloop_server.serve import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_async(serve(from_arguments(args, ServeOptions)))
+    return 0
+
+
+async def _up(config: StackConfig) -> None:
+    import asyncio
+    import signal
+
+    from rich.console import Console
+
+    from yieldloop_server.stack import ProcessStack
+
+    console = Console()
+    stack = ProcessStack(config)
+    with console.status("starting checkpoint, env, trainer and rollout services..."):
+        addresses = await stack.start()
+    for service, address in addresses.items():
+        console.print(f"  {service:<11} {address}")
+    console.print(f"data in {stack.config.data_dir}; logs in {stack.config.data_dir / 'logs'}; Ctrl-C stops")
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    with console.status("stopping..."):
+        await stack.stop()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    run_async(_up(from_arguments(args, StackConfig)))
+    return 0
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from rich.console import Console
+
+    from yieldloop.client import Client
+    from yieldloop.loop import LoopConfig
+    from yieldloop.training import stack_addresses
+
+    console = Console()
+    stack = None
+    if args.attach:
+        addresses = stack_addresses(args.attach)
+        data_dir = args.attach
+    else:
+        from yieldloop_server.stack import ProcessStack
+
+        data_dir = args.data_dir or pathlib.Path(tempfile.mkdtemp(prefix="yieldloop-demo-"))
+        stack = ProcessStack(from_arguments(args, StackConfig, data_dir=pathlib.Path(data_dir).resolve()))
+        with console.status("starting the four services (creating the tiny model offline on first use)..."):
+            addresses = await stack.start()
+        console.print(f"services up: {addresses}")
+    overrides = {"learning_rate": args.learning_rate} if args.learning_rate else {}
+    config = LoopConfig(model=args.model, steps=args.steps, target_heldout_reward=args.target,
+                        group_size=args.group_size, name="demo", **overrides).validate("demo")
+    console.print(
+        f"GRPO on {config.train_tasks} (group {config.group_size}), promotion gate on {config.heldout_tasks} "
+        f"(disjoint), until held-out reward >= {config.target_heldout_reward:g} or {config.steps} steps"
+    )
+    try:
+        async with Client(**addresses, timeout=300) as client:
+            summary = await run_loop(client, config, pathlib.Path(data_dir) / "runs", console)
+        print_summary(console, summary, config.target_heldout_reward)
+        if stack is not None:
+            console.print(f"data kept in {stack.config.data_dir}")
+    finally:
+        if stack is not None:
+            await stack.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from yieldloop.cli import with_errors
+
+    return with_errors(_demo(args))

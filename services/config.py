@@ -1,0 +1,191 @@
+"""The one definition of every service option: dataclasses with a docstring per field.
+
+``StackConfig`` is what a stack serves (every service reads the fields it needs); ``ServeOptions`` adds what
+places one service process (its service, port, the addresses of the services it calls). The command line
+(``yieldloop serve|up|demo``), ``yieldloop up``'s child processes, the in-process stack of the tests and the
+benchmarks all derive from these classes: flags are made from the fields (name, type, default, docstring)
+by :func:`add_arguments` and read back by :func:`from_arguments`, and :meth:`ServeOptions.to_args` writes
+the flags that give a set of options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import pathlib
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from yieldloop.client import SERVICES  # noqa: F401  (re-exported: the stack's start order)
+from yieldloop.transport import TransportConfig
+
+DEFAULT_ENV_SPEC = "yieldloop.envs.letters:env"
+
+
+@dataclasses.dataclass
+class StackConfig:
+    """What a stack of the four services serves."""
+
+    data_dir: pathlib.Path = pathlib.Path(".yieldloop")
+    """Root of the store, scratch space, address files and logs."""
+    store: str = ""
+    """Object store: a path or s3://bucket/prefix (default: DATA_DIR/store)."""
+    model: str = "tiny"
+    """Model slug served and trained (the tiny model is created offline when absent)."""
+    env_specs: tuple[str, ...] = dataclasses.field(
+        default=(DEFAULT_ENV_SPEC,), metadata={"flag": "--env-spec"}
+    )
+    """Environments EnvService loads: module:attr or file.py:attr (repeatable)."""
+    env_workers: int = 2
+    """EnvService worker processes running environment code (0: in the service's own process)."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Rollout engine: torch, or vllm (pip install 'yieldloop-server[vllm]')."""
+    http_port: int = 0
+    """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
+    device: str = "cpu"
+    """torch device for the trainer and the engine."""
+    trainer_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)."""
+    nproc: int = 1
+    """Trainer ranks, data parallel (gloo on CPU, NCCL on CUDA, one GPU per rank)."""
+    keep_last: int = 0
+    """Checkpoint retention: keep the last K plus every checkpoint that was ever head (0: all)."""
+    host: str = "127.0.0.1"
+    """Interface every service binds."""
+    transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
+    """Message limits and interceptors of every server and internal client (see yieldloop.transport)."""
+
+    @property
+    def store_url(self) -> str:
+        return self.store or str(self.data_dir / "store")
+
+    @property
+    def dtype(self) -> str:
+        """The trainer dtype with "auto" resolved for the device."""
+        if self.trainer_dtype != "auto":
+            return self.trainer_dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+@dataclasses.dataclass
+class ServeOptions(StackConfig):
+    """One service process of a stack (``yieldloop serve <service>``)."""
+
+    service: Literal["checkpoint", "env", "trainer", "rollout"] = dataclasses.field(
+        default="checkpoint", metadata={"positional": True}
+    )
+    """Which service to run."""
+    port: int = 0
+    """Port to bind (0: a free one; see --ready-file)."""
+    checkpoint_address: str = ""
+    """CheckpointService host:port (trainer, rollout)."""
+    env_address: str = ""
+    """EnvService host:port (rollout)."""
+    ready_file: pathlib.Path | None = None
+    """Where to write {address} once serving."""
+    grace_s: float = 5.0
+    """Seconds in-flight calls get to finish on SIGTERM."""
+
+    @classmethod
+    def of(cls, config: StackConfig, service: str, addresses: dict[str, str]) -> ServeOptions:
+        """How ``service`` starts in a stack whose earlier services listen at ``addresses``."""
+        shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(StackConfig)}
+        return cls(**shared, service=service, checkpoint_address=addresses.get("checkpoint", ""),
+                   env_address=addresses.get("env", ""))
+
+    def to_args(self) -> list[str]:
+        """The ``yieldloop serve`` arguments that give these options (interceptors do not cross processes)."""
+        args = ["serve", self.service]
+        for name, flag, _, value in _flags(type(self), self):
+            if value is None or value == "":
+                continue
+            for item in value if isinstance(value, tuple) else (value,):
+                args += [flag, str(item)]
+        return args
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass and its bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+@functools.cache
+def _field_specs(cls: type) -> list[tuple[str, str, Any, dataclasses.Field]]:
+    """(name, flag, type, field) of every command-line field; nested config dataclasses are flattened."""
+    hints = get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            specs += [(f"{f.name}.{name}", flag, t, sub) for name, flag, t, sub in _field_specs(kind)]
+        elif f.metadata.get("cli", True):
+            flag = f.name if f.metadata.get("positional") else f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            specs.append((f.name, flag, kind, f))
+    return specs
+
+
+def _flags(cls: type, obj: Any) -> list[tuple[str, str, Any, Any]]:
+    """(name, flag, type, value in ``obj``) of every optional flag."""
+    out = []
+    for name, flag, kind, _ in _field_specs(cls):
+        if flag.startswith("--"):
+            value = functools.reduce(getattr, name.split("."), obj)
+            out.append((name, flag, kind, value))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type = StackConfig, *, skip: tuple[str, ...] = ()) -> None:
+    """Adds a flag per field of ``cls`` (help from the field's docstring, default from its default)."""
+    docs = {**_field_docs(cls), **{f"transport.{k}": v for k, v in _field_docs(TransportConfig).items()}}
+    for name, flag, kind, f in _field_specs(cls):
+        if name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        options: dict[str, Any] = {"help": docs.get(name, "")}
+        base = next((a for a in get_args(kind) if a is not type(None)), kind) if get_origin(kind) else kind
+        if get_origin(kind) is Literal:
+            options["choices"] = get_args(kind)
+        elif get_origin(kind) is tuple:
+            options.update(action="append", type=get_args(kind)[0])
+        elif base in (int, float, pathlib.Path):
+            options["type"] = base
+        if flag.startswith("--"):
+            options.update(dest=name.replace(".", "__"), metavar=name.rpartition(".")[2].upper(),
+                           default=None if get_origin(kind) is tuple else default)
+            options["help"] += f" (default: {default})"
+        parser.add_argument(flag, **options)
+
+
+def from_arguments(args: argparse.Namespace, cls: type = StackConfig, **values: Any) -> Any:
+    """Builds ``cls`` from the parsed flags (``values`` override them)."""
+    fields: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for name, flag, _, f in _field_specs(cls):
+        value = getattr(args, name.replace(".", "__") if flag.startswith("--") else name, None)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = tuple(value)
+        outer, _, inner = name.partition(".")
+        if inner:
+            nested.setdefault(outer, {})[inner] = value
+        else:
+            fields[name] = value
+    hints = get_type_hints(cls)
+    for outer, inner_values in nested.items():
+        fields[outer] = hints[outer](**inner_values)
+    fields.update(values)
+    if isinstance(fields.get("data_dir"), pathlib.Path):
+        fields["data_dir"] = fields["data_dir"].resolve()
+    return cls(**fields)

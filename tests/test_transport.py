@@ -1,0 +1,132 @@
+"""The transport seam: one interceptor, installed through TransportConfig, sees every call of all four services
+(unary and every streaming kind, StreamEpisode and Health.Watch included) and the HTTP endpoint's requests; an
+interceptor refusing a call answers a typed error on gRPC and an OpenAI-shaped one on HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from yieldloop import errors
+from yieldloop.client import Client, sampling_params
+from yieldloop.environment import Task
+from yieldloop.transport import CallInfo, TransportConfig, open_channel
+from yieldloop_server.stack import InProcessStack, StackConfig
+
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def _count(recorder, since: int) -> collections.Counter:
+    return collections.Counter(method for method, _, _ in recorder.calls[since:])
+
+
+async def _health(address: str) -> None:
+    """One Check and one Watch (a handler written with context.write) on a service."""
+    async with open_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def _http(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+async def test_one_interceptor_sees_every_rpc_kind_of_every_service_and_http(stack, client: Client,
+                                                                             call_recorder) -> None:
+    since = len(call_recorder.calls)
+    for address in stack.addresses.values():
+        await _health(address)
+    await client.list_models()  # checkpoint: unary
+    head = await client.get_head("tiny")
+    async for seen in client.watch_head("tiny"):  # checkpoint: server stream (async generator)
+        assert seen.checkpoint_id == head.checkpoint_id
+        break
+    await client.list_scenarios()  # env: unary
+    async with client.episode(Task("letters", "repeat", {"letter": "a"})) as episode:  # env: bidi, read/write
+        await episode.submit("'a'")
+    await client.get_trainer_info()  # trainer: unary
+    task = Task("letters", "repeat", {"letter": "b"})
+    runs = [run async for run in client.stream_rollouts([task], group_size=2,  # rollout: server stream
+                                                      sampling=sampling_params(max_tokens=2))]
+    await client.forward_scored(runs=runs)  # trainer: client stream
+    await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=2))  # rollout: server stream
+    info = await client.get_serving_info()
+    assert (await asyncio.to_thread(_http, info.openai_base_url + "/models"))[0] == 200  # HTTP
+
+    counts = _count(call_recorder, since)
+    assert counts[HEALTH_CHECK] == 4 and counts[HEALTH_WATCH] == 4
+    for method, expected in [
+        ("/yieldloop.checkpoint.v1.CheckpointService/ListModels", 1),
+        ("/yieldloop.env.v1.EnvService/ListScenarios", 1),
+        ("/yieldloop.trainer.v1.TrainerService/GetTrainerInfo", 1),
+        ("/yieldloop.trainer.v1.TrainerService/Forward", 1),
+        ("/yieldloop.rollout.v1.RolloutService/Generate", 1),
+        ("/yieldloop.rollout.v1.RolloutService/StreamRollouts", 1),
+        ("/yieldloop.rollout.v1.RolloutService/GetServingInfo", 1),
+        ("GET /v1/models", 1),
+    ]:
+        assert counts[method] == expected, (method, counts)
+    # Ours, plus the two the rollout service opened for its group (service-to-service calls are seen too).
+    assert counts["/yieldloop.env.v1.EnvService/StreamEpisode"] == 3, counts
+    assert counts["/yieldloop.checkpoint.v1.CheckpointService/WatchHead"] >= 1
+    protocols = {method: protocol for method, protocol, _ in call_recorder.calls[since:]}
+    assert protocols["GET /v1/models"] == "http" and protocols[HEALTH_WATCH] == "grpc"
+
+
+class Refuse:
+    """Refuses the calls whose method it names, as an authentication check would."""
+
+    def __init__(self, methods: set[str]) -> None:
+        self.methods = methods
+
+    @contextlib.asynccontextmanager
+    async def intercept(self, call: CallInfo):
+        if call.method in self.methods:
+            raise errors.PermissionDeniedError(f"{call.method} is refused", reason="PERMISSION_DENIED")
+        yield
+
+
+@pytest.fixture(scope="module")
+async def refusing_stack(tmp_path_factory: pytest.TempPathFactory):
+    refuse = Refuse({"/yieldloop.checkpoint.v1.CheckpointService/ListModels",
+                     "/yieldloop.env.v1.EnvService/StreamEpisode", "GET /v1/models"})
+    config = StackConfig(data_dir=tmp_path_factory.mktemp("refusing"), env_workers=0,
+                         transport=TransportConfig(server_interceptors=(refuse,)))
+    stack = InProcessStack(config)
+    await stack.start()
+    yield stack
+    await stack.stop()
+
+
+async def test_an_interceptor_refuses_with_typed_errors(refusing_stack) -> None:
+    async with Client(**refusing_stack.addresses, timeout=60) as client:
+        with pytest.raises(errors.PermissionDeniedError) as refused:
+            await client.list_models()
+        assert refused.value.reason == "PERMISSION_DENIED"
+        with pytest.raises(errors.PermissionDeniedError):  # a bidi stream refused before its first message
+            async with client.episode(Task("letters", "repeat", {"letter": "a"})):
+                pass
+        assert (await client.get_head("tiny")).checkpoint_id  # what is not refused still works
+        info = await client.get_serving_info()
+    status, body = await asyncio.to_thread(_http, info.openai_base_url + "/models")  # the loop serves it
+    assert status == 403 and body["error"]["type"] == "permission_error" and body["error"]["code"] == "permission_denied"
+    async with open_channel(refusing_stack.addresses["checkpoint"]) as channel:  # health stays open
+        health = health_pb2_grpc.HealthStub(channel)
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+    assert grpc.StatusCode.PERMISSION_DENIED.name == refused.value.code
