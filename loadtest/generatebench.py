@@ -1,8 +1,9 @@
 """Tokens/s through gRPC ``Generate`` versus the same engine called in process, at several concurrencies.
 
 For each engine (torch; vLLM when installed) one engine is loaded, then for
-each concurrency C, C streams each generate ``--max-tokens`` tokens (fixed
-seeds, identical requests on both paths), first in process, then through
+each concurrency C, C streams each generate exactly ``--max-tokens`` tokens
+(``ignore_eos``: the warmed-up tiny model would otherwise end its answers after
+a few tokens; fixed seeds, identical requests on both paths), first in process, then through
 RolloutService's gRPC ``Generate`` served by that same engine on loopback.
 The figure of merit is the ratio grpc / in-process (goal >= 0.9 at 64).
 
@@ -27,7 +28,7 @@ async def _in_process(engine, prompt: list[int], concurrency: int, max_tokens: i
     from yieldloop_server.rollout.engines import SamplingConfig
 
     async def one(i: int) -> int:
-        sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=1000 + i)
+        sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
         return sum([len(d.token_ids) async for d in engine.generate(prompt, sampling)])
 
     return sum(await asyncio.gather(*(one(i) for i in range(concurrency))))
@@ -37,7 +38,7 @@ async def _grpc(client, prompt: list[int], concurrency: int, max_tokens: int) ->
     from yieldloop.client import sampling_params
 
     async def one(i: int) -> int:
-        sampling = sampling_params(max_tokens=max_tokens, temperature=1.0, seed=1000 + i)
+        sampling = sampling_params(max_tokens=max_tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
         return len((await client.generate(prompt, sampling=sampling)).token_ids)
 
     return sum(await asyncio.gather(*(one(i) for i in range(concurrency))))

@@ -41,7 +41,7 @@ def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: in
 
 
 def make_batch(num_datums: int, num_tokens: int, vocab_size: int, seed: int = 0) -> list:
-    from yieldloop_server.trainer.datums import Datum
+    from yieldloop.types import Datum
 
     rng = random.Random(seed)
     datums = []

@@ -42,14 +42,14 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
         from yieldloop_server.trainer.server import build
         from yieldloop_server.trainer.trainer import TrainerConfig
 
-        server, servicer = await build(
+        server, session = await build(
             opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=opts.dtype),
             opts.host, opts.port, opts.nproc, opts.transport,
         )
 
         async def stop(grace: float) -> None:
             await server.stop(grace)
-            await servicer.close()
+            await session.close()
 
         return server.start, stop
     if opts.service == "rollout":

@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from yieldloop.client import Client
+from yieldloop.training import forward_backward_custom
+from yieldloop.types import Datum
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop_server.checkpoint import server as checkpoint_server
 from yieldloop_server.stack import ensure_base_model
@@ -57,7 +59,7 @@ async def ppo_datums(client: Client) -> list[common_pb.Datum]:
     return datums
 
 
-def ppo_as_custom_loss(datums: list[common_pb.Datum], logprobs: list[torch.Tensor]):
+def ppo_as_custom_loss(datums: list[Datum], logprobs: list[torch.Tensor]):
     total = torch.zeros((), dtype=torch.float64)
     clipped = 0
     for datum, lp in zip(datums, logprobs, strict=True):
@@ -73,7 +75,7 @@ async def test_ppo_as_a_custom_loss_gives_the_builtin_update(two_trainers) -> No
     store, (builtin, custom) = two_trainers
     datums = await ppo_datums(builtin)
     expected = await builtin.forward_backward(datums=datums, loss_fn="ppo")
-    value, metrics = await custom.forward_backward_custom(datums=datums, loss_fn=ppo_as_custom_loss)
+    value, metrics = await forward_backward_custom(custom, datums=datums, loss_fn=ppo_as_custom_loss)
     assert value == pytest.approx(expected.loss_sum, rel=1e-5)
     assert metrics["clipped_tokens"] >= 4, "the batch exercises the clip bounds"
     # eps=1 keeps AdamW's first step linear in the gradient, so equal gradients mean equal weights.

@@ -78,7 +78,7 @@ async def test_context_limit_stops_with_context(served_engine: ServedEngine) -> 
 
 
 async def test_logprobs_match_the_trainer_recomputation(served_engine: ServedEngine) -> None:
-    from yieldloop_server.trainer.datums import Datum
+    from yieldloop.types import Datum
     from yieldloop_server.trainer.trainer import Trainer
 
     completions = [

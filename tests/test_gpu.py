@@ -54,7 +54,7 @@ def test_bf16_trainer_step(tiny_model_dir: pathlib.Path) -> None:
 
     import torch
 
-    from yieldloop_server.trainer.datums import Datum
+    from yieldloop.types import Datum
     from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
 
     trainer = Trainer(tiny_model_dir, TrainerConfig(device="cuda", dtype="bfloat16"))

@@ -118,7 +118,7 @@ async def test_runs_are_persisted_and_trainable_by_trace_id(client: Client) -> N
     runs = [run async for run in client.stream_rollouts(tasks("m"), group_size=3, job_id="trace-test")]
     assert all(run.trace_id for run in runs)
     stored = await client.get_runs([run.trace_id for run in runs])
-    assert [r.SerializeToString() for r in stored] == [r.SerializeToString() for r in runs]
+    assert stored == runs
     # Runs and trace ids are interchangeable for training: the same batch gives the same loss.
     by_id = await client.forward_backward(runs=[run.trace_id for run in runs])
     inline = await client.forward_backward(runs=runs)

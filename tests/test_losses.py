@@ -12,7 +12,8 @@ import torch
 from yieldloop.client import Client
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop_server.common.hf import load_causal_lm
-from yieldloop_server.trainer.datums import Datum, RunData, TurnData, group_advantages, runs_to_datums
+from yieldloop.groups import group_advantages, runs_to_datums
+from yieldloop.types import Datum, Run, Turn
 from yieldloop_server.trainer.trainer import Trainer
 
 
@@ -101,8 +102,8 @@ def test_grpo_advantages_and_groups_without_signal() -> None:
     normed = group_advantages([1.0, 0.0], normalize_by_std=True)
     assert normed == pytest.approx([1.0, -1.0], abs=1e-5)
 
-    def run(group: str, reward: float) -> RunData:
-        return RunData(group, reward, [TurnData([1, 2, 3], [4, 5], [-1.0, -2.0])])
+    def run(group: str, reward: float) -> Run:
+        return Run(group_id=group, reward=reward, turns=[Turn([1, 2, 3], [4, 5], [-1.0, -2.0])])
 
     runs = [run("g1", 1.0), run("g1", 0.0), run("g2", 0.5), run("g2", 0.5)]
     datums, stats = runs_to_datums(runs)
@@ -118,13 +119,13 @@ def test_grpo_advantages_and_groups_without_signal() -> None:
 
 def test_multi_turn_runs_must_extend_the_previous_turn() -> None:
     from yieldloop.errors import InvalidArgumentError
-    from yieldloop_server.trainer.datums import run_to_datum
+    from yieldloop.groups import run_to_datum
 
-    good = RunData("g", 1.0, [TurnData([1, 2], [3], [-0.1]), TurnData([1, 2, 3, 9, 9], [4, 5], [-0.2, -0.3])])
+    good = Run(group_id="g", reward=1.0, turns=[Turn([1, 2], [3], [-0.1]), Turn([1, 2, 3, 9, 9], [4, 5], [-0.2, -0.3])])
     datum = run_to_datum(good, 1.0, "run")
     assert datum.target_tokens == [2, 3, 9, 9, 4, 5]
     assert datum.advantages == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # tool-output tokens 9, 9 are not actions
-    drifted = RunData("g", 1.0, [TurnData([1, 2], [3], [-0.1]), TurnData([1, 2, 7], [4], [-0.2])])
+    drifted = Run(group_id="g", reward=1.0, turns=[Turn([1, 2], [3], [-0.1]), Turn([1, 2, 7], [4], [-0.2])])
     with pytest.raises(InvalidArgumentError) as err:
         run_to_datum(drifted, 1.0, "run")
     assert err.value.reason == "DATUM_INVALID"

@@ -13,12 +13,12 @@ import pytest
 from yieldloop import errors
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client, sampling_params
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import heldout_tasks, tasks, train_tasks
 from yieldloop.export import export_runs, read_export
 from yieldloop.loop import Baseline, LoopConfig, closed_loop
-from yieldloop_server.trainer.datums import stitch_turns
+from yieldloop.groups import stitch_turns
 from yieldloop.taskset import Taskset
+from yieldloop.types import Run, RunStatus
 from yieldloop.training import Job, TrainingClient, create_agent
 
 MODEL = "tiny"
@@ -43,12 +43,10 @@ async def test_job_taskset_run_and_training_client(client: Client, caplog: pytes
     trainer = TrainingClient(MODEL, client=client)
     assert set(await trainer.available_losses()) >= {"importance_sampling", "ppo", "cispo", "dro", "cross_entropy"}
     # Runs and trace ids interchangeably; a group without reward spread is reported before training.
-    flat = common_pb.Run()
-    flat.CopyFrom(batch[0])
     mixed = [*batch[:4], *[r.trace_id for r in batch[4:8]], *batch[8:]]
     caplog.set_level(logging.WARNING, logger="yieldloop")
-    same = [common_pb.Run(group_id="g-flat", reward=0.5, status=common_pb.RUN_STATUS_GRADED, turns=r.turns,
-                          task=r.task) for r in batch[:2]]
+    same = [Run(group_id="g-flat", reward=0.5, status=RunStatus.GRADED, turns=r.turns, task=r.task)
+            for r in batch[:2]]
     value, _ = await trainer.forward_backward_custom(  # trace ids work for custom losses too
         [r.trace_id for r in batch if r.group_id == batch[0].group_id], lambda datums, logprobs: sum(lp.sum() for lp in logprobs) * 0.0, group_size=4
     )

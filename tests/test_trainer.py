@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from yieldloop.errors import InvalidArgumentError
-from yieldloop_server.trainer.datums import Datum, RunData, TurnData, runs_to_datums
+from yieldloop.groups import runs_to_datums
+from yieldloop.types import Datum, Run, Turn
 from yieldloop_server.trainer.trainer import AdamConfig, Trainer
 
 
@@ -56,8 +57,8 @@ def test_exact_resume(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> N
             torch.testing.assert_close(state_b["state"][key][field], value, rtol=0, atol=1e-6, msg=f"{key}.{field}")
 
 
-def run(group: str, reward: float) -> RunData:
-    return RunData(group, reward, [TurnData([1, 2, 3], [4, 5], [-1.0, -2.0])])
+def run(group: str, reward: float) -> Run:
+    return Run(group_id=group, reward=reward, turns=[Turn([1, 2, 3], [4, 5], [-1.0, -2.0])])
 
 
 def test_reward_scale_and_incomplete_groups() -> None:

@@ -38,7 +38,7 @@ class InProcessHost(EpisodeHost):
 
     async def open(self, env: str, scenario: str, args: dict[str, Any], episode_id: str) -> Prompt:
         if episode_id in self._episodes:
-            raise protocol_error(f"episode {episode_id!r} is already live")
+            raise protocol_error("the episode was already started")  # one episode per id
         environment = self._environments[resolve_env(self.envs, env).name]
         episode = Episode.of(environment, scenario, args, episode_id)
         self._episodes[episode_id] = episode

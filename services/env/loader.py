@@ -8,8 +8,6 @@ import pathlib
 
 from yieldloop.environment import Environment
 
-DEFAULT_ENV_SPEC = "yieldloop.envs.letters:env"
-
 
 def load_environment(spec: str) -> Environment:
     """Imports an :class:`Environment` named by ``module:attr`` or ``file.py:attr`` (attr defaults to ``env``)."""

@@ -1,4 +1,9 @@
-"""EnvService servicer: protobuf <-> EpisodeHost translation, episode deadlines."""
+"""EnvService servicer: protobuf <-> EpisodeHost translation, episode deadlines.
+
+The episode state machine (start once, tools until the submit, one submit) belongs to
+:class:`yieldloop.episode.Episode` (and the host's one-episode-per-id); the servicer only knows whether
+its stream opened an episode yet, since nothing can be forwarded before it has.
+"""
 
 from __future__ import annotations
 
@@ -142,12 +147,11 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         # The host key is ours, so two streams that send the same episode_id never collide.
         key = uuid.uuid4().hex
         info: EnvInfo | None = None
-        graded = False
         try:
             watch(me, deadline, "the episode", "EPISODE_DEADLINE")
             while (request := await read()) is not grpc.aio.EOF:
                 action = request.WhichOneof("action")
-                if action == "call_tool" and info is not None and not graded:
+                if action == "call_tool" and info is not None:
                     call = request.call_tool
                     watch(me, min(deadline, loop.time() + info.tool_timeout_s), f"tool {call.name!r}", "TOOL_DEADLINE")
                     try:
@@ -162,8 +166,6 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                         tool_result=pb.ToolResult(call_id=call.call_id, content=content, is_error=is_error)
                     ))
                 elif action == "start":
-                    if info is not None:
-                        raise protocol_error("the episode was already started")
                     task = request.start.task
                     info = resolve_env(self.host.envs, task.env)
                     deadline = min(deadline, loop.time() + info.episode_timeout_s)
@@ -178,13 +180,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     ))
                 elif info is None:
                     raise protocol_error(f"{action or 'an empty message'} before start")
-                elif action == "call_tool":
-                    raise protocol_error("tool call after submit")
                 elif action == "submit":
-                    if graded:
-                        raise protocol_error("the answer was already submitted")
                     grade = await self.host.submit(key, request.submit.answer)
-                    graded = True
                     info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info
                     await write(pb.StreamEpisodeResponse(
                         graded=pb.EpisodeGraded(reward=grade.reward, info_json=json.dumps(info_json, default=str))

@@ -292,7 +292,7 @@ class WorkerPoolHost(EpisodeHost):
 
     async def open(self, env: str, scenario: str, args: dict[str, Any], episode_id: str) -> Prompt:
         if episode_id in self._episode_worker:
-            raise protocol_error(f"episode {episode_id!r} is already live")
+            raise protocol_error("the episode was already started")  # one episode per id
         worker = await self._pick_worker()
         self._episode_worker[episode_id] = worker
         worker.episodes.add(episode_id)

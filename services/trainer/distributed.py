@@ -21,7 +21,7 @@ from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, invalid_field
 from yieldloop_server.trainer import losses
-from yieldloop_server.trainer.datums import Datum
+from yieldloop.types import Datum
 from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig, metrics_from_totals, zero_totals
 
 

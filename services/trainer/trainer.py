@@ -16,7 +16,7 @@ from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, invalid_field
 from yieldloop_server.trainer import losses
-from yieldloop_server.trainer.datums import Datum
+from yieldloop.types import Datum
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"

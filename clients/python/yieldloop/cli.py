@@ -214,7 +214,7 @@ async def _eval(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from yieldloop.proto.common.v1.common_pb2 import RUN_STATUS_GRADED as GRADED
+    from yieldloop.types import RunStatus
     from yieldloop.loop import load_tasks
     from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
 
@@ -234,10 +234,10 @@ async def _eval(args: argparse.Namespace) -> None:
     table = Table("task", "runs", "mean reward", "rewards")
     for name, task_runs in by_task.items():
         table.add_row(name, str(len(task_runs)), f"{mean_reward(task_runs):.3f}",
-                      " ".join(f"{r.reward:.2f}" if r.status == GRADED else "err" for r in task_runs))
+                      " ".join(f"{r.reward:.2f}" if r.status == RunStatus.GRADED else "err" for r in task_runs))
     console.print(table)
     flat = report_groups_without_spread(runs)
-    errors = sum(run.status != GRADED for run in runs)
+    errors = sum(run.status != RunStatus.GRADED for run in runs)
     console.print(f"job {job.id}: {len(runs)} runs, mean reward {mean_reward(runs):.3f}, "
                   f"{len(flat)} group(s) without reward spread, {errors} not graded")
     console.print(f"export: yieldloop export {job.id} --format jsonl", markup=False)
@@ -328,10 +328,12 @@ async def _trace(args: argparse.Namespace) -> None:
     from google.protobuf import json_format
     from rich.console import Console
 
+    from yieldloop.convert import run_to_pb
+
     async with _client(args, timeout=60) as client:
         [run] = await client.get_runs([args.trace_id])
     if args.json:
-        print(json_format.MessageToJson(run))
+        print(json_format.MessageToJson(run_to_pb(run)))
         return
     console = Console()
     console.print(f"run {run.run_id}  trace {run.trace_id}  group {run.group_id}  model {run.model}")

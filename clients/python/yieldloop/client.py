@@ -8,8 +8,10 @@ Example::
         await client.forward_backward(runs=runs, loss_fn="importance_sampling")
         step = await client.optim_step(learning_rate=1e-4, set_head=True)
 
-Methods are snake_case wrappers of the PascalCase RPCs and return the
-generated protobuf messages. A failed call raises a subclass of
+Methods are snake_case wrappers of the PascalCase RPCs. What callers work
+with comes back as domain types (:mod:`yieldloop.types`: Run, JobInfo, Manifest,
+Head, Datum); responses that are only read come back as the protobuf messages.
+Inputs take either form. A failed call raises a subclass of
 :class:`yieldloop.errors.YieldloopError` carrying the gRPC code and the
 ``ErrorInfo`` reason.
 """
@@ -30,7 +32,16 @@ from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as ckpt_gr
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
 from yieldloop.proto.env.v1 import env_service_pb2_grpc as env_grpc
-from yieldloop.convert import head_from_pb, manifest_from_pb, manifest_to_pb
+from yieldloop.convert import (
+    datum_from_pb,
+    datum_to_pb,
+    head_from_pb,
+    job_from_pb,
+    manifest_from_pb,
+    manifest_to_pb,
+    run_from_pb,
+    run_to_pb,
+)
 from yieldloop.environment import Task
 from yieldloop.errors import FailedPreconditionError, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
@@ -38,7 +49,8 @@ from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig, open_channel
-from yieldloop.types import Head, Manifest
+from yieldloop.groups import split_whole_groups
+from yieldloop.types import Datum, Head, JobInfo, Manifest, Run
 SERVICES = ("checkpoint", "env", "trainer", "rollout")
 """The four services, in the order a stack starts them (each calls only those before it)."""
 
@@ -265,7 +277,7 @@ class Client:
         max_attempts: int = 0,
         checkpoint_id: str = "",
         timeout: float | None = None,
-    ) -> AsyncIterator[common_pb.Run]:
+    ) -> AsyncIterator[Run]:
         """Runs tasks x group_size episodes and yields Runs as they finish.
 
         ``max_steps`` bounds model turns per episode (0: 8), ``episode_timeout_s`` its wall clock (0:
@@ -284,27 +296,28 @@ class Client:
             checkpoint_id=checkpoint_id,
         )
         async for response in _stream(self.rollout_stub.StreamRollouts(request, timeout=timeout)):
-            yield response.run
+            yield run_from_pb(response.run)
 
     async def create_job(
         self, model: str = "", name: str = "", group_size: int = 0, metadata_json: str = ""
-    ) -> rollout_pb.Job:
+    ) -> JobInfo:
         request = rollout_pb.CreateJobRequest(model=model, name=name, group_size=group_size, metadata_json=metadata_json)
-        return (await _unary(self.rollout_stub.CreateJob, request, self.timeout)).job
+        return job_from_pb((await _unary(self.rollout_stub.CreateJob, request, self.timeout)).job)
 
-    async def list_jobs(self) -> list[rollout_pb.Job]:
-        return list((await _unary(self.rollout_stub.ListJobs, rollout_pb.ListJobsRequest(), self.timeout)).jobs)
+    async def list_jobs(self) -> list[JobInfo]:
+        response = await _unary(self.rollout_stub.ListJobs, rollout_pb.ListJobsRequest(), self.timeout)
+        return [job_from_pb(job) for job in response.jobs]
 
-    async def job_runs(self, job_id: str) -> AsyncIterator[common_pb.Run]:
+    async def job_runs(self, job_id: str) -> AsyncIterator[Run]:
         """Yields a job's recorded runs in the order they were recorded."""
         request = rollout_pb.StreamJobRunsRequest(job_id=job_id)
         async for response in _stream(self.rollout_stub.StreamJobRuns(request, timeout=self.timeout)):
-            yield response.run
+            yield run_from_pb(response.run)
 
-    async def get_runs(self, trace_ids: Iterable[str]) -> list[common_pb.Run]:
+    async def get_runs(self, trace_ids: Iterable[str]) -> list[Run]:
         """Reads persisted runs back from the trace store."""
         request = rollout_pb.GetRunsRequest(trace_ids=list(trace_ids))
-        return list((await _unary(self.rollout_stub.GetRuns, request, self.timeout)).runs)
+        return [run_from_pb(run) for run in (await _unary(self.rollout_stub.GetRuns, request, self.timeout)).runs]
 
     async def get_serving_info(
         self, wait_for_checkpoint_id: str = "", timeout: float | None = None
@@ -317,8 +330,8 @@ class Client:
     async def forward_backward(
         self,
         *,
-        runs: Iterable[common_pb.Run | str] = (),
-        datums: Iterable[common_pb.Datum] = (),
+        runs: Iterable[Run | common_pb.Run | str] = (),
+        datums: Iterable[Datum | common_pb.Datum] = (),
         loss_fn: str = "importance_sampling",
         loss_fn_config: Mapping[str, float] | None = None,
         normalize_advantages_by_std: bool = False,
@@ -351,69 +364,38 @@ class Client:
                 if isinstance(run, str):
                     yield trainer_pb.ForwardBackwardRequest(trace_id=run)
                 else:
-                    yield trainer_pb.ForwardBackwardRequest(run=run)
+                    yield trainer_pb.ForwardBackwardRequest(run=run_to_pb(run))
             for datum in datums:
-                yield trainer_pb.ForwardBackwardRequest(datum=datum)
+                yield trainer_pb.ForwardBackwardRequest(datum=datum_to_pb(datum))
 
         return await _unary(self.trainer_stub.ForwardBackward, requests(), self.timeout)
 
     async def forward_scored(
-        self, *, runs: Iterable[common_pb.Run] = (), datums: Iterable[common_pb.Datum] = ()
-    ) -> list[trainer_pb.TokenLogprobs]:
-        """For each run, then each datum: the datum scored and the learner's logprob of each target (no gradient)."""
+        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = ()
+    ) -> list[tuple[Datum, list[float]]]:
+        """For each run, then each datum: the datum scored (runs with their group-centred advantages) and the
+        learner's logprob of each of its targets (no gradient)."""
 
         def requests() -> Iterable[trainer_pb.ForwardRequest]:
             for run in runs:
-                yield trainer_pb.ForwardRequest(run=run)
+                yield trainer_pb.ForwardRequest(run=run_to_pb(run))
             for datum in datums:
-                yield trainer_pb.ForwardRequest(datum=datum)
+                yield trainer_pb.ForwardRequest(datum=datum_to_pb(datum))
 
-        return list((await _unary(self.trainer_stub.Forward, requests(), self.timeout)).results)
+        response = await _unary(self.trainer_stub.Forward, requests(), self.timeout)
+        return [(datum_from_pb(result.datum), list(result.logprobs)) for result in response.results]
 
     async def forward(
-        self, *, runs: Iterable[common_pb.Run] = (), datums: Iterable[common_pb.Datum] = ()
+        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = ()
     ) -> list[list[float]]:
         """The learner's per-target-token logprobs for each run, then each datum (no gradient)."""
-        return [list(result.logprobs) for result in await self.forward_scored(runs=runs, datums=datums)]
+        return [logprobs for _, logprobs in await self.forward_scored(runs=runs, datums=datums)]
 
-    async def backward(self, datums: Iterable[common_pb.Datum]) -> trainer_pb.BackwardResponse:
-        """Accumulates the gradient of -(weights * logprob).sum() for datums whose weights are -d loss / d logprob."""
-        requests = (trainer_pb.BackwardRequest(datum=d) for d in datums)
+    async def backward(self, datums: Iterable[Datum | common_pb.Datum]) -> trainer_pb.BackwardResponse:
+        """Accumulates the gradient of -(weights * logprob).sum() for datums whose weights are -d loss / d logprob
+        (a custom loss: see :func:`yieldloop.training.forward_backward_custom`)."""
+        requests = (trainer_pb.BackwardRequest(datum=datum_to_pb(d)) for d in datums)
         return await _unary(self.trainer_stub.Backward, requests, self.timeout)
-
-    async def forward_backward_custom(
-        self,
-        runs: Iterable[common_pb.Run] = (),
-        loss_fn: Any = None,
-        *,
-        datums: Iterable[common_pb.Datum] = (),
-    ) -> tuple[float, dict[str, float]]:
-        """Trains on any loss that depends on the weights only through the logprobs.
-
-        ``loss_fn(datums, logprobs)`` gets the scored datums (runs carry their group-centred advantages) and one
-        float64 tensor of learner logprobs per datum, and returns a scalar tensor, or ``(tensor, metrics)``.
-        The client differentiates it with autograd and sends ``weights = -d loss / d logprob`` to Backward, so
-        the gradient applied equals the custom loss's. Returns the loss value and the metrics.
-        """
-        import torch  # only this method needs it
-
-        if loss_fn is None:
-            raise invalid_field("loss_fn", "forward_backward_custom needs a loss_fn(datums, logprobs)")
-        scored = await self.forward_scored(runs=runs, datums=datums)
-        logprobs = [torch.tensor(list(s.logprobs), dtype=torch.float64, requires_grad=True) for s in scored]
-        result = loss_fn([s.datum for s in scored], logprobs)
-        loss, metrics = result if isinstance(result, tuple) else (result, {})
-        loss.backward()
-        backward = [
-            common_pb.Datum(
-                input_tokens=s.datum.input_tokens,
-                target_tokens=s.datum.target_tokens,
-                weights=(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).tolist(),
-            )
-            for s, lp in zip(scored, logprobs, strict=True)
-        ]
-        await self.backward(backward)
-        return float(loss.detach()), dict(metrics)
 
     async def optim_step(
         self,
@@ -435,7 +417,7 @@ class Client:
 
     async def train_step(
         self,
-        runs: Sequence[common_pb.Run | str],
+        runs: Sequence[Run | common_pb.Run | str],
         learning_rate: float,
         *,
         loss_fn: str = "importance_sampling",
@@ -450,19 +432,9 @@ class Client:
         slice gets a forward_backward and an optimizer step; the last step writes the checkpoint (and moves
         HEAD when ``set_head``). Returns the last OptimStep response and every slice's metrics.
         """
-        if num_substeps < 1:
-            raise invalid_field("num_substeps", "num_substeps must be >= 1")
-        groups: dict[str, list[common_pb.Run | str]] = {}
-        for index, run in enumerate(runs):
-            key = run if isinstance(run, str) else (run.group_id or f"__{index}")
-            groups.setdefault(key, []).append(run)
-        ordered = list(groups.values())
-        if num_substeps > len(ordered):
-            raise invalid_field("num_substeps", f"{num_substeps} substeps for {len(ordered)} group(s)")
-        slices = [ordered[i::num_substeps] for i in range(num_substeps)]
+        slices = split_whole_groups(runs, num_substeps)
         metrics, step = [], None
-        for i, groups_of_slice in enumerate(slices):
-            batch = [run for group in groups_of_slice for run in group]
+        for i, batch in enumerate(slices):
             metrics.append(await self.forward_backward(runs=batch, loss_fn=loss_fn, **forward_backward_options))
             last = i == len(slices) - 1
             step = await self.optim_step(

@@ -12,6 +12,7 @@ from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.types import (
     AgentStopReason,
+    Datum,
     Head,
     JobInfo,
     Manifest,
@@ -112,3 +113,14 @@ def job_to_pb(job: JobInfo) -> rollout_pb.Job:
 def job_from_pb(message: rollout_pb.Job) -> JobInfo:
     return JobInfo(message.job_id, message.model, message.name, message.group_size, message.created_time,
                    message.metadata_json, message.num_runs)
+
+
+def datum_to_pb(datum: Datum | common_pb.Datum) -> common_pb.Datum:
+    if isinstance(datum, common_pb.Datum):
+        return datum
+    return common_pb.Datum(**dataclasses.asdict(datum))
+
+
+def datum_from_pb(message: common_pb.Datum) -> Datum:
+    return Datum(list(message.input_tokens), list(message.target_tokens), list(message.sampling_logprobs),
+                 list(message.advantages), list(message.weights))

@@ -16,14 +16,15 @@ import pathlib
 from collections.abc import Iterable
 from typing import Any
 
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.errors import InvalidArgumentError
+from yieldloop.groups import stitch_turns
+from yieldloop.types import Run, RunStatus
 
 FORMATS = ("jsonl", "parquet")
 KINDS = ("rft", "tokens")
 
 
-def rft_row(run: common_pb.Run) -> dict[str, Any]:
+def rft_row(run: Run) -> dict[str, Any]:
     return {
         "prompt": run.prompt,
         "completion": "".join(turn.completion_text for turn in run.turns),
@@ -33,9 +34,7 @@ def rft_row(run: common_pb.Run) -> dict[str, Any]:
     }
 
 
-def token_row(run: common_pb.Run) -> dict[str, Any]:
-    from yieldloop_server.trainer.datums import stitch_turns
-
+def token_row(run: Run) -> dict[str, Any]:
     tokens, logprobs, is_action = stitch_turns(run.turns, f"run {run.run_id}")
     return {
         "trace_id": run.trace_id,
@@ -49,7 +48,7 @@ def token_row(run: common_pb.Run) -> dict[str, Any]:
     }
 
 
-def export_runs(runs: Iterable[common_pb.Run], path: str | pathlib.Path, fmt: str = "jsonl", kind: str = "") -> int:
+def export_runs(runs: Iterable[Run], path: str | pathlib.Path, fmt: str = "jsonl", kind: str = "") -> int:
     """Writes the graded runs to ``path``; returns how many were written."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"unknown format {fmt!r} (use {' or '.join(FORMATS)})", reason="INVALID_FIELD")
@@ -57,7 +56,7 @@ def export_runs(runs: Iterable[common_pb.Run], path: str | pathlib.Path, fmt: st
     if kind not in KINDS:
         raise InvalidArgumentError(f"unknown kind {kind!r} (use {' or '.join(KINDS)})", reason="INVALID_FIELD")
     make = rft_row if kind == "rft" else token_row
-    rows = [make(run) for run in runs if run.status == common_pb.RUN_STATUS_GRADED]
+    rows = [make(run) for run in runs if run.status == RunStatus.GRADED]
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "jsonl":

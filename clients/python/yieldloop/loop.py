@@ -32,10 +32,10 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
-from yieldloop.client import Client, task_to_proto
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop.client import Client
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
+from yieldloop.types import Run, RunStatus, TaskRef
 from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
 
 CONFIG_ERROR = "BAD_CONFIG"
@@ -150,9 +150,8 @@ def load_tasks(spec: str) -> list[Task]:
     return tasks
 
 
-def _task_key(task: Task | common_pb.Task) -> tuple[str, str, str]:
-    proto = task_to_proto(task)
-    return (proto.env, proto.scenario, json.dumps(json.loads(proto.args_json or "{}"), sort_keys=True))
+def _task_key(task: Task | TaskRef) -> tuple[str, str, str]:
+    return (task.env, task.scenario, json.dumps(json.loads(task.args_json or "{}"), sort_keys=True))
 
 
 @dataclasses.dataclass
@@ -232,7 +231,7 @@ class RunRecorder:
     def step(self, report: StepReport) -> None:
         self._append("steps.jsonl", dataclasses.asdict(report))
 
-    def samples(self, step: int, kind: str, runs: Sequence[common_pb.Run], count: int = 2) -> None:
+    def samples(self, step: int, kind: str, runs: Sequence[Run], count: int = 2) -> None:
         for run in list(runs)[:count]:
             self._append("samples.jsonl", {
                 "step": step, "kind": kind, "trace_id": run.trace_id, "task": json.loads(run.task.args_json or "{}"),
@@ -281,7 +280,7 @@ async def closed_loop(
     heldout_job = await Job.start(config.model, config.heldout_group_size, name=f"{job.id}-heldout", client=client)
     recorder = RunRecorder(runs_dir / job.id, config, job.id) if runs_dir is not None else None
 
-    async def evaluate(checkpoint_id: str) -> tuple[float, list[common_pb.Run]]:
+    async def evaluate(checkpoint_id: str) -> tuple[float, list[Run]]:
         runs = await run_tasks(heldout, heldout_agent, job=heldout_job, max_concurrent=config.max_concurrent,
                                checkpoint_id=checkpoint_id)
         return mean_reward(runs), runs
@@ -307,7 +306,7 @@ async def closed_loop(
         rolled = time.perf_counter()
         flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
         fb = await client.forward_backward(
-            runs=[r for r in runs if r.status == common_pb.RUN_STATUS_GRADED], loss_fn=config.loss_fn,
+            runs=[r for r in runs if r.status == RunStatus.GRADED], loss_fn=config.loss_fn,
             loss_fn_config=config.loss_fn_config, normalize_advantages_by_std=config.normalize_advantages_by_std,
             allow_incomplete_groups=True,
         )

@@ -26,7 +26,6 @@ Everything goes over gRPC to a running stack: ``connect()`` finds it from
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -36,13 +35,13 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import SERVICES, Client, sampling_params
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
-from yieldloop.types import Head
 from yieldloop.errors import FailedPreconditionError, NotFoundError, invalid_field
+from yieldloop.groups import check_group_sizes, groups_without_spread
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
+from yieldloop.types import Datum, Head, JobInfo, Run, RunStatus
 
 log = logging.getLogger("yieldloop")
 
@@ -120,10 +119,10 @@ class Job:
     the prompt, the turns with token ids and sampling logprobs, the reward, its trace id and group id.
     """
 
-    def __init__(self, client: Client, record: rollout_pb.Job) -> None:
+    def __init__(self, client: Client, record: JobInfo) -> None:
         self.client = client
         self.record = record
-        self.runs: list[common_pb.Run] = []
+        self.runs: list[Run] = []
 
     @property
     def id(self) -> str:
@@ -165,7 +164,7 @@ class Job:
         job.runs = [run async for run in client.job_runs(job_id)]
         return job
 
-    def mean_reward(self, runs: Sequence[common_pb.Run] | None = None) -> float:
+    def mean_reward(self, runs: Sequence[Run] | None = None) -> float:
         return mean_reward(self.runs if runs is None else runs)
 
 
@@ -176,8 +175,8 @@ async def run_tasks(
     job: Job,
     max_concurrent: int = 0,
     checkpoint_id: str = "",
-    on_run: Callable[[common_pb.Run], None] | None = None,
-) -> list[common_pb.Run]:
+    on_run: Callable[[Run], None] | None = None,
+) -> list[Run]:
     """Plays every task ``job.group`` times with ``agent``; the runs are recorded in the job and returned."""
     if agent.model and job.model and agent.model != job.model:
         raise invalid_field("agent.model", f"the agent samples {agent.model!r} but the job is for {job.model!r}")
@@ -200,25 +199,16 @@ async def run_tasks(
     return runs
 
 
-def graded(runs: Iterable[common_pb.Run]) -> list[common_pb.Run]:
-    return [run for run in runs if run.status == common_pb.RUN_STATUS_GRADED]
+def graded(runs: Iterable[Run]) -> list[Run]:
+    return [run for run in runs if run.status == RunStatus.GRADED]
 
 
-def mean_reward(runs: Iterable[common_pb.Run]) -> float:
+def mean_reward(runs: Iterable[Run]) -> float:
     rewards = [run.reward for run in graded(runs)]
     return statistics.fmean(rewards) if rewards else float("nan")
 
 
-def groups_without_spread(runs: Iterable[common_pb.Run | str]) -> dict[str, float]:
-    """Groups whose graded rewards are all equal (zero advantage: they teach nothing): group id -> reward."""
-    rewards: dict[str, list[float]] = {}
-    for run in runs:
-        if not isinstance(run, str) and run.status == common_pb.RUN_STATUS_GRADED and run.group_id:
-            rewards.setdefault(run.group_id, []).append(run.reward)
-    return {gid: r[0] for gid, r in rewards.items() if len(r) > 1 and max(r) - min(r) < 1e-12}
-
-
-def report_groups_without_spread(runs: Sequence[common_pb.Run | str]) -> dict[str, float]:
+def report_groups_without_spread(runs: Sequence[Run | str]) -> dict[str, float]:
     """Logs a warning naming the groups without reward spread (before they are sent to train) and returns them."""
     flat = groups_without_spread(runs)
     if flat:
@@ -229,6 +219,38 @@ def report_groups_without_spread(runs: Sequence[common_pb.Run | str]) -> dict[st
         more = f" and {len(flat) - 4} more" if len(flat) > 4 else ""
         log.warning("%d group(s) without reward spread teach nothing: %s%s", len(flat), shown, more)
     return flat
+
+
+async def forward_backward_custom(
+    client: Client,
+    runs: Iterable[Run] = (),
+    loss_fn: Callable[..., Any] | None = None,
+    *,
+    datums: Iterable[Datum] = (),
+) -> tuple[float, dict[str, float]]:
+    """Trains on any loss that depends on the weights only through the logprobs.
+
+    ``loss_fn(datums, logprobs)`` gets the scored datums (runs carry their group-centred advantages) and one
+    float64 tensor of learner logprobs per datum, and returns a scalar tensor, or ``(tensor, metrics)``.
+    It is differentiated here with autograd (torch, imported only by this function) and
+    ``weights = -d loss / d logprob`` go to Backward, so the gradient applied equals the custom loss's.
+    Returns the loss value and the metrics.
+    """
+    import torch  # only custom losses need it, on the client
+
+    if loss_fn is None:
+        raise invalid_field("loss_fn", "forward_backward_custom needs a loss_fn(datums, logprobs)")
+    scored = await client.forward_scored(runs=runs, datums=datums)
+    logprobs = [torch.tensor(lps, dtype=torch.float64, requires_grad=True) for _, lps in scored]
+    result = loss_fn([datum for datum, _ in scored], logprobs)
+    loss, metrics = result if isinstance(result, tuple) else (result, {})
+    loss.backward()
+    await client.backward([
+        Datum(datum.input_tokens, datum.target_tokens,
+              weights=(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).tolist())
+        for (datum, _), lp in zip(scored, logprobs, strict=True)
+    ])
+    return float(loss.detach()), dict(metrics)
 
 
 @dataclasses.dataclass
@@ -274,7 +296,7 @@ class TrainingClient:
         return [loss.name for loss in (await self.client.list_losses()).losses]
 
     async def forward_backward(
-        self, runs: Sequence[common_pb.Run | str], loss_fn: str = "importance_sampling", *, group_size: int = 0,
+        self, runs: Sequence[Run | str], loss_fn: str = "importance_sampling", *, group_size: int = 0,
         loss_fn_config: dict[str, float] | None = None, **options: Any,
     ) -> trainer_pb.ForwardBackwardResponse:
         """Accumulates the gradient of a built-in loss on the runs (GRPO advantages per group)."""
@@ -285,18 +307,16 @@ class TrainingClient:
         )
 
     async def forward_backward_custom(
-        self, runs: Sequence[common_pb.Run | str], loss_fn: Callable[..., Any], *, group_size: int = 0
+        self, runs: Sequence[Run | str], loss_fn: Callable[..., Any], *, group_size: int = 0
     ) -> tuple[float, dict[str, float]]:
-        """Accumulates the gradient of ``loss_fn(datums, logprobs)`` (client-side torch, see Client)."""
+        """Accumulates the gradient of ``loss_fn(datums, logprobs)`` (see :func:`forward_backward_custom`)."""
         await self._check_model()
         ids = [run for run in runs if isinstance(run, str)]
         by_id = dict(zip(ids, await self.client.get_runs(ids), strict=True)) if ids else {}
         resolved = [by_id[run] if isinstance(run, str) else run for run in runs]
         report_groups_without_spread(resolved)
-        wrong = {g: n for g, n in collections.Counter(r.group_id for r in resolved).items() if n != group_size}
-        if group_size and wrong:
-            raise invalid_field("group_size", f"{len(wrong)} group(s) are not of size {group_size}: {wrong}")
-        return await self.client.forward_backward_custom(resolved, loss_fn)
+        check_group_sizes(resolved, group_size)
+        return await forward_backward_custom(self.client, resolved, loss_fn)
 
     async def optim_step(self, learning_rate: float, *, set_head: bool = True, **adam: float) -> StepResult:
         """AdamW step and checkpoint commit (HEAD moves when ``set_head``)."""
@@ -306,7 +326,7 @@ class TrainingClient:
 
     async def step(
         self,
-        runs: Sequence[common_pb.Run | str],
+        runs: Sequence[Run | str],
         *,
         learning_rate: float,
         group_size: int = 0,

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
+
+from yieldloop.errors import InvalidArgumentError
 
 
 @dataclasses.dataclass
@@ -149,3 +152,51 @@ class JobInfo:
     created_time: float = 0.0
     metadata_json: str = ""
     num_runs: int = 0
+
+
+@dataclasses.dataclass
+class Datum:
+    """One training sequence: position i of ``input_tokens`` predicts ``target_tokens[i]``.
+
+    Per target: the sampler's logprob, the advantage (0 off the action tokens) and the weight (cross_entropy;
+    a custom loss's ``-d loss / d logprob``).
+    """
+
+    input_tokens: list[int]
+    target_tokens: list[int]
+    sampling_logprobs: list[float] = dataclasses.field(default_factory=list)
+    advantages: list[float] = dataclasses.field(default_factory=list)
+    weights: list[float] = dataclasses.field(default_factory=list)
+
+    def validate(self, vocab_size: int, field: str = "datum") -> Datum:
+        """Checks lengths, finiteness and token ids (filling omitted per-target lists with zeros).
+
+        Raises:
+            InvalidArgumentError: DATUM_INVALID or TOKEN_OUT_OF_VOCAB naming the field.
+        """
+        num = len(self.input_tokens)
+        if num == 0:
+            raise datum_error("a datum needs at least one token", f"{field}.input_tokens")
+        for name in ("target_tokens", "sampling_logprobs", "advantages", "weights"):
+            values = getattr(self, name)
+            if name != "target_tokens" and not values:
+                setattr(self, name, [0.0] * num)
+            elif len(values) != num:
+                raise datum_error(f"{name} has {len(values)} entries but input_tokens has {num}", f"{field}.{name}")
+        for name in ("sampling_logprobs", "advantages", "weights"):
+            if not all(math.isfinite(v) for v in getattr(self, name)):
+                raise datum_error(f"{name} holds NaN or inf", f"{field}.{name}")
+        for name in ("input_tokens", "target_tokens"):
+            bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidArgumentError(
+                    f"{name} holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                    reason="TOKEN_OUT_OF_VOCAB",
+                    field=f"{field}.{name}",
+                )
+        return self
+
+
+def datum_error(message: str, field: str) -> InvalidArgumentError:
+    """INVALID_ARGUMENT/DATUM_INVALID naming the field to blame."""
+    return InvalidArgumentError(message, reason="DATUM_INVALID", field=field)

@@ -1,0 +1,210 @@
+"""A training session: one model's weights in training, kept on the model's head, committed as checkpoints.
+
+The session owns what the TrainerService servicer only translates for: which checkpoint the weights came
+from (and reloading when HEAD moved away from it: a rollback or a branch point), single- or multi-rank
+training, the one thread that owns the weights, turning runs into datums, and saving, uploading and
+committing each optimizer step. Plain Python over the client library: no grpc, no protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import pathlib
+import shutil
+import tempfile
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from yieldloop.client import Client
+from yieldloop.errors import invalid_field
+from yieldloop.groups import GroupStats, runs_to_datums
+from yieldloop.types import Datum, Head, Manifest, Run, RunStatus
+from yieldloop_server.checkpoint.files import download_verified, upload_folder
+from yieldloop_server.store import ObjectStore
+from yieldloop_server.store.traces import TraceStore
+from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """How a batch of runs becomes a loss: the loss and GRPO's grouping knobs."""
+
+    loss_fn: str = "importance_sampling"
+    loss_fn_config: dict[str, float] = dataclasses.field(default_factory=dict)
+    normalize_advantages_by_std: bool = False
+    drop_groups_without_signal: bool = False
+    reward_scale: float = 1.0
+    group_size: int = 0
+    allow_incomplete_groups: bool = False
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """What an optimizer step did: the step, and the checkpoint it committed (empty when skipped)."""
+
+    step: int
+    grad_norm: float
+    checkpoint_id: str = ""
+    head: Head | None = None
+
+
+class TrainingSession:
+    """Trains one model slug.
+
+    Args:
+        model: The model slug trained.
+        store: Where checkpoints are written (the same store CheckpointService reads).
+        checkpoints: Client connected to CheckpointService.
+        traces: The trace store, to read runs sent by trace id.
+        work_dir: Local scratch space for checkpoint folders.
+        config: Device, dtype and micro-batch size.
+        nproc: Ranks (data parallel when > 1).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        store: ObjectStore,
+        checkpoints: Client,
+        traces: TraceStore,
+        work_dir: pathlib.Path,
+        config: TrainerConfig,
+        nproc: int = 1,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.checkpoints = checkpoints
+        self.traces = traces
+        self.work_dir = work_dir
+        self.config = config
+        self.nproc = nproc
+        self.trainer: Trainer | Any | None = None
+        self.checkpoint_id = ""
+        # One thread owns the weights, so calls apply in arrival order.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.trainer is not None
+        return self.trainer.vocab_size
+
+    async def follow_head(self) -> None:
+        """Reloads from the head when it moved away from our last checkpoint (a rollback or a branch point),
+        so the next commit extends the tree from there. Only between steps: pending gradients pin the weights."""
+        assert self.trainer is not None
+        if self.trainer.num_pending_datums:
+            return
+        head = await self.checkpoints.get_head(self.model)
+        if head.checkpoint_id != self.checkpoint_id:
+            await self.close_trainer()
+            await self.load_head()
+
+    async def close_trainer(self) -> None:
+        if self.trainer is not None and hasattr(self.trainer, "close"):
+            await self._run(self.trainer.close)
+        self.trainer = None
+
+    async def load_head(self) -> None:
+        """Loads the model's head checkpoint (weights and optimizer state) from the store."""
+        head = await self.checkpoints.get_head(self.model)
+        manifest = await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id)
+        folder = await asyncio.to_thread(
+            download_verified, self.store, manifest, self.work_dir / "cache" / self.model / manifest.checkpoint_id
+        )
+        if self.nproc > 1:  # data parallel: rank 0 here, the other ranks in spawned processes
+            from yieldloop_server.trainer.distributed import DistributedTrainer
+
+            self.trainer = await self._run(DistributedTrainer, folder, self.config, self.nproc)
+        else:
+            self.trainer = await self._run(Trainer, folder, self.config)
+        self.checkpoint_id = manifest.checkpoint_id
+
+    async def close(self) -> None:
+        await self.close_trainer()
+        self._executor.shutdown(wait=True)
+
+    async def get_run(self, trace_id: str) -> Run:
+        """A recorded run by trace id (NOT_FOUND/TRACE_NOT_FOUND when there is none)."""
+        return await asyncio.to_thread(self.traces.get, trace_id)
+
+    async def forward_backward(
+        self, datums: Sequence[Datum], runs: Sequence[Run], options: LossOptions
+    ) -> tuple[dict[str, float], int, GroupStats]:
+        """Accumulates the gradient of a built-in loss on ``datums`` plus the runs' datums (GRPO advantages).
+
+        Runs that were not graded (env or infra failures) carry no reward signal and are left out.
+        Returns the loss metrics, the number of datums trained on and the group statistics.
+        """
+        assert self.trainer is not None
+        graded = [run for run in runs if run.status in (RunStatus.GRADED, RunStatus.UNSPECIFIED)]
+        run_datums, stats = runs_to_datums(
+            graded,
+            normalize_by_std=options.normalize_advantages_by_std,
+            drop_groups_without_signal=options.drop_groups_without_signal,
+            reward_scale=options.reward_scale or 1.0,
+            group_size=options.group_size,
+            allow_incomplete_groups=options.allow_incomplete_groups,
+        )
+        for i, datum in enumerate(run_datums):
+            datum.validate(self.vocab_size, f"runs[{i}]")
+        all_datums = [*datums, *run_datums]
+        if not all_datums:
+            raise invalid_field("items", "the batch is empty (no datums, or every group was dropped)")
+        metrics = await self._run(self.trainer.forward_backward, all_datums, options.loss_fn,
+                                  dict(options.loss_fn_config))
+        metrics["num_runs_ungraded"] = len(runs) - len(graded)
+        return metrics, len(all_datums), stats
+
+    async def score(self, items: Sequence[Datum | Run]) -> list[tuple[Datum, list[float]]]:
+        """Each item as the datum scored (runs with their group-centred advantages) and its learner logprobs."""
+        assert self.trainer is not None
+        runs = [item for item in items if not isinstance(item, Datum)]
+        run_datums = iter(runs_to_datums(runs)[0])
+        datums = [item if isinstance(item, Datum) else next(run_datums) for item in items]
+        for i, datum in enumerate(datums):
+            datum.validate(self.vocab_size, f"items[{i}]")
+        logprobs = await self._run(self.trainer.logprobs, datums)
+        return list(zip(datums, logprobs, strict=True))
+
+    async def backward(self, datums: Sequence[Datum]) -> int:
+        """Accumulates the gradient of -(weights * logprob).sum() (a custom loss's); returns the tokens counted."""
+        assert self.trainer is not None
+        # -(weights * lp).sum() is exactly the cross_entropy loss with these weights.
+        metrics = await self._run(self.trainer.forward_backward, list(datums), "cross_entropy", {})
+        return int(metrics["num_action_tokens"])
+
+    async def optim_step(
+        self, adam: AdamConfig, *, skip_checkpoint: bool = False, set_head: bool = True, metadata_json: str = ""
+    ) -> StepOutcome:
+        """Applies the accumulated gradient; unless ``skip_checkpoint``, saves, uploads and commits the step
+        as a checkpoint whose parent is the one the weights came from (moving HEAD when ``set_head``)."""
+        assert self.trainer is not None
+        grad_norm = await self._run(self.trainer.optim_step, adam)
+        step = self.trainer.step
+        if skip_checkpoint:
+            return StepOutcome(step, grad_norm)
+        checkpoint_id = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
+        scratch = pathlib.Path(tempfile.mkdtemp(dir=self.work_dir, prefix=".save-"))
+        try:
+            folder = await self._run(self.trainer.save, scratch / checkpoint_id)
+            objects = await asyncio.to_thread(upload_folder, self.store, self.model, checkpoint_id, folder)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        manifest = Manifest(
+            model=self.model,
+            checkpoint_id=checkpoint_id,
+            objects=objects,
+            parent_checkpoint_id=self.checkpoint_id,
+            step=step,
+            metadata_json=metadata_json or json.dumps({"grad_norm": grad_norm}),
+        )
+        _, head = await self.checkpoints.commit_checkpoint(manifest, set_head=set_head)
+        self.checkpoint_id = checkpoint_id
+        return StepOutcome(step, grad_norm, checkpoint_id, head)
