@@ -86,3 +86,18 @@ def test_every_package_is_in_the_distribution(tmp_path: pathlib.Path, root, sour
     expected = {"/".join((package, *init.relative_to(source).parts))
                 for init in source.rglob("*.py") if "__pycache__" not in init.parts}
     assert expected <= shipped, f"left out of the wheel: {sorted(expected - shipped)}"
+
+
+def test_every_error_reason_is_on_the_wire_contract() -> None:
+    """Reasons are ErrorReason names, so clients in other languages see the whole list."""
+    from yieldloop.proto.common.v1 import common_pb2
+
+    known = set(common_pb2.ErrorReason.keys())
+    used = set()
+    for source in [*(REPO / "clients" / "python" / "yieldloop").rglob("*.py"), *(REPO / "services").rglob("*.py")]:
+        if "proto" in source.relative_to(REPO).parts[:4]:
+            continue
+        text = source.read_text()
+        used |= set(re.findall(r'reason="([A-Z_]+)"', text))
+        used |= set(re.findall(r'^\w+_ERROR = "([A-Z_]+)"', text, re.M))  # a module's named reason
+    assert used and used <= known, f"reasons missing from common.proto's ErrorReason: {sorted(used - known)}"

@@ -16,7 +16,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Any
 
-from yieldloop.errors import InvalidArgumentError
+from yieldloop.errors import FailedPreconditionError, InvalidArgumentError
 from yieldloop.groups import stitch_turns
 from yieldloop.types import Run, RunStatus
 
@@ -62,8 +62,12 @@ def export_runs(runs: Iterable[Run], path: str | pathlib.Path, fmt: str = "jsonl
     if fmt == "jsonl":
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise FailedPreconditionError("Parquet export needs pyarrow: pip install 'yieldloop[parquet]'",
+                                          reason="MISSING_DEPENDENCY") from None
 
         schema = None
         if kind == "tokens":

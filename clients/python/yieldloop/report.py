@@ -35,8 +35,12 @@ def load_run(run_dir: pathlib.Path) -> dict[str, Any]:
     }
 
 
-def plot(run: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
-    import matplotlib
+def plot(run: dict[str, Any], path: pathlib.Path) -> pathlib.Path | None:
+    """Draws the reward curves into ``path``; None when matplotlib is not installed (the ``report`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -93,8 +97,15 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_report(run_dir: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """Writes ``report.png`` and ``report.html`` into ``run_dir`` and returns their paths."""
+def _image(png: pathlib.Path | None) -> str:
+    if png is None:
+        return "<p>(no plot: install the client's <code>report</code> extra, <code>pip install 'yieldloop[report]'</code>)</p>"
+    return f'<img src="data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}" alt="training and held-out reward">'
+
+
+def write_report(run_dir: str | pathlib.Path) -> tuple[pathlib.Path | None, pathlib.Path]:
+    """Writes ``report.png`` (when matplotlib is installed) and ``report.html`` into ``run_dir``; returns their
+    paths (the plot's None without matplotlib)."""
     run_dir = pathlib.Path(run_dir)
     run = load_run(run_dir)
     png = plot(run, run_dir / "report.png")
@@ -131,7 +142,7 @@ ul.tree, ul.tree ul {{ list-style: none; padding-left: 1.2em; border-left: 1px d
 <code>{html.escape(str(config.get('train_tasks', '')))}</code>, held-out tasks
 <code>{html.escape(str(config.get('heldout_tasks', '')))}</code>.</p>
 <h2>Reward per step</h2>
-<img src="data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}" alt="training and held-out reward">
+{_image(png)}
 <h2>Steps (time split in seconds)</h2>
 {_table(["#", "step", "checkpoint", "promoted", "train", "held-out", "KL", "clip frac", "no-spread groups",
          "rollout", "fwd/bwd", "optim+ckpt", "held-out eval", "reload", "warning"], step_rows)}

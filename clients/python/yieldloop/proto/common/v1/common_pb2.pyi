@@ -64,6 +64,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GROUP_INCOMPLETE: _ClassVar[ErrorReason]
     TRACE_NOT_FOUND: _ClassVar[ErrorReason]
     ENGINE_ERROR: _ClassVar[ErrorReason]
+    JOB_NOT_FOUND: _ClassVar[ErrorReason]
+    RUN_NOT_FOUND: _ClassVar[ErrorReason]
+    STACK_NOT_RUNNING: _ClassVar[ErrorReason]
+    BAD_CONFIG: _ClassVar[ErrorReason]
+    INVALID_JSON: _ClassVar[ErrorReason]
+    MISSING_DEPENDENCY: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -110,6 +116,12 @@ TOOL_DEADLINE: ErrorReason
 GROUP_INCOMPLETE: ErrorReason
 TRACE_NOT_FOUND: ErrorReason
 ENGINE_ERROR: ErrorReason
+JOB_NOT_FOUND: ErrorReason
+RUN_NOT_FOUND: ErrorReason
+STACK_NOT_RUNNING: ErrorReason
+BAD_CONFIG: ErrorReason
+INVALID_JSON: ErrorReason
+MISSING_DEPENDENCY: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
