@@ -349,7 +349,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop.transport import open_channel
     from yieldloop_server.env.inprocess import InProcessHost
     from yieldloop_server.env.loader import load_environment
-    from yieldloop_server.serve import ServeOptions
+    from yieldloop_server.config import EnvOptions, ServeOptions
 
     pace = (args.think_min, args.think_max) if args.mode == "agent-pace" else None
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="yl-envbench-"))
@@ -388,7 +388,8 @@ async def bench(args: argparse.Namespace) -> dict:
                 await client.close()
 
     def our_server(name: str, workers: int) -> ServerProcess:
-        options = ServeOptions(service="env", data_dir=workdir, env_specs=("yieldloop.envs.bench:env",), env_workers=workers)
+        options = ServeOptions(service="env", data_dir=workdir,
+                               env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=workers))
         return ServerProcess(["-m", "yieldloop.cli", *options.to_args()], workdir, name)
 
     rounds: dict[str, list[dict]] = {name: [] for name in RUNS}

@@ -45,7 +45,8 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop.client import Client, sampling_params
     from yieldloop_server.checkpoint.files import upload_folder
     from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
-    from yieldloop_server.serve import ServeOptions, build_service
+    from yieldloop_server.config import EnvOptions, ServeOptions
+    from yieldloop_server.serve import build_service
     from yieldloop_server.store import open_store
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="yl-reloadbench-"))
@@ -69,7 +70,7 @@ async def bench(args: argparse.Namespace) -> dict:
     addresses: dict[str, str] = {}
     stoppers = []
     for service in ("checkpoint", "env", "rollout"):
-        options = ServeOptions(service=service, data_dir=root, store=url, model="bench", env_workers=0,
+        options = ServeOptions(service=service, data_dir=root, store=url, model="bench", env=EnvOptions(workers=0),
                                checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""))
         start, stop = await build_service(options)
         addresses[service] = await start()

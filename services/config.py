@@ -1,7 +1,9 @@
 """The one definition of every service option: dataclasses with a docstring per field.
 
-``StackConfig`` is what a stack serves (every service reads the fields it needs); ``ServeOptions`` adds what
-places one service process (its service, port, the addresses of the services it calls). The command line
+Each service's own options are one dataclass (``CheckpointOptions``, ``EnvOptions``, ``TrainerOptions``,
+``RolloutOptions``); ``StackConfig`` is what a stack serves: what the services share (data directory, store,
+model, device, host, transport) and each service's options. ``ServeOptions`` adds what places one service
+process (its service, port, the addresses of the services it calls). The command line
 (``yieldloop serve|up|demo``), ``yieldloop up``'s child processes, the in-process stack of the tests and the
 benchmarks all derive from these classes: flags are made from the fields (name, type, default, docstring)
 by :func:`add_arguments` and read back by :func:`from_arguments`, and :meth:`ServeOptions.to_args` writes
@@ -25,8 +27,54 @@ DEFAULT_ENV_SPEC = "yieldloop.envs.letters:env"
 
 
 @dataclasses.dataclass
+class CheckpointOptions:
+    """CheckpointService's own options."""
+
+    keep_last: int = 0
+    """Checkpoint retention: keep the last K plus every checkpoint that was ever head (0: all)."""
+
+
+@dataclasses.dataclass
+class EnvOptions:
+    """EnvService's own options."""
+
+    specs: tuple[str, ...] = dataclasses.field(default=(DEFAULT_ENV_SPEC,), metadata={"flag": "--env-spec"})
+    """Environments EnvService loads: module:attr or file.py:attr (repeatable)."""
+    workers: int = dataclasses.field(default=2, metadata={"flag": "--env-workers"})
+    """EnvService worker processes running environment code (0: in the service's own process)."""
+
+
+@dataclasses.dataclass
+class TrainerOptions:
+    """TrainerService's own options."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = dataclasses.field(
+        default="auto", metadata={"flag": "--trainer-dtype"}
+    )
+    """Trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)."""
+    nproc: int = 1
+    """Trainer ranks, data parallel (gloo on CPU, NCCL on CUDA, one GPU per rank)."""
+
+    def resolved_dtype(self, device: str) -> str:
+        """The dtype with "auto" resolved for ``device``."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+@dataclasses.dataclass
+class RolloutOptions:
+    """RolloutService's own options."""
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """Rollout engine: torch, or vllm (pip install 'yieldloop-server[vllm]')."""
+    http_port: int = 0
+    """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
+
+
+@dataclasses.dataclass
 class StackConfig:
-    """What a stack of the four services serves."""
+    """What a stack of the four services serves: what they share, and each service's own options."""
 
     data_dir: pathlib.Path = pathlib.Path(".yieldloop")
     """Root of the store, scratch space, address files and logs."""
@@ -34,39 +82,24 @@ class StackConfig:
     """Object store: a path or s3://bucket/prefix (default: DATA_DIR/store)."""
     model: str = "tiny"
     """Model slug served and trained (the tiny model is created offline when absent)."""
-    env_specs: tuple[str, ...] = dataclasses.field(
-        default=(DEFAULT_ENV_SPEC,), metadata={"flag": "--env-spec"}
-    )
-    """Environments EnvService loads: module:attr or file.py:attr (repeatable)."""
-    env_workers: int = 2
-    """EnvService worker processes running environment code (0: in the service's own process)."""
-    engine: Literal["torch", "vllm"] = "torch"
-    """Rollout engine: torch, or vllm (pip install 'yieldloop-server[vllm]')."""
-    http_port: int = 0
-    """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
     device: str = "cpu"
     """torch device for the trainer and the engine."""
-    trainer_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)."""
-    nproc: int = 1
-    """Trainer ranks, data parallel (gloo on CPU, NCCL on CUDA, one GPU per rank)."""
-    keep_last: int = 0
-    """Checkpoint retention: keep the last K plus every checkpoint that was ever head (0: all)."""
     host: str = "127.0.0.1"
     """Interface every service binds."""
+    checkpoint: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
+    """CheckpointService's options."""
+    env: EnvOptions = dataclasses.field(default_factory=EnvOptions)
+    """EnvService's options."""
+    trainer: TrainerOptions = dataclasses.field(default_factory=TrainerOptions)
+    """TrainerService's options."""
+    rollout: RolloutOptions = dataclasses.field(default_factory=RolloutOptions)
+    """RolloutService's options."""
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     """Message limits and interceptors of every server and internal client (see yieldloop.transport)."""
 
     @property
     def store_url(self) -> str:
         return self.store or str(self.data_dir / "store")
-
-    @property
-    def dtype(self) -> str:
-        """The trainer dtype with "auto" resolved for the device."""
-        if self.trainer_dtype != "auto":
-            return self.trainer_dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
 
 @dataclasses.dataclass
@@ -121,24 +154,26 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 @functools.cache
-def _field_specs(cls: type) -> list[tuple[str, str, Any, dataclasses.Field]]:
-    """(name, flag, type, field) of every command-line field; nested config dataclasses are flattened."""
+def _field_specs(cls: type) -> list[tuple[str, str, Any, dataclasses.Field, str]]:
+    """(name, flag, type, field, docstring) of every command-line field; nested dataclasses are flattened
+    (their fields keep their own flags: ``env.workers`` is ``--env-workers``)."""
     hints = get_type_hints(cls)
+    docs = _field_docs(cls)
     specs = []
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
-            specs += [(f"{f.name}.{name}", flag, t, sub) for name, flag, t, sub in _field_specs(kind)]
+            specs += [(f"{f.name}.{name}", *rest) for name, *rest in _field_specs(kind)]
         elif f.metadata.get("cli", True):
             flag = f.name if f.metadata.get("positional") else f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-            specs.append((f.name, flag, kind, f))
+            specs.append((f.name, flag, kind, f, docs.get(f.name, "")))
     return specs
 
 
 def _flags(cls: type, obj: Any) -> list[tuple[str, str, Any, Any]]:
     """(name, flag, type, value in ``obj``) of every optional flag."""
     out = []
-    for name, flag, kind, _ in _field_specs(cls):
+    for name, flag, kind, _, _ in _field_specs(cls):
         if flag.startswith("--"):
             value = functools.reduce(getattr, name.split("."), obj)
             out.append((name, flag, kind, value))
@@ -147,12 +182,11 @@ def _flags(cls: type, obj: Any) -> list[tuple[str, str, Any, Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type = StackConfig, *, skip: tuple[str, ...] = ()) -> None:
     """Adds a flag per field of ``cls`` (help from the field's docstring, default from its default)."""
-    docs = {**_field_docs(cls), **{f"transport.{k}": v for k, v in _field_docs(TransportConfig).items()}}
-    for name, flag, kind, f in _field_specs(cls):
+    for name, flag, kind, f, doc in _field_specs(cls):
         if name in skip:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        options: dict[str, Any] = {"help": docs.get(name, "")}
+        options: dict[str, Any] = {"help": doc}
         base = next((a for a in get_args(kind) if a is not type(None)), kind) if get_origin(kind) else kind
         if get_origin(kind) is Literal:
             options["choices"] = get_args(kind)
@@ -171,7 +205,7 @@ def from_arguments(args: argparse.Namespace, cls: type = StackConfig, **values: 
     """Builds ``cls`` from the parsed flags (``values`` override them)."""
     fields: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {}
-    for name, flag, _, f in _field_specs(cls):
+    for name, flag, _, _, _ in _field_specs(cls):
         value = getattr(args, name.replace(".", "__") if flag.startswith("--") else name, None)
         if value is None:
             continue

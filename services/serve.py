@@ -29,22 +29,23 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
     if opts.service == "checkpoint":
         from yieldloop_server.checkpoint.server import build
 
-        server = build(store, opts.host, opts.port, opts.keep_last, opts.transport)
+        server = build(store, opts.host, opts.port, opts.checkpoint.keep_last, opts.transport)
         return server.start, server.stop
     if opts.service == "env":
         from yieldloop_server.env.hosts import HostConfig, create_host
         from yieldloop_server.env.server import build
 
-        config = HostConfig(type="workers", num_workers=opts.env_workers) if opts.env_workers else HostConfig("inprocess")
-        server = await build(create_host(opts.env_specs, config), opts.host, opts.port, opts.transport)
+        workers = opts.env.workers
+        config = HostConfig(type="workers", num_workers=workers) if workers else HostConfig("inprocess")
+        server = await build(create_host(opts.env.specs, config), opts.host, opts.port, opts.transport)
         return server.start, server.stop
     if opts.service == "trainer":
         from yieldloop_server.trainer.server import build
         from yieldloop_server.trainer.trainer import TrainerConfig
 
         server, session = await build(
-            opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=opts.dtype),
-            opts.host, opts.port, opts.nproc, opts.transport,
+            opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device)),
+            opts.host, opts.port, opts.trainer.nproc, opts.transport,
         )
 
         async def stop(grace: float) -> None:
@@ -56,8 +57,8 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
         from yieldloop_server.rollout.server import RolloutServer
 
         server = RolloutServer(
-            opts.model, store, opts.checkpoint_address, opts.env_address, work_dir, opts.engine,
-            opts.host, opts.port, None if opts.http_port < 0 else opts.http_port, transport=opts.transport,
+            opts.model, store, opts.checkpoint_address, opts.env_address, work_dir, opts.rollout.engine,
+            opts.host, opts.port, None if opts.rollout.http_port < 0 else opts.rollout.http_port, transport=opts.transport,
             device=opts.device,
         )
         return server.start, server.stop

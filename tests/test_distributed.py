@@ -38,7 +38,8 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
     """`yieldloop serve trainer --nproc 2`: the service trains data-parallel and commits checkpoints."""
     from yieldloop.client import Client
     from yieldloop.proto.common.v1 import common_pb2 as common_pb
-    from yieldloop_server.serve import ServeOptions, build_service
+    from yieldloop_server.config import ServeOptions, TrainerOptions
+    from yieldloop_server.serve import build_service
     from yieldloop_server.stack import ensure_base_model
     from yieldloop_server.store import open_store
 
@@ -46,7 +47,8 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
     start_checkpoint, stop_checkpoint = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
     checkpoint = await start_checkpoint()
     start_trainer, stop_trainer = await build_service(
-        ServeOptions(service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint, nproc=2)
+        ServeOptions(service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint,
+                     trainer=TrainerOptions(nproc=2))
     )
     trainer = await start_trainer()
     try:

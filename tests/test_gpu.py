@@ -13,7 +13,8 @@ import pytest_asyncio
 from yieldloop.client import Client, sampling_params
 from yieldloop.envs.letters import tasks
 from yieldloop.loop import LoopConfig, closed_loop
-from yieldloop_server.stack import InProcessStack, StackConfig
+from yieldloop_server.config import StackConfig, TrainerOptions
+from yieldloop_server.stack import InProcessStack
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.gpu
 @pytest_asyncio.fixture(scope="module")
 async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
     # fp32 trainer on CUDA so the sampler/trainer check holds to 1e-4 (bf16 is tested on its own below).
-    config = StackConfig(data_dir=tmp_path_factory.mktemp("cuda-stack"), device="cuda", trainer_dtype="float32")
+    config = StackConfig(data_dir=tmp_path_factory.mktemp("cuda-stack"), device="cuda",
+                         trainer=TrainerOptions(dtype="float32"))
     stack = InProcessStack(config)
     await stack.start()
     async with Client(**stack.addresses, timeout=120) as client:

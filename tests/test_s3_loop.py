@@ -10,7 +10,8 @@ import pytest_asyncio
 from yieldloop.client import Client
 from yieldloop.envs.letters import tasks
 from yieldloop.loop import LoopConfig, closed_loop
-from yieldloop_server.stack import InProcessStack, StackConfig
+from yieldloop_server.config import EnvOptions, StackConfig
+from yieldloop_server.stack import InProcessStack
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -21,7 +22,8 @@ async def s3_client(moto_endpoint, tmp_path_factory):
     bucket = f"yl-loop-{uuid.uuid4().hex[:8]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     stack = InProcessStack(
-        StackConfig(data_dir=tmp_path_factory.mktemp("s3-stack"), store=f"s3://{bucket}/yieldloop", env_workers=0)
+        StackConfig(data_dir=tmp_path_factory.mktemp("s3-stack"), store=f"s3://{bucket}/yieldloop",
+                    env=EnvOptions(workers=0))
     )
     await stack.start()
     async with Client(**stack.addresses, timeout=120) as client:

@@ -19,7 +19,9 @@ from yieldloop import errors
 from yieldloop.client import Client, sampling_params
 from yieldloop.environment import Task
 from yieldloop.transport import CallInfo, TransportConfig, open_channel
-from yieldloop_server.stack import InProcessStack, StackConfig
+from yieldloop.types import Datum
+from yieldloop_server.config import EnvOptions, StackConfig
+from yieldloop_server.stack import InProcessStack
 
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -105,8 +107,9 @@ class Refuse:
 @pytest.fixture(scope="module")
 async def refusing_stack(tmp_path_factory: pytest.TempPathFactory):
     refuse = Refuse({"/yieldloop.checkpoint.v1.CheckpointService/ListModels",
-                     "/yieldloop.env.v1.EnvService/StreamEpisode", "GET /v1/models"})
-    config = StackConfig(data_dir=tmp_path_factory.mktemp("refusing"), env_workers=0,
+                     "/yieldloop.env.v1.EnvService/StreamEpisode",
+                     "/yieldloop.trainer.v1.TrainerService/ForwardBackward", "GET /v1/models"})
+    config = StackConfig(data_dir=tmp_path_factory.mktemp("refusing"), env=EnvOptions(workers=0),
                          transport=TransportConfig(server_interceptors=(refuse,)))
     stack = InProcessStack(config)
     await stack.start()
@@ -119,9 +122,14 @@ async def test_an_interceptor_refuses_with_typed_errors(refusing_stack) -> None:
         with pytest.raises(errors.PermissionDeniedError) as refused:
             await client.list_models()
         assert refused.value.reason == "PERMISSION_DENIED"
-        with pytest.raises(errors.PermissionDeniedError):  # a bidi stream refused before its first message
-            async with client.episode(Task("letters", "repeat", {"letter": "a"})):
-                pass
+        # Streams refused while the client is still sending: grpcio may report those as INTERNAL
+        # (grpc/grpc#36066); the client reads the call's own status, every time.
+        for _ in range(20):
+            with pytest.raises(errors.PermissionDeniedError):  # bidi (call.write)
+                async with client.episode(Task("letters", "repeat", {"letter": "a"})):
+                    pass
+            with pytest.raises(errors.PermissionDeniedError):  # client stream (a request iterator)
+                await client.forward_backward(datums=[Datum([1, 2, 3], [2, 3, 4])] * 64)
         assert (await client.get_head("tiny")).checkpoint_id  # what is not refused still works
         info = await client.get_serving_info()
     status, body = await asyncio.to_thread(_http, info.openai_base_url + "/models")  # the loop serves it

@@ -1,9 +1,11 @@
 """yieldloop: a self-hosted closed loop from agent evals to RL training data.
 
-The import root holds the client library (``yieldloop.client``), the
-environment SDK (``yieldloop.environment``), the generated protobuf packages
-(``yieldloop.<service>.v1``) and the servers (``yieldloop_server``). Names
-below are imported lazily so ``import yieldloop`` stays fast.
+This is the client distribution: the typed async client (``yieldloop.client``),
+the environment SDK (``yieldloop.environment``), tasksets, the training API
+(``yieldloop.training``), domain types (``yieldloop.types``), the transport seam
+(``yieldloop.transport``) and the generated protobuf packages
+(``yieldloop.proto.<service>.v1``). The servers are the ``yieldloop-server``
+distribution. Names below are imported lazily so ``import yieldloop`` stays fast.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from yieldloop.convert import (
     run_to_pb,
 )
 from yieldloop.environment import Task
-from yieldloop.errors import FailedPreconditionError, invalid_field
+from yieldloop.errors import FailedPreconditionError, YieldloopError, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
@@ -77,12 +77,28 @@ class Completion:
     stop_reason: int
 
 
+async def _call_error(call: Any, err: grpc.aio.AioRpcError | None = None) -> YieldloopError:
+    """The typed error of a failed call, from the call's own status.
+
+    grpc/grpc#36066: when the server refuses a client-streaming or bidi call while the client is still
+    sending (an interceptor refusing it, a validation error), the exception the client sees can read
+    INTERNAL "Internal error from Core" (or the call raises asyncio.InvalidStateError) although the server
+    answered its own status; the call's code, details and trailers are the server's.
+    """
+    if err is None or err.code() == grpc.StatusCode.INTERNAL:
+        code = await call.code()
+        if err is None or code != grpc.StatusCode.INTERNAL:
+            err = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), await call.trailing_metadata(), await call.details())
+    return error_from_rpc(err)
+
+
 async def _unary(method: Any, request: Any, timeout: float | None = None) -> Any:
     """Calls a unary-response RPC (``request`` may be an iterator for client streams)."""
+    call = method(request, timeout=timeout)
     try:
-        return await method(request, timeout=timeout)
+        return await call
     except grpc.aio.AioRpcError as err:
-        raise error_from_rpc(err) from None
+        raise await _call_error(call, err) from None
 
 
 async def _stream(call: Any) -> AsyncIterator[Any]:
@@ -90,7 +106,7 @@ async def _stream(call: Any) -> AsyncIterator[Any]:
         async for item in call:
             yield item
     except grpc.aio.AioRpcError as err:
-        raise error_from_rpc(err) from None
+        raise await _call_error(call, err) from None
     finally:
         call.cancel()
 
@@ -108,13 +124,9 @@ class EpisodeSession:
             await self._call.write(request)
             response = await self._call.read()
         except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err) from None
+            raise await _call_error(self._call, err) from None
         except asyncio.InvalidStateError:  # the call already ended (deadline, server error): say how
-            call = self._call
-            ended = grpc.aio.AioRpcError(
-                await call.code(), grpc.aio.Metadata(), await call.trailing_metadata(), await call.details()
-            )
-            raise error_from_rpc(ended) from None
+            raise await _call_error(self._call) from None
         if response is grpc.aio.EOF:  # a failed call raises from read(); EOF means an OK close
             raise FailedPreconditionError("episode stream closed early", reason="EPISODE_PROTOCOL")
         return response

@@ -1,0 +1,52 @@
+"""One config: the command line is derived from the option dataclasses and reads back what it wrote."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+
+from yieldloop.transport import TransportConfig
+from yieldloop_server.cli import register
+from yieldloop_server.config import (
+    CheckpointOptions,
+    EnvOptions,
+    RolloutOptions,
+    ServeOptions,
+    StackConfig,
+    TrainerOptions,
+    from_arguments,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_serve_flags_round_trip_every_option() -> None:
+    options = ServeOptions(
+        service="trainer", data_dir=pathlib.Path("/tmp/yl"), store="s3://b/p", model="m", device="cuda:1",
+        checkpoint=CheckpointOptions(keep_last=3), env=EnvOptions(specs=("a:b", "c.py:env"), workers=0),
+        trainer=TrainerOptions(dtype="bfloat16", nproc=2), rollout=RolloutOptions(engine="vllm", http_port=-1),
+        transport=TransportConfig(max_message_bytes=1 << 20), port=7000, checkpoint_address="h:1",
+        env_address="h:2", ready_file=pathlib.Path("/tmp/ready.json"), grace_s=2.5,
+    )
+    assert from_arguments(_parser().parse_args(options.to_args()), ServeOptions) == options
+
+
+def test_defaults_and_help_come_from_the_dataclasses(capsys) -> None:
+    config = from_arguments(_parser().parse_args(["up"]), StackConfig)
+    assert dataclasses.replace(config, data_dir=StackConfig.data_dir) == StackConfig()
+    assert config.data_dir.is_absolute()
+    try:
+        _parser().parse_args(["serve", "--help"])
+    except SystemExit:
+        pass
+    help_text = " ".join(capsys.readouterr().out.split())
+    for doc in ("EnvService worker processes running environment code", "Checkpoint retention",
+                "Largest gRPC message sent or accepted", "Which service to run"):
+        assert doc in help_text
+    assert TrainerOptions(dtype="auto").resolved_dtype("cuda:0") == "bfloat16"
+    assert TrainerOptions(dtype="auto").resolved_dtype("cpu") == "float32"
