@@ -10,19 +10,19 @@ import argparse
 import pathlib
 from typing import Any
 
-from yieldloop.cli import print_summary, run_async, run_loop
+from yieldloop.cli import SERVER_COMMANDS, print_summary, run_async, run_loop
 from yieldloop_server.config import ServeOptions, StackConfig, add_arguments, from_arguments
 
 
 def register(commands: Any) -> dict[str, Any]:
     """Adds ``serve``, ``up`` and ``demo`` to the ``yieldloop`` subparsers; returns their handlers."""
-    serve = commands.add_parser("serve", help="run one service in this process")
+    serve = commands.add_parser("serve", help=SERVER_COMMANDS["serve"])
     add_arguments(serve, ServeOptions)
 
-    up = commands.add_parser("up", help="start all four services on localhost (the embedded default)")
+    up = commands.add_parser("up", help=SERVER_COMMANDS["up"])
     add_arguments(up, StackConfig)
 
-    demo = commands.add_parser("demo", help="the closed loop on the embedded default: watch a tiny model learn")
+    demo = commands.add_parser("demo", help=SERVER_COMMANDS["demo"])
     add_arguments(demo, StackConfig, skip=("data_dir",))
     demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
     demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")

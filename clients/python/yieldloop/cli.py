@@ -129,8 +129,7 @@ def _plugins(commands: Any) -> dict[str, Any]:
 
 def _needs_server(args: argparse.Namespace) -> int:
     print(f"yieldloop: `yieldloop {args.command}` runs the services, which are the server distribution: "
-          "install it with `pip install -e ./clients/python -e .` from a yieldloop checkout "
-          "(or `pip install yieldloop-server`)", file=sys.stderr)
+          "install it from a yieldloop checkout with `pip install -e ./clients/python -e .`", file=sys.stderr)
     return 1
 
 
