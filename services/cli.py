@@ -68,8 +68,9 @@ async def _up(config: StackConfig) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    run_async(_up(from_arguments(args, StackConfig)))
-    return 0
+    from yieldloop.cli import with_errors
+
+    return with_errors(_up(from_arguments(args, StackConfig)))
 
 
 async def _demo(args: argparse.Namespace) -> None:

@@ -81,7 +81,8 @@ class StackConfig:
     store: str = ""
     """Object store: a path or s3://bucket/prefix (default: DATA_DIR/store)."""
     model: str = "tiny"
-    """Model slug served and trained (the tiny model is created offline when absent)."""
+    """Model served and trained: a slug of the store; the built-in "tiny" (created offline when absent); or a
+    Hugging Face folder or a hub id in the local Hugging Face cache, imported on first start."""
     device: str = "cpu"
     """torch device for the trainer and the engine."""
     host: str = "127.0.0.1"

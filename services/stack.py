@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import pathlib
@@ -21,6 +22,7 @@ import tempfile
 import time
 
 from yieldloop_server.checkpoint.files import upload_folder
+from yieldloop_server.checkpoint.importer import BASE_CHECKPOINT, inspect_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
 from yieldloop_server.config import SERVICES, ServeOptions, StackConfig
 from yieldloop_server.serve import Stopper, build_service
@@ -28,10 +30,54 @@ from yieldloop_server.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
-BASE_CHECKPOINT = "base"
+BUILTIN_MODEL = "tiny"
+"""The slug of the model a stack creates offline when it is asked for and absent (the embedded default)."""
 
 
-def ensure_base_model(store: ObjectStore, slug: str = StackConfig.model) -> bool:
+def ensure_model(store: ObjectStore, model: str) -> str:
+    """The slug a stack serves for ``model`` (``--model``).
+
+    ``model`` is an existing slug; the built-in tiny model (created offline on first use); or a Hugging Face
+    source, a folder or a hub id in the local cache, imported on first start under a slug named after it
+    (later starts find that slug).
+
+    Raises:
+        NotFoundError: MODEL_NOT_FOUND naming the models that exist, when ``model`` is none of these.
+    """
+    from yieldloop.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+    from yieldloop_server.checkpoint.importer import hub_cache_dir, import_model, resolve_source, slug_for
+
+    registry = CheckpointRegistry(store)
+    try:
+        registry.get_model(model)
+        return model
+    except (NotFoundError, InvalidArgumentError):  # not a slug of this store (or not a slug at all)
+        pass
+    if model == BUILTIN_MODEL:
+        ensure_base_model(store, model)
+        return model
+    if resolve_source(model) is None:
+        known = ", ".join(sorted(m.slug for m in registry.list_models())) or "none"
+        raise NotFoundError(
+            f"no model {model!r}: not a model of this store (it has: {known}), not the built-in "
+            f"{BUILTIN_MODEL!r}, not a folder, and not in the local Hugging Face cache {hub_cache_dir()}",
+            reason="MODEL_NOT_FOUND",
+        )
+    slug = slug_for(model)
+    try:
+        import_model(registry, model, slug, owner="yieldloop")
+    except AlreadyExistsError:
+        existing = registry.get_model(slug)
+        if existing.source != model:
+            raise AlreadyExistsError(
+                f"model {slug!r} exists (from {existing.source or 'elsewhere'!r}), so {model!r} cannot be imported "
+                f"under that name: import it with `yieldloop models import {model} --name OTHER`",
+                reason="MODEL_ALREADY_EXISTS",
+            ) from None
+    return slug
+
+
+def ensure_base_model(store: ObjectStore, slug: str = BUILTIN_MODEL) -> bool:
     """Creates the tiny model offline and commits it as ``slug``'s head when the slug is absent.
 
     Returns True when a model was created.
@@ -47,8 +93,13 @@ def ensure_base_model(store: ObjectStore, slug: str = StackConfig.model) -> bool
         pass
     with tempfile.TemporaryDirectory() as tmp:
         folder = create_tiny_model(pathlib.Path(tmp) / "model")
+        facts = inspect_folder(folder, "the built-in model")
         objects = upload_folder(store, slug, BASE_CHECKPOINT, folder)
-    registry.create_model(ModelInfo(slug=slug, base=slug, owner="yieldloop", trainable=True))
+    registry.create_model(ModelInfo(
+        slug=slug, base=slug, owner="yieldloop", trainable=True, architecture=facts.architecture,
+        num_parameters=facts.num_parameters, dtype=facts.dtype, has_chat_template=facts.has_chat_template,
+        source="built-in", size_bytes=sum(o.size for o in objects),
+    ))
     registry.commit(Manifest(model=slug, checkpoint_id=BASE_CHECKPOINT, objects=objects), set_head=True)
     return True
 
@@ -64,7 +115,8 @@ class InProcessStack:
     async def start(self) -> dict[str, str]:
         from yieldloop_server.store import open_store
 
-        await asyncio.to_thread(ensure_base_model, open_store(self.config.store_url), self.config.model)
+        slug = await asyncio.to_thread(ensure_model, open_store(self.config.store_url), self.config.model)
+        self.config = dataclasses.replace(self.config, model=slug)
         for service in SERVICES:  # in dependency order
             start, stop = await build_service(ServeOptions.of(self.config, service, self.addresses))
             self.addresses[service] = await start()
@@ -112,7 +164,8 @@ class ProcessStack:
     async def start(self) -> dict[str, str]:
         from yieldloop_server.store import open_store
 
-        await asyncio.to_thread(ensure_base_model, open_store(self.config.store_url), self.config.model)
+        slug = await asyncio.to_thread(ensure_model, open_store(self.config.store_url), self.config.model)
+        self.config = dataclasses.replace(self.config, model=slug)
         try:
             await asyncio.gather(self._spawn("checkpoint"), self._spawn("env"))
             await asyncio.gather(self._spawn("trainer"), self._spawn("rollout"))

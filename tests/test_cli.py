@@ -171,6 +171,28 @@ def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> No
     assert bad_model.returncode == 1 and "MODEL_NOT_FOUND" in bad_model.stderr
 
 
+def test_models_import_and_list(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """`yieldloop models import` brings a Hugging Face folder in as a base slug; bad sources fail in one line."""
+    from test_import import build_llama
+
+    folder = build_llama(tmp_path / "my-llama")
+    imported = run(up, "models", "import", str(folder), "--name", "cli-llama")
+    assert imported.returncode == 0 and "LlamaForCausalLM" in imported.stdout, imported.stdout + imported.stderr
+    listed = run(up, "models", "list")
+    assert listed.returncode == 0 and "cli-llama" in listed.stdout and "Qwen2ForCausalLM" in listed.stdout
+    again = run(up, "models", "import", str(folder), "--name", "cli-llama")
+    assert again.returncode == 1 and "MODEL_ALREADY_EXISTS" in again.stderr and len(again.stderr.splitlines()) == 1
+    missing = run(up, "models", "import", str(tmp_path / "nowhere"), "--name", "x")
+    assert missing.returncode == 1 and "MODEL_SOURCE_NOT_FOUND" in missing.stderr
+
+
+def test_up_refuses_a_model_that_does_not_exist(tmp_path: pathlib.Path) -> None:
+    refused = subprocess.run([YIELDLOOP, "up", "--data-dir", str(tmp_path), "--model", "no-such-model"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "MODEL_NOT_FOUND" in refused.stderr and "it has: none" in refused.stderr
+    assert not any((tmp_path / "store").rglob("model.json"))
+
+
 def test_up_then_demo_attach(up: pathlib.Path) -> None:
     """`yieldloop demo --attach` drives the services of a running `yieldloop up`."""
     demo = run(up, "demo", "--attach", str(up), "--steps", "1", "--group-size", "2")

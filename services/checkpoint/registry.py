@@ -96,7 +96,10 @@ class CheckpointRegistry:
         src = self.get_model(source)
         head = self.get_head(source)
         manifest = self.get_manifest(source, head.checkpoint_id)
-        info = self.create_model(ModelInfo(slug=name, base=src.base, parent=source, owner=owner, trainable=True))
+        # The fork inherits what the weights are (architecture, size, chat template) from its source.
+        info = self.create_model(
+            dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0)
+        )
         forked = dataclasses.replace(manifest, model=name, created_time=time.time())
         self.store.put_bytes(checkpoint_prefix(name, forked.checkpoint_id) + MANIFEST, forked.to_json())
         return info, self.set_head(name, forked.checkpoint_id)

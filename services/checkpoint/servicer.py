@@ -16,6 +16,7 @@ from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as pb
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
 from yieldloop.errors import invalid_field
 from yieldloop.convert import head_to_pb, manifest_from_pb, manifest_to_pb, model_to_pb
+from yieldloop_server.checkpoint.importer import import_model
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.common.grpc_server import rpc
 
@@ -32,6 +33,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     async def ForkModel(self, request: pb.ForkModelRequest, context: grpc.aio.ServicerContext) -> pb.ForkModelResponse:
         info, head = await asyncio.to_thread(self.registry.fork_model, request.source, request.name, request.owner)
         return pb.ForkModelResponse(model=model_to_pb(info), head=head_to_pb(head))
+
+    @rpc
+    async def ImportModel(self, request: pb.ImportModelRequest, context: grpc.aio.ServicerContext) -> pb.ImportModelResponse:
+        info, head = await asyncio.to_thread(import_model, self.registry, request.source, request.name, request.owner)
+        return pb.ImportModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc
     async def ListCheckpoints(

@@ -61,6 +61,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     _add_attach(models)
     model_commands = models.add_subparsers(dest="models_command", required=True)
     model_commands.add_parser("list", help="every model, with its base, parent, owner and whether it is trainable")
+    imported = model_commands.add_parser(
+        "import", help="a Hugging Face model (a folder, or a hub id in the local cache: nothing is downloaded) as a new "
+                       "base slug; its weights become the checkpoint 'base'")
+    imported.add_argument("source", help="a model folder the checkpoint service can read, or a hub id (org/name)")
+    imported.add_argument("--name", required=True, help="the new slug")
+    imported.add_argument("--owner", default="")
     fork = model_commands.add_parser("fork", help="a new model starting from a model's head (objects shared)")
     fork.add_argument("source")
     fork.add_argument("--name", required=True)
@@ -297,12 +303,21 @@ async def _models(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     console = Console()
-    async with _client(args, timeout=60) as client:
+    async with _client(args, timeout=3600 if args.models_command == "import" else 60) as client:
         if args.models_command == "list":
-            table = Table("model", "base", "parent", "owner", "trainable")
+            table = Table("model", "base", "parent", "owner", "trainable", "architecture", "parameters", "dtype",
+                          "chat template", "size")
             for m in (await client.list_models()).models:
-                table.add_row(m.slug, m.base, m.parent or "-", m.owner or "-", "yes" if m.trainable else "no")
+                table.add_row(m.slug, m.base, m.parent or "-", m.owner or "-", "yes" if m.trainable else "no",
+                              m.architecture or "-", f"{m.num_parameters:,}", m.dtype or "-",
+                              "yes" if m.has_chat_template else "no", f"{m.size_bytes / 1e6:.1f} MB")
             console.print(table)
+        elif args.models_command == "import":
+            done = await client.import_model(args.source, args.name, args.owner)
+            m = done.model
+            console.print(f"imported {args.source} as {m.slug}: {m.architecture}, {m.num_parameters:,} parameters "
+                          f"({m.dtype}), chat template {'yes' if m.has_chat_template else 'no'}, "
+                          f"{m.size_bytes / 1e6:.1f} MB, head {done.head.checkpoint_id}", markup=False)
         elif args.models_command == "fork":
             forked = await client.fork_model(args.source, args.name, args.owner)
             console.print(f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id}")

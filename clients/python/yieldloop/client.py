@@ -469,6 +469,12 @@ class Client:
         request = ckpt_pb.ForkModelRequest(source=source, name=name, owner=owner)
         return await _unary(self.checkpoint_stub.ForkModel, request, self.timeout)
 
+    async def import_model(self, source: str, name: str, owner: str = "") -> ckpt_pb.ImportModelResponse:
+        """Imports a Hugging Face model (a folder the checkpoint service reads, or a hub id in its local
+        Hugging Face cache) as the base slug ``name``; its weights become the checkpoint "base" (HEAD)."""
+        request = ckpt_pb.ImportModelRequest(source=source, name=name, owner=owner)
+        return await _unary(self.checkpoint_stub.ImportModel, request, self.timeout)
+
     async def list_checkpoints(self, model: str) -> ckpt_pb.ListCheckpointsResponse:
         request = ckpt_pb.ListCheckpointsRequest(model=model)
         return await _unary(self.checkpoint_stub.ListCheckpoints, request, self.timeout)

@@ -39,8 +39,7 @@ def model_to_pb(info: ModelInfo) -> ckpt_pb.ModelInfo:
 
 
 def model_from_pb(message: ckpt_pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(message.slug, message.base, message.parent, message.owner, message.trainable,
-                     message.created_time)
+    return ModelInfo(**{f.name: getattr(message, f.name) for f in dataclasses.fields(ModelInfo)})
 
 
 def manifest_to_pb(manifest: Manifest | ckpt_pb.Manifest) -> ckpt_pb.Manifest:

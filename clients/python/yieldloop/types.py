@@ -24,6 +24,16 @@ class ModelInfo:
     owner: str = ""
     trainable: bool = True
     created_time: float = 0.0
+    architecture: str = ""
+    """The transformers architecture of the weights, e.g. "LlamaForCausalLM"."""
+    num_parameters: int = 0
+    dtype: str = ""
+    """The weights' dtype as stored, e.g. "float32", "bfloat16"."""
+    has_chat_template: bool = False
+    source: str = ""
+    """Where an imported base came from (a folder or a hub id)."""
+    size_bytes: int = 0
+    """Bytes of the base checkpoint."""
 
 
 @dataclasses.dataclass

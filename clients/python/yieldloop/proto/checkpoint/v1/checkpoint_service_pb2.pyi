@@ -47,20 +47,32 @@ class RecordPromotionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time")
+    __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time", "architecture", "num_parameters", "dtype", "has_chat_template", "source", "size_bytes")
     SLUG_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     slug: str
     base: str
     parent: str
     owner: str
     trainable: bool
     created_time: float
-    def __init__(self, slug: _Optional[str] = ..., base: _Optional[str] = ..., parent: _Optional[str] = ..., owner: _Optional[str] = ..., trainable: _Optional[bool] = ..., created_time: _Optional[float] = ...) -> None: ...
+    architecture: str
+    num_parameters: int
+    dtype: str
+    has_chat_template: bool
+    source: str
+    size_bytes: int
+    def __init__(self, slug: _Optional[str] = ..., base: _Optional[str] = ..., parent: _Optional[str] = ..., owner: _Optional[str] = ..., trainable: _Optional[bool] = ..., created_time: _Optional[float] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., source: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class ObjectInfo(_message.Message):
     __slots__ = ("name", "size", "sha256", "key")
@@ -125,6 +137,24 @@ class ForkModelRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ForkModelResponse(_message.Message):
+    __slots__ = ("model", "head")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    head: Head
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
+
+class ImportModelRequest(_message.Message):
+    __slots__ = ("source", "name", "owner")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    name: str
+    owner: str
+    def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class ImportModelResponse(_message.Message):
     __slots__ = ("model", "head")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]

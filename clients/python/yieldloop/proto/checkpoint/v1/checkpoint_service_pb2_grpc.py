@@ -45,6 +45,11 @@ class CheckpointServiceStub:
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelResponse.FromString,
                 _registered_method=True)
+        self.ImportModel = channel.unary_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/ImportModel',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelResponse.FromString,
+                _registered_method=True)
         self.ListCheckpoints = channel.unary_unary(
                 '/yieldloop.checkpoint.v1.CheckpointService/ListCheckpoints',
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListCheckpointsRequest.SerializeToString,
@@ -98,6 +103,19 @@ class CheckpointServiceServicer:
         """Creates a model slug starting from a source model's head (objects are shared, not copied).
         Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
         INVALID_ARGUMENT (INVALID_FIELD) for a malformed slug.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportModel(self, request, context):
+        """Imports a Hugging Face model (a folder the service can read, or a hub id already in the service's local
+        Hugging Face cache; never downloaded) as a new base slug: checks that transformers can load its config,
+        tokenizer and weights, records what it is, and commits the weights as the slug's first checkpoint
+        ("base", HEAD). Safetensors files are stored as they are; PyTorch .bin weights are converted.
+        Returns: OK; NOT_FOUND (MODEL_SOURCE_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
+        INVALID_ARGUMENT (INVALID_FIELD for a malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or
+        weights are missing or do not load). Nothing is written unless the import succeeds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,6 +199,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.ForkModel,
                     request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.FromString,
                     response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelResponse.SerializeToString,
+            ),
+            'ImportModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportModel,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelResponse.SerializeToString,
             ),
             'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
                     servicer.ListCheckpoints,
@@ -273,6 +296,33 @@ class CheckpointService:
             '/yieldloop.checkpoint.v1.CheckpointService/ForkModel',
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.SerializeToString,
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/ImportModel',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BAD_CONFIG: _ClassVar[ErrorReason]
     INVALID_JSON: _ClassVar[ErrorReason]
     MISSING_DEPENDENCY: _ClassVar[ErrorReason]
+    MODEL_SOURCE_NOT_FOUND: _ClassVar[ErrorReason]
+    MODEL_SOURCE_INVALID: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -122,6 +124,8 @@ STACK_NOT_RUNNING: ErrorReason
 BAD_CONFIG: ErrorReason
 INVALID_JSON: ErrorReason
 MISSING_DEPENDENCY: ErrorReason
+MODEL_SOURCE_NOT_FOUND: ErrorReason
+MODEL_SOURCE_INVALID: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

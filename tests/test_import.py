@@ -1,0 +1,171 @@
+"""Models you bring: importing Hugging Face folders and cached hub ids (not the built-in model), checked, recorded
+and committed as a base slug; a stack started on one serves and trains it; bad sources fail typed, writing nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+import pytest
+
+from yieldloop import errors
+from yieldloop.client import Client, sampling_params
+from yieldloop.envs.letters import tasks
+from yieldloop_server.config import EnvOptions, StackConfig
+from yieldloop_server.stack import InProcessStack
+from yieldloop_server.store import open_store
+
+
+def build_llama(folder: pathlib.Path, *, chat_template: bool = True, safetensors: bool = True) -> pathlib.Path:
+    """A small Llama (not the built-in Qwen2) in Hugging Face format, made offline: head size 32."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from yieldloop_server.common.tiny_model import TinyModelConfig, train_tokenizer
+
+    tokenizer = train_tokenizer(TinyModelConfig())
+    if not chat_template:
+        tokenizer.chat_template = None
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    if not safetensors:  # the older PyTorch format (transformers now writes safetensors only)
+        (folder / "model.safetensors").unlink()
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return build_llama(tmp_path_factory.mktemp("src") / "tiny-llama")
+
+
+def _sha(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _keys(stack, slug: str) -> list[str]:
+    return list(open_store(stack.config.store_url).list(f"models/{slug}/"))
+
+
+async def test_import_records_the_model_and_stores_safetensors_as_they_are(stack, client: Client, llama) -> None:
+    done = await client.import_model(str(llama), "imported-llama", owner="team-a")
+    model = done.model
+    assert (model.slug, model.base, model.owner, model.source) == ("imported-llama", "imported-llama", "team-a", str(llama))
+    assert model.architecture == "LlamaForCausalLM" and model.dtype == "float32" and model.has_chat_template
+    assert model.num_parameters == sum(p.numel() for p in _load(llama).parameters())
+    assert done.head.checkpoint_id == "base" and done.head.sequence == 1
+    manifest = await client.get_checkpoint("imported-llama", "base")
+    by_name = {o.name: o for o in manifest.objects}
+    assert by_name["model.safetensors"].sha256 == _sha(llama / "model.safetensors")  # the same bytes
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(by_name)
+    assert model.size_bytes == sum(o.size for o in manifest.objects)
+    listed = {m.slug: m for m in (await client.list_models()).models}
+    assert listed["imported-llama"].architecture == "LlamaForCausalLM"
+    assert listed["tiny"].architecture == "Qwen2ForCausalLM" and listed["tiny"].source == "built-in"
+    forked = await client.fork_model("imported-llama", "imported-llama-fork")
+    assert forked.model.architecture == "LlamaForCausalLM" and forked.model.parent == "imported-llama"
+
+
+def _load(folder: pathlib.Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+async def test_import_without_chat_template_from_pytorch_weights_and_from_the_hub_cache(
+    stack, client: Client, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = build_llama(tmp_path / "plain", chat_template=False, safetensors=False)
+    assert not list(plain.glob("*.safetensors")) and list(plain.glob("pytorch_model*.bin"))
+    done = await client.import_model(str(plain), "plain-llama")
+    assert not done.model.has_chat_template and done.model.architecture == "LlamaForCausalLM"
+    names = {o.name for o in (await client.get_checkpoint("plain-llama", "base")).objects}
+    assert "model.safetensors" in names and not any(n.endswith(".bin") for n in names)  # converted once
+
+    # A hub id already in the local Hugging Face cache (its standard layout), offline.
+    cache = tmp_path / "hf-cache"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--acme--tiny-llama" / "snapshots" / revision
+    build_llama(snapshot)
+    (cache / "models--acme--tiny-llama" / "refs").mkdir()
+    (cache / "models--acme--tiny-llama" / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    done = await client.import_model("acme/tiny-llama", "hub-llama")
+    assert done.model.source == "acme/tiny-llama" and done.model.architecture == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("case", ["no-weights", "no-tokenizer", "no-config", "wrong-shape", "unknown-hub-id",
+                                  "slug-exists", "invalid-slug"])
+async def test_bad_imports_fail_typed_and_write_nothing(stack, client: Client, llama, tmp_path: pathlib.Path,
+                                                        case: str) -> None:
+    import shutil
+
+    source, name = tmp_path / "bad", f"bad-{case}"
+    shutil.copytree(llama, source)
+    expected: tuple[type, str] = (errors.InvalidArgumentError, "MODEL_SOURCE_INVALID")
+    if case == "no-weights":
+        (source / "model.safetensors").unlink()
+    elif case == "no-tokenizer":
+        for path in source.glob("tokenizer*"):
+            path.unlink()
+    elif case == "no-config":
+        (source / "config.json").unlink()
+    elif case == "wrong-shape":
+        text = (source / "config.json").read_text().replace('"intermediate_size": 128', '"intermediate_size": 96')
+        (source / "config.json").write_text(text)
+    elif case == "unknown-hub-id":
+        source, expected = "nobody/nothing-here", (errors.NotFoundError, "MODEL_SOURCE_NOT_FOUND")
+    elif case == "slug-exists":
+        name, expected = "tiny", (errors.AlreadyExistsError, "MODEL_ALREADY_EXISTS")
+    elif case == "invalid-slug":
+        name, expected = "../escape", (errors.InvalidArgumentError, "INVALID_FIELD")
+    before = {m.slug: m for m in (await client.list_models()).models}
+    with pytest.raises(expected[0]) as err:
+        await client.import_model(str(source), name)
+    assert err.value.reason == expected[1], err.value
+    assert {m.slug: m for m in (await client.list_models()).models} == before
+    if case not in ("invalid-slug", "slug-exists"):
+        assert _keys(stack, name) == []  # nothing written for a failed import
+
+
+async def test_a_stack_started_on_a_folder_imports_serves_and_trains_it(tmp_path_factory, llama) -> None:
+    data_dir = tmp_path_factory.mktemp("llama-stack")
+    stack = InProcessStack(StackConfig(data_dir=data_dir, model=str(llama), env=EnvOptions(workers=0)))
+    await stack.start()
+    try:
+        assert stack.config.model == "tiny-llama"  # the slug is named after the folder
+        async with Client(**stack.addresses, timeout=120) as client:
+            completion = await client.generate([1, 40, 41, 42], sampling=sampling_params(max_tokens=6, ignore_eos=True))
+            assert len(completion.token_ids) == 6 and completion.weight_version == "base"
+            runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2)]
+            assert all(run.model == "tiny-llama" for run in runs)
+            await client.forward_backward(runs=runs)
+            step = await client.optim_step(1e-3)
+            info = await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id)
+            assert info.weight_version == step.checkpoint.checkpoint_id
+            assert (await client.get_head("tiny-llama")).checkpoint_id == step.checkpoint.checkpoint_id
+    finally:
+        await stack.stop()
+    # A later start finds the slug it imported instead of importing again.
+    again = InProcessStack(StackConfig(data_dir=data_dir, model=str(llama), env=EnvOptions(workers=0)))
+    await again.start()
+    try:
+        async with Client(**again.addresses, timeout=60) as client:
+            assert (await client.get_head("tiny-llama")).checkpoint_id == step.checkpoint.checkpoint_id
+    finally:
+        await again.stop()
+
+
+async def test_an_unknown_model_is_an_error_naming_what_exists(tmp_path: pathlib.Path) -> None:
+    stack = InProcessStack(StackConfig(data_dir=tmp_path, model="no-such-model", env=EnvOptions(workers=0)))
+    with pytest.raises(errors.NotFoundError) as err:
+        await stack.start()
+    assert err.value.reason == "MODEL_NOT_FOUND" and "it has: none" in err.value.message
+    assert not any((tmp_path / "store").rglob("model.json"))  # no model quietly created under that name
