@@ -171,3 +171,27 @@ async def test_infrastructure_failures_are_retried_not_scored(
     engine = ScriptedEngine(served_engine.engine, ["4"], fail_first=10)
     run = await run_episode(engine, env_client, count_task(0), "g", SAMPLING, "tiny", AgentConfig(max_attempts=3))
     assert run.status == common_pb.RUN_STATUS_INFRA_ERROR and run.attempts == 3 and "ENGINE_ERROR" in run.error
+
+
+async def test_a_seeded_request_repeats_exactly_and_its_group_members_differ(client) -> None:
+    """Seeds reach every episode (through Agent(seed=...) and SamplingParams.seed) without making a group alike."""
+    from yieldloop.envs.letters import tasks
+    from yieldloop.training import Agent
+
+    sampling = Agent(seed=7, max_tokens=8).sampling()
+    sampling.ignore_eos = True
+
+    async def completions() -> tuple[dict[str, list[tuple[int, ...]]], set[str]]:
+        by_task: dict[str, list[tuple[int, ...]]] = {}
+        versions = set()
+        async for run in client.stream_rollouts(tasks("ab"), group_size=4, sampling=sampling):
+            by_task.setdefault(run.task.task_id, []).append(tuple(run.turns[0].completion_token_ids))
+            versions.add(run.turns[0].weight_version)
+        return {task: sorted(tokens) for task, tokens in by_task.items()}, versions
+
+    for _ in range(3):  # a head moved by an earlier test may reload in between: compare on the same weights
+        (first, before), (second, after) = await completions(), await completions()
+        if before == after and len(before) == 1:
+            break
+    assert first == second, "the same seed on the same weights gives the same runs"
+    assert all(len(set(tokens)) > 1 for tokens in first.values()), "a group's members sample differently"

@@ -231,3 +231,20 @@ def test_trainer_killed_during_upload_leaves_everything_intact(any_store, tmp_pa
     assert registry.collect_orphans("m", grace_s=3600) == []
     assert registry.collect_orphans("m", grace_s=0) == ["killed"]
     assert list(any_store.list(prefix)) == [] and registry.get_manifest("m", "c1").objects
+
+
+def test_fork_from_a_named_checkpoint(any_store) -> None:
+    """`source@checkpoint` forks from that node of the tree; a missing one fails before anything is written."""
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="src", base="src", architecture="LlamaForCausalLM", num_parameters=7))
+    _commit(registry, "src", "c1", b"one")
+    _commit(registry, "src", "c2", b"two", parent_checkpoint_id="c1")
+    info, head = registry.fork_model("src@c1", "from-c1", owner="team")
+    forked = registry.get_manifest("from-c1", "c1")
+    assert head.checkpoint_id == "c1" and forked.objects[0].key == "models/src/checkpoints/c1/model.safetensors"
+    assert (info.parent, info.owner, info.architecture, info.num_parameters) == ("src", "team", "LlamaForCausalLM", 7)
+    assert registry.get_head("src").checkpoint_id == "c2"  # the source's head never moves
+    with pytest.raises(errors.NotFoundError) as err:
+        registry.fork_model("src@missing", "never")
+    assert err.value.reason == "CHECKPOINT_NOT_FOUND"
+    assert list(any_store.list("models/never/")) == []

@@ -91,11 +91,12 @@ class CheckpointRegistry:
         return [self.get_model(slug) for slug in slugs]
 
     def fork_model(self, source: str, name: str, owner: str = "") -> tuple[ModelInfo, Head]:
-        """A new slug whose first checkpoint is the source's head (objects shared, not copied)."""
+        """A new slug whose first checkpoint is the source's head, or ``source@checkpoint`` (objects shared,
+        not copied). Everything is checked before anything is written."""
         check_name(name, "name")
+        source, _, checkpoint_id = source.partition("@")
         src = self.get_model(source)
-        head = self.get_head(source)
-        manifest = self.get_manifest(source, head.checkpoint_id)
+        manifest = self.get_manifest(source, checkpoint_id or self.get_head(source).checkpoint_id)
         # The fork inherits what the weights are (architecture, size, chat template) from its source.
         info = self.create_model(
             dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import time
 import uuid
@@ -59,6 +60,14 @@ class AgentConfig:
     """Attempts per episode when infrastructure fails."""
 
 
+def seeded(sampling: SamplingConfig, *path: int) -> SamplingConfig:
+    """``sampling`` with a seed derived from its own and ``path`` (an episode, a turn); unseeded stays unseeded."""
+    if not sampling.seed:
+        return sampling
+    digest = hashlib.blake2b(repr((sampling.seed, *path)).encode(), digest_size=8).digest()
+    return dataclasses.replace(sampling, seed=int.from_bytes(digest, "big") >> 2 or 1)
+
+
 async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingConfig) -> Turn:
     """Samples one completion and returns it as a token-exact Turn."""
     turn = Turn(prompt_token_ids=list(prompt_ids))
@@ -95,7 +104,7 @@ async def agent_loop(
             run.agent_stop_reason = AgentStopReason.DEADLINE
             return answer
         try:
-            turn = await asyncio.wait_for(sample_turn(engine, prompt_ids, sampling), remaining)
+            turn = await asyncio.wait_for(sample_turn(engine, prompt_ids, seeded(sampling, step)), remaining)
         except TimeoutError:
             run.agent_stop_reason = AgentStopReason.DEADLINE
             return answer
@@ -183,17 +192,20 @@ async def stream_rollouts(
     finished: asyncio.Queue = asyncio.Queue()
     nonce = uuid.uuid4().hex[:8]
 
-    async def one(task: TaskRef, group_id: str) -> None:
+    async def one(task: TaskRef, group_id: str, episode_sampling: SamplingConfig) -> None:
         async with limit:
             try:
-                await finished.put(await run_episode(engine, env, task, group_id, sampling, model, config))
+                await finished.put(await run_episode(engine, env, task, group_id, episode_sampling, model, config))
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await finished.put(exc)
 
+    # A seeded request repeats exactly: episode k of the request samples with its own seed derived from the
+    # request's (the members of a group still differ), whatever order the episodes finish in.
     workers = [
-        asyncio.create_task(one(task, f"{task.task_id or i}-{nonce}"))
+        asyncio.create_task(one(task, f"{task.task_id or i}-{nonce}",
+                                seeded(sampling, i * group_size + member)))
         for i, task in enumerate(tasks)
-        for _ in range(group_size)
+        for member in range(group_size)
     ]
     try:
         for _ in workers:

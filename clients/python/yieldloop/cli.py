@@ -68,7 +68,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     imported.add_argument("--name", required=True, help="the new slug")
     imported.add_argument("--owner", default="")
     fork = model_commands.add_parser("fork", help="a new model starting from a model's head (objects shared)")
-    fork.add_argument("source")
+    fork.add_argument("source", help="a model slug (its head) or SLUG@CHECKPOINT")
     fork.add_argument("--name", required=True)
     fork.add_argument("--owner", default="")
     checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first (> = HEAD)")

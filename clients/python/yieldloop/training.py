@@ -96,6 +96,9 @@ class Agent:
     top_k: int = 0
     max_tokens: int = 16
     """Tokens per model turn."""
+    seed: int = 0
+    """Sampling seed (0: unseeded). A seeded agent repeats its runs exactly on the same weights: every episode
+    and turn samples with a seed derived from this one (so a group's members still differ)."""
     max_steps: int = 0
     """Model turns per episode (0: 8)."""
     episode_timeout_s: float = 0.0
@@ -103,7 +106,8 @@ class Agent:
 
     def sampling(self) -> rollout_pb.SamplingParams:
         return sampling_params(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
+            seed=self.seed,
         )
 
 

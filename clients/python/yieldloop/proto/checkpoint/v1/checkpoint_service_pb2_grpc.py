@@ -100,8 +100,9 @@ class CheckpointServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ForkModel(self, request, context):
-        """Creates a model slug starting from a source model's head (objects are shared, not copied).
-        Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
+        """Creates a model slug starting from a source model's head, or from `source@checkpoint` (objects are
+        shared, not copied).
+        Returns: OK; NOT_FOUND (MODEL_NOT_FOUND, CHECKPOINT_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
         INVALID_ARGUMENT (INVALID_FIELD) for a malformed slug.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
