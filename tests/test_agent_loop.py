@@ -195,3 +195,17 @@ async def test_a_seeded_request_repeats_exactly_and_its_group_members_differ(cli
             break
     assert first == second, "the same seed on the same weights gives the same runs"
     assert all(len(set(tokens)) > 1 for tokens in first.values()), "a group's members sample differently"
+
+
+async def test_a_raw_text_prompt_is_one_completion_without_the_chat_template(served_engine: ServedEngine,
+                                                                             env_client: Client) -> None:
+    from yieldloop.types import AgentStopReason, PromptFormat, RunStatus
+
+    engine = ScriptedEngine(served_engine.engine, ["42"])
+    task = common_pb.Task(env="sdk", scenario="complete", args_json=json.dumps({"text": "40 + 2 =", "expected": "42"}))
+    run = await run_episode(engine, env_client, task, "g", SamplingConfig(max_tokens=8), "tiny")
+    assert run.status == RunStatus.GRADED and run.reward == 1.0, run.error
+    assert run.prompt_format == PromptFormat.RAW and run.agent_stop_reason == AgentStopReason.ANSWER
+    assert engine.prompts == [engine.render_raw("40 + 2 =")] and len(run.turns) == 1
+    chat = await run_episode(engine, env_client, count_task(1), "g", SamplingConfig(max_tokens=8), "tiny")
+    assert chat.prompt_format == PromptFormat.CHAT

@@ -169,3 +169,37 @@ async def test_an_unknown_model_is_an_error_naming_what_exists(tmp_path: pathlib
         await stack.start()
     assert err.value.reason == "MODEL_NOT_FOUND" and "it has: none" in err.value.message
     assert not any((tmp_path / "store").rglob("model.json"))  # no model quietly created under that name
+
+
+async def test_a_model_without_chat_template_rolls_out_raw_text(tmp_path_factory) -> None:
+    """A base model whose tokenizer has no chat template: episodes give it the prompt as raw text (recorded in
+    the Run); chat requests are a typed error, not an INTERNAL one from transformers."""
+    import aiohttp
+
+    from yieldloop.types import PromptFormat, RunStatus
+
+    folder = build_llama(tmp_path_factory.mktemp("src") / "plain-base", chat_template=False)
+    stack = InProcessStack(StackConfig(data_dir=tmp_path_factory.mktemp("plain-stack"), model=str(folder),
+                                       env=EnvOptions(workers=0)))
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, timeout=120) as client:
+            runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2)]
+            assert all(r.status == RunStatus.GRADED and r.prompt_format == PromptFormat.RAW for r in runs)
+            assert all(len(r.turns) == 1 for r in runs)
+            with pytest.raises(errors.InvalidArgumentError) as err:
+                await client.generate(messages=[{"role": "user", "content": "hi"}])
+            assert err.value.reason == "NO_CHAT_TEMPLATE"
+            completion = await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=3, ignore_eos=True))
+            assert len(completion.token_ids) == 3
+            base_url = (await client.get_serving_info()).openai_base_url
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "plain-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            async with http.post(f"{base_url}/chat/completions", json=body) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["code"] == "no_chat_template"
+            async with http.post(f"{base_url}/completions",
+                                 json={"model": "plain-base", "prompt": "40 + 2 =", "max_tokens": 4}) as response:
+                assert response.status == 200
+    finally:
+        await stack.stop()

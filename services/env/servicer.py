@@ -19,6 +19,7 @@ import grpc
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.env.v1 import env_service_pb2 as pb
 from yieldloop.proto.env.v1 import env_service_pb2_grpc as pb_grpc
+from yieldloop.environment import RawText
 from yieldloop.episode import protocol_error
 from yieldloop.errors import DeadlineExceededError, InvalidArgumentError
 from yieldloop_server.common.grpc_server import rpc
@@ -42,12 +43,14 @@ def tool_specs(info: EnvInfo) -> list[common_pb.ToolSpec]:
     ]
 
 
-def prompt_messages(prompt: str | list[dict[str, str]]) -> tuple[str, list[common_pb.ChatMessage]]:
-    """Text and chat forms of a scenario prompt."""
+def prompt_messages(prompt: str | list[dict[str, str]]) -> tuple[str, list[common_pb.ChatMessage], bool]:
+    """Text and chat forms of a scenario prompt, and whether it is raw text (no chat form)."""
+    if isinstance(prompt, RawText):
+        return str(prompt), [], True
     if isinstance(prompt, str):
-        return prompt, [common_pb.ChatMessage(role="user", content=prompt)]
+        return prompt, [common_pb.ChatMessage(role="user", content=prompt)], False
     messages = [common_pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
-    return "\n".join(m.content for m in messages), messages
+    return "\n".join(m.content for m in messages), messages, False
 
 
 class Deadlines:
@@ -171,11 +174,11 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     deadline = min(deadline, loop.time() + info.episode_timeout_s)
                     watch(me, deadline, "the episode", "EPISODE_DEADLINE")
                     args = _json_object(task.args_json, "SCENARIO_ARGS_INVALID", "start.task.args_json")
-                    text, messages = prompt_messages(await self.host.open(info.name, task.scenario, args, key))
+                    text, messages, raw = prompt_messages(await self.host.open(info.name, task.scenario, args, key))
                     await write(pb.StreamEpisodeResponse(
                         started=pb.EpisodeStarted(
                             episode_id=request.start.episode_id or key, prompt=text, messages=messages,
-                            tools=tool_specs(info),
+                            tools=tool_specs(info), raw_text=raw,
                         )
                     ))
                 elif info is None:

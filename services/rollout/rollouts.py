@@ -36,7 +36,7 @@ from yieldloop_server.rollout.agent import (
     strip_tool_calls,
     tools_for_template,
 )
-from yieldloop.types import AgentStopReason, Run, RunStatus, StopReason, TaskRef, Turn
+from yieldloop.types import AgentStopReason, PromptFormat, Run, RunStatus, StopReason, TaskRef, Turn
 from yieldloop_server.rollout.engines import Engine, SamplingConfig
 
 STOP_REASONS = {
@@ -89,13 +89,19 @@ async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingC
 async def agent_loop(
     engine: Engine, episode, started, run: Run, sampling: SamplingConfig, config: AgentConfig
 ) -> str:
-    """Drives the model through one started episode; fills ``run.turns``; returns the answer to submit."""
+    """Drives the model through one started episode; fills ``run.turns``; returns the answer to submit.
+
+    Raw text (the scenario yielded RawText, or the model has no chat template) is one completion: no chat
+    template, no tools, the completion is the answer.
+    """
     deadline = time.monotonic() + config.episode_timeout_s if config.episode_timeout_s > 0 else None
-    tools = tools_for_template(started.tools) or None
+    raw = started.raw_text or not engine.has_chat_template
+    run.prompt_format = PromptFormat.RAW if raw else PromptFormat.CHAT
+    tools = None if raw else tools_for_template(started.tools) or None
     messages = [{"role": m.role, "content": m.content} for m in started.messages]
-    prompt_ids = engine.render_chat(messages, tools)
+    prompt_ids = engine.render_raw(started.prompt) if raw else engine.render_chat(messages, tools)
     answer = ""
-    for step in range(config.max_steps):
+    for step in range(1 if raw else config.max_steps):
         if len(prompt_ids) >= engine.max_model_len:
             run.agent_stop_reason = AgentStopReason.CONTEXT
             return answer
@@ -110,6 +116,9 @@ async def agent_loop(
             return answer
         run.turns.append(turn)
         text = turn.completion_text
+        if raw:
+            run.agent_stop_reason = AgentStopReason.ANSWER
+            return text
         answer = strip_tool_calls(text)
         try:
             calls = parse_tool_calls(text)

@@ -11,7 +11,7 @@ import os
 import pathlib
 import time
 
-from yieldloop.environment import Environment, EpisodeContext, Grade
+from yieldloop.environment import Environment, EpisodeContext, Grade, RawText
 
 env = Environment("sdk", episode_timeout_s=30, tool_timeout_s=1.0)
 
@@ -94,6 +94,13 @@ async def echo(word: str, tag: str = ""):
     """Rewards answers equal to the word."""
     answer = yield f"Say {word}"
     yield 1.0 if answer == word else 0.0
+
+
+@env.scenario()
+async def complete(text: str, expected: str, tag: str = ""):
+    """A completion task: the prompt is raw text, not a chat message."""
+    answer = yield RawText(text)
+    yield 1.0 if answer.strip() == expected else 0.0
 
 
 @env.scenario()

@@ -32,6 +32,7 @@ _LAZY = {
     "TransportConfig": "yieldloop.transport",
     "EpisodeContext": "yieldloop.environment",
     "Grade": "yieldloop.environment",
+    "RawText": "yieldloop.environment",
     "Task": "yieldloop.environment",
     "Taskset": "yieldloop.taskset",
     "YieldloopError": "yieldloop.errors",

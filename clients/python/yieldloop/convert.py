@@ -18,6 +18,7 @@ from yieldloop.types import (
     Manifest,
     ModelInfo,
     ObjectInfo,
+    PromptFormat,
     Run,
     RunStatus,
     StopReason,
@@ -82,7 +83,8 @@ def run_to_pb(run: Run | common_pb.Run) -> common_pb.Run:
         return run
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
     fields.update(task=common_pb.Task(**dataclasses.asdict(run.task)), turns=[turn_to_pb(t) for t in run.turns],
-                  status=int(run.status), agent_stop_reason=int(run.agent_stop_reason))
+                  status=int(run.status), agent_stop_reason=int(run.agent_stop_reason),
+                  prompt_format=int(run.prompt_format))
     return common_pb.Run(**fields)
 
 
@@ -92,7 +94,7 @@ def run_from_pb(message: common_pb.Run) -> Run:
         prompt=message.prompt, turns=[turn_from_pb(t) for t in message.turns], answer=message.answer,
         reward=message.reward, info_json=message.info_json, status=RunStatus(message.status), error=message.error,
         model=message.model, trace_id=message.trace_id, agent_stop_reason=AgentStopReason(message.agent_stop_reason),
-        attempts=message.attempts,
+        attempts=message.attempts, prompt_format=PromptFormat(message.prompt_format),
     )
 
 

@@ -41,6 +41,16 @@ from typing import Any
 from yieldloop.errors import NotFoundError
 from yieldloop.schema import docstring_args, injected_parameters, signature_schema, validate_arguments
 
+class RawText(str):
+    """A prompt given to the model as it is, not as a chat message: ``yield RawText("12 + 30 =")``.
+
+    For completion tasks on base models. (A model whose tokenizer has no chat template gets every prompt as
+    raw text: a plain string as it is, chat messages joined by newlines.)
+    """
+
+    __slots__ = ()
+
+
 Prompt = str | list[dict[str, str]]
 
 

@@ -109,6 +109,16 @@ class RunStatus(enum.IntEnum):
     INFRA_ERROR = 3
 
 
+class PromptFormat(enum.IntEnum):
+    """How a run's prompt reached the model (values as ``yieldloop.common.v1.PromptFormat``)."""
+
+    UNSPECIFIED = 0
+    CHAT = 1
+    """Rendered with the model's chat template."""
+    RAW = 2
+    """Raw text: the scenario yielded RawText, or the model has no chat template."""
+
+
 @dataclasses.dataclass
 class TaskRef:
     """The task a run played, as recorded: arguments as JSON, and the task's stable id."""
@@ -149,6 +159,7 @@ class Run:
     trace_id: str = ""
     agent_stop_reason: AgentStopReason = AgentStopReason.UNSPECIFIED
     attempts: int = 0
+    prompt_format: PromptFormat = PromptFormat.UNSPECIFIED
 
 
 @dataclasses.dataclass

@@ -99,11 +99,27 @@ class Engine(abc.ABC):
             raise UnavailableError("no weights loaded yet", reason="ENGINE_NOT_READY")
         return self.tokenizer
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template (a base model's often has none)."""
+        return bool(getattr(self._require_tokenizer(), "chat_template", None))
+
+    def render_raw(self, text: str) -> list[int]:
+        """Prompt ids for raw text, with the special tokens the tokenizer adds to a sequence (e.g. BOS)."""
+        return list(self._require_tokenizer()(text, add_special_tokens=True)["input_ids"])
+
     def render_chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, *,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Prompt ids for chat messages (and tools, OpenAI function format) through the chat template."""
+        """Prompt ids for chat messages (and tools, OpenAI function format) through the chat template.
+
+        Raises:
+            InvalidArgumentError: NO_CHAT_TEMPLATE when the model's tokenizer has none.
+        """
+        if not self.has_chat_template:
+            raise InvalidArgumentError("this model's tokenizer has no chat template: send raw text or token ids",
+                                       reason="NO_CHAT_TEMPLATE", field="messages")
         return list(
             self._require_tokenizer().apply_chat_template(
                 list(messages), tools=list(tools) if tools else None,

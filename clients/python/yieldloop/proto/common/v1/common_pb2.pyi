@@ -32,6 +32,12 @@ class RunStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATUS_ENV_ERROR: _ClassVar[RunStatus]
     RUN_STATUS_INFRA_ERROR: _ClassVar[RunStatus]
 
+class PromptFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROMPT_FORMAT_UNSPECIFIED: _ClassVar[PromptFormat]
+    PROMPT_FORMAT_CHAT: _ClassVar[PromptFormat]
+    PROMPT_FORMAT_RAW: _ClassVar[PromptFormat]
+
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
@@ -72,6 +78,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MISSING_DEPENDENCY: _ClassVar[ErrorReason]
     MODEL_SOURCE_NOT_FOUND: _ClassVar[ErrorReason]
     MODEL_SOURCE_INVALID: _ClassVar[ErrorReason]
+    NO_CHAT_TEMPLATE: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -88,6 +95,9 @@ RUN_STATUS_UNSPECIFIED: RunStatus
 RUN_STATUS_GRADED: RunStatus
 RUN_STATUS_ENV_ERROR: RunStatus
 RUN_STATUS_INFRA_ERROR: RunStatus
+PROMPT_FORMAT_UNSPECIFIED: PromptFormat
+PROMPT_FORMAT_CHAT: PromptFormat
+PROMPT_FORMAT_RAW: PromptFormat
 ERROR_REASON_UNSPECIFIED: ErrorReason
 INVALID_FIELD: ErrorReason
 SCENARIO_NOT_FOUND: ErrorReason
@@ -126,6 +136,7 @@ INVALID_JSON: ErrorReason
 MISSING_DEPENDENCY: ErrorReason
 MODEL_SOURCE_NOT_FOUND: ErrorReason
 MODEL_SOURCE_INVALID: ErrorReason
+NO_CHAT_TEMPLATE: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
@@ -174,7 +185,7 @@ class Turn(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., completion_text: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "task", "group_id", "prompt", "turns", "answer", "reward", "info_json", "status", "error", "model", "trace_id", "agent_stop_reason", "attempts")
+    __slots__ = ("run_id", "task", "group_id", "prompt", "turns", "answer", "reward", "info_json", "status", "error", "model", "trace_id", "agent_stop_reason", "attempts", "prompt_format")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +200,7 @@ class Run(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task: Task
     group_id: str
@@ -203,7 +215,8 @@ class Run(_message.Message):
     trace_id: str
     agent_stop_reason: AgentStopReason
     attempts: int
-    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_id: _Optional[str] = ..., prompt: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., answer: _Optional[str] = ..., reward: _Optional[float] = ..., info_json: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., trace_id: _Optional[str] = ..., agent_stop_reason: _Optional[_Union[AgentStopReason, str]] = ..., attempts: _Optional[int] = ...) -> None: ...
+    prompt_format: PromptFormat
+    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_id: _Optional[str] = ..., prompt: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., answer: _Optional[str] = ..., reward: _Optional[float] = ..., info_json: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., trace_id: _Optional[str] = ..., agent_stop_reason: _Optional[_Union[AgentStopReason, str]] = ..., attempts: _Optional[int] = ..., prompt_format: _Optional[_Union[PromptFormat, str]] = ...) -> None: ...
 
 class Datum(_message.Message):
     __slots__ = ("input_tokens", "target_tokens", "sampling_logprobs", "advantages", "weights")

@@ -70,16 +70,18 @@ class StreamEpisodeRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[StartEpisode, _Mapping]] = ..., call_tool: _Optional[_Union[CallTool, _Mapping]] = ..., submit: _Optional[_Union[SubmitAnswer, _Mapping]] = ...) -> None: ...
 
 class EpisodeStarted(_message.Message):
-    __slots__ = ("episode_id", "prompt", "messages", "tools")
+    __slots__ = ("episode_id", "prompt", "messages", "tools", "raw_text")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    RAW_TEXT_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolSpec]
-    def __init__(self, episode_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.ToolSpec, _Mapping]]] = ...) -> None: ...
+    raw_text: bool
+    def __init__(self, episode_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.ToolSpec, _Mapping]]] = ..., raw_text: _Optional[bool] = ...) -> None: ...
 
 class ToolResult(_message.Message):
     __slots__ = ("call_id", "content", "is_error")
