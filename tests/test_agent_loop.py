@@ -209,3 +209,22 @@ async def test_a_raw_text_prompt_is_one_completion_without_the_chat_template(ser
     assert engine.prompts == [engine.render_raw("40 + 2 =")] and len(run.turns) == 1
     chat = await run_episode(engine, env_client, count_task(1), "g", SamplingConfig(max_tokens=8), "tiny")
     assert chat.prompt_format == PromptFormat.CHAT
+
+
+async def test_the_grader_sees_the_stop_reason_and_the_token_ids(served_engine: ServedEngine,
+                                                                 env_client: Client) -> None:
+    """The agent submits its final turn's stop reason and token ids with the answer; the scenario sees them
+    (`ctx.completion`), so "63" cut at the token limit or spelled with other tokens is told apart."""
+    task = common_pb.Task(env="sdk", scenario="exact_digits", args_json=json.dumps({"number": "63"}))
+    engine = ScriptedEngine(served_engine.engine, ["63"])  # the scripted turn ends with EOS
+    run = await run_episode(engine, env_client, task, "g", SAMPLING, "tiny")
+    seen = json.loads(run.info_json)
+    assert run.reward == 1.0 and seen["stop_reason"] == "eos"
+    assert seen["token_ids"] == list(run.turns[-1].completion_token_ids)
+
+    async with env_client.episode(task) as episode:  # an agent cut at the token limit
+        graded = await episode.submit("63", stop_reason=common_pb.STOP_REASON_LENGTH, completion_token_ids=[6, 3])
+    assert graded.reward == 0.0 and json.loads(graded.info_json) == {"stop_reason": "length", "token_ids": [6, 3]}
+    async with env_client.episode(task) as episode:  # an agent with text only
+        graded = await episode.submit("63")
+    assert graded.reward == 0.0 and json.loads(graded.info_json) == {"completion": None}

@@ -69,7 +69,7 @@ async def served(request, tmp_path_factory) -> Served:
 
 async def test_episode_over_the_wire(served: Served) -> None:
     listed = await served.client.list_scenarios()
-    assert {s.name for s in listed.scenarios} == {"count_to", "echo", "complete", "flaky_start"}
+    assert {s.name for s in listed.scenarios} == {"count_to", "echo", "complete", "exact_digits", "flaky_start"}
     assert {t.name for t in listed.tools} >= {"increment", "pid", "sleep", "fail"}
     async with served.client.episode(task(target=3, tag="wire")) as episode:
         started = episode.started

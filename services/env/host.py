@@ -12,7 +12,7 @@ import abc
 import dataclasses
 from typing import Any
 
-from yieldloop.environment import Environment, Grade, Prompt
+from yieldloop.environment import FinalCompletion, Environment, Grade, Prompt
 from yieldloop.errors import NotFoundError
 
 
@@ -71,7 +71,7 @@ class EpisodeHost(abc.ABC):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]: ...
 
     @abc.abstractmethod
-    async def submit(self, episode_id: str, answer: str) -> Grade: ...
+    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade: ...
 
     @abc.abstractmethod
     async def close(self, episode_id: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from yieldloop.environment import Environment, Grade, Prompt
+from yieldloop.environment import FinalCompletion, Environment, Grade, Prompt
 from yieldloop.episode import Episode, protocol_error
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
 
@@ -51,8 +51,8 @@ class InProcessHost(EpisodeHost):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         return await self._episode(episode_id).call_tool(name, arguments)
 
-    async def submit(self, episode_id: str, answer: str) -> Grade:
-        return await self._episode(episode_id).submit(answer)
+    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade:
+        return await self._episode(episode_id).submit(answer, completion)
 
     async def close(self, episode_id: str) -> None:
         episode = self._episodes.pop(episode_id, None)

@@ -22,7 +22,7 @@ import socket
 import time
 from typing import Any
 
-from yieldloop.environment import Grade, Prompt
+from yieldloop.environment import FinalCompletion, Grade, Prompt
 from yieldloop.episode import protocol_error
 from yieldloop.errors import UnavailableError, YieldloopError, as_yieldloop_error, error_from_wire
 from yieldloop_server.env.host import EnvInfo, EpisodeHost
@@ -309,8 +309,8 @@ class WorkerPoolHost(EpisodeHost):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         return await self._request(self._worker_of(episode_id), "call_tool", episode_id, name, arguments)
 
-    async def submit(self, episode_id: str, answer: str) -> Grade:
-        return await self._request(self._worker_of(episode_id), "submit", episode_id, answer)
+    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade:
+        return await self._request(self._worker_of(episode_id), "submit", episode_id, answer, completion)
 
     def _forget(self, episode_id: str) -> _Worker | None:
         worker = self._episode_worker.pop(episode_id, None)

@@ -171,7 +171,9 @@ async def _attempt(engine: Engine, env: Client, run: Run, sampling: SamplingConf
         started = await episode.start()
         run.prompt = started.prompt
         run.answer = await agent_loop(engine, episode, started, run, sampling, config)
-        graded = await episode.submit(run.answer)
+        last = run.turns[-1] if run.turns else Turn()
+        graded = await episode.submit(run.answer, stop_reason=last.stop_reason,
+                                      completion_token_ids=last.completion_token_ids)
         run.reward, run.info_json, run.status = graded.reward, graded.info_json, RunStatus.GRADED
     except (NotFoundError, InvalidArgumentError):
         raise  # the task itself is bad: fail the request, do not record a run

@@ -104,6 +104,16 @@ async def complete(text: str, expected: str, tag: str = ""):
 
 
 @env.scenario()
+async def exact_digits(number: str, tag: str = "", ctx: EpisodeContext = None):
+    """Rewards the digits only when spelled by digit tokens alone and ended by the model (EOS), and reports
+    what the grader saw."""
+    answer = yield f"Write {number}"
+    seen = ctx.completion
+    info = {"stop_reason": seen.stop_reason, "token_ids": list(seen.token_ids)} if seen else {"completion": None}
+    yield Grade(1.0 if seen and seen.stop_reason == "eos" and answer == number else 0.0, info=info)
+
+
+@env.scenario()
 async def flaky_start(marker: str, tag: str = ""):
     """Kills its worker process the first time (no marker file yet), then rewards any answer."""
     path = pathlib.Path(marker)

@@ -33,6 +33,7 @@ _LAZY = {
     "EpisodeContext": "yieldloop.environment",
     "Grade": "yieldloop.environment",
     "RawText": "yieldloop.environment",
+    "FinalCompletion": "yieldloop.environment",
     "Task": "yieldloop.environment",
     "Taskset": "yieldloop.taskset",
     "YieldloopError": "yieldloop.errors",

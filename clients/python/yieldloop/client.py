@@ -147,8 +147,14 @@ class EpisodeSession:
         call.errors_as_results = errors_as_results
         return (await self._exchange(request)).tool_result
 
-    async def submit(self, answer: str) -> env_pb.EpisodeGraded:
-        request = env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(answer=answer))
+    async def submit(
+        self, answer: str, *, stop_reason: int = 0, completion_token_ids: Sequence[int] = ()
+    ) -> env_pb.EpisodeGraded:
+        """Submits the answer, with how the model's final turn ended and its token ids when known (the
+        scenario sees them as ``ctx.completion``)."""
+        request = env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(
+            answer=answer, stop_reason=int(stop_reason), completion_token_ids=completion_token_ids
+        ))
         graded = (await self._exchange(request)).graded
         await self._call.done_writing()  # the server ends the stream once we half-close
         return graded

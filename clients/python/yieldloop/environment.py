@@ -85,6 +85,17 @@ class Task:
         return {"env": self.env, "scenario": self.scenario, "args": self.args}
 
 
+@dataclasses.dataclass(frozen=True)
+class FinalCompletion:
+    """The model's final turn, as the agent submitted it with the answer."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    """The ids the model sampled (with the end-of-sequence token when it wrote one)."""
+    stop_reason: str = ""
+    """"eos", "length", "stop_string", "context", "cancelled", or "" when the agent did not say."""
+
+
 @dataclasses.dataclass
 class EpisodeContext:
     """What one episode's tools, scenario and hooks share; fresh for every episode."""
@@ -92,6 +103,9 @@ class EpisodeContext:
     episode_id: str
     task: Task
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    completion: FinalCompletion | None = None
+    """Set when the answer arrives, before the scenario's grading resumes (None when the agent sent only text):
+    a scenario taking ``ctx`` can grade how the answer ended and which tokens spelled it."""
 
 
 async def call_maybe_async(fn: Callable[..., Any], *args: Any, is_async: bool | None = None, **kwargs: Any) -> Any:

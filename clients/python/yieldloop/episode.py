@@ -14,7 +14,7 @@ import math
 import uuid
 from typing import Any
 
-from yieldloop.environment import Environment, EpisodeContext, Grade, Prompt, Scenario, Task, call_maybe_async
+from yieldloop.environment import FinalCompletion, Environment, EpisodeContext, Grade, Prompt, Scenario, Task, call_maybe_async
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,14 @@ class Episode:
             return f"{type(exc).__name__}: {exc}", True
         return (result if isinstance(result, str) else _to_json(result)), False
 
-    async def submit(self, answer: str) -> Grade:
-        """Sends the answer into the scenario and returns its grade."""
+    async def submit(self, answer: str, completion: FinalCompletion | None = None) -> Grade:
+        """Sends the answer into the scenario (``completion`` on the context first) and returns its grade."""
         if not self._started:
             raise protocol_error("submit before start")
         if self._graded:
             raise protocol_error("the answer was already submitted")
         self._graded = True
+        self.ctx.completion = completion
         name = self.scenario.name
         try:
             value = await self._gen.asend(answer)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from yieldloop.proto.common.v1 import common_pb2 as yieldloop_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"yieldloop/env/v1/env_service.proto\x12\x10yieldloop.env.v1\x1a yieldloop/common/v1/common.proto\"#\n\x14ListScenariosRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\"X\n\x0cScenarioSpec\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x18\n\x10\x61rgs_json_schema\x18\x04 \x01(\t\"x\n\x15ListScenariosResponse\x12\x31\n\tscenarios\x18\x01 \x03(\x0b\x32\x1e.yieldloop.env.v1.ScenarioSpec\x12,\n\x05tools\x18\x02 \x03(\x0b\x32\x1d.yieldloop.common.v1.ToolSpec\"K\n\x0cStartEpisode\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.yieldloop.common.v1.Task\x12\x12\n\nepisode_id\x18\x02 \x01(\t\"\\\n\x08\x43\x61llTool\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x19\n\x11\x65rrors_as_results\x18\x04 \x01(\x08\"\x1e\n\x0cSubmitAnswer\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\"\xb4\x01\n\x14StreamEpisodeRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.yieldloop.env.v1.StartEpisodeH\x00\x12/\n\tcall_tool\x18\x02 \x01(\x0b\x32\x1a.yieldloop.env.v1.CallToolH\x00\x12\x30\n\x06submit\x18\x03 \x01(\x0b\x32\x1e.yieldloop.env.v1.SubmitAnswerH\x00\x42\x08\n\x06\x61\x63tion\"\xa8\x01\n\x0e\x45pisodeStarted\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x32\n\x08messages\x18\x03 \x03(\x0b\x32 .yieldloop.common.v1.ChatMessage\x12,\n\x05tools\x18\x04 \x03(\x0b\x32\x1d.yieldloop.common.v1.ToolSpec\x12\x10\n\x08raw_text\x18\x05 \x01(\x08\"@\n\nToolResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\"2\n\rEpisodeGraded\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x11\n\tinfo_json\x18\x02 \x01(\t\"\xbd\x01\n\x15StreamEpisodeResponse\x12\x33\n\x07started\x18\x01 \x01(\x0b\x32 .yieldloop.env.v1.EpisodeStartedH\x00\x12\x33\n\x0btool_result\x18\x02 \x01(\x0b\x32\x1c.yieldloop.env.v1.ToolResultH\x00\x12\x31\n\x06graded\x18\x03 \x01(\x0b\x32\x1f.yieldloop.env.v1.EpisodeGradedH\x00\x42\x07\n\x05\x65vent2\xd4\x01\n\nEnvService\x12`\n\rListScenarios\x12&.yieldloop.env.v1.ListScenariosRequest\x1a\'.yieldloop.env.v1.ListScenariosResponse\x12\x64\n\rStreamEpisode\x12&.yieldloop.env.v1.StreamEpisodeRequest\x1a\'.yieldloop.env.v1.StreamEpisodeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"yieldloop/env/v1/env_service.proto\x12\x10yieldloop.env.v1\x1a yieldloop/common/v1/common.proto\"#\n\x14ListScenariosRequest\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\"X\n\x0cScenarioSpec\x12\x0b\n\x03\x65nv\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x18\n\x10\x61rgs_json_schema\x18\x04 \x01(\t\"x\n\x15ListScenariosResponse\x12\x31\n\tscenarios\x18\x01 \x03(\x0b\x32\x1e.yieldloop.env.v1.ScenarioSpec\x12,\n\x05tools\x18\x02 \x03(\x0b\x32\x1d.yieldloop.common.v1.ToolSpec\"K\n\x0cStartEpisode\x12\'\n\x04task\x18\x01 \x01(\x0b\x32\x19.yieldloop.common.v1.Task\x12\x12\n\nepisode_id\x18\x02 \x01(\t\"\\\n\x08\x43\x61llTool\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x19\n\x11\x65rrors_as_results\x18\x04 \x01(\x08\"r\n\x0cSubmitAnswer\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\x34\n\x0bstop_reason\x18\x02 \x01(\x0e\x32\x1f.yieldloop.common.v1.StopReason\x12\x1c\n\x14\x63ompletion_token_ids\x18\x03 \x03(\x05\"\xb4\x01\n\x14StreamEpisodeRequest\x12/\n\x05start\x18\x01 \x01(\x0b\x32\x1e.yieldloop.env.v1.StartEpisodeH\x00\x12/\n\tcall_tool\x18\x02 \x01(\x0b\x32\x1a.yieldloop.env.v1.CallToolH\x00\x12\x30\n\x06submit\x18\x03 \x01(\x0b\x32\x1e.yieldloop.env.v1.SubmitAnswerH\x00\x42\x08\n\x06\x61\x63tion\"\xa8\x01\n\x0e\x45pisodeStarted\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x32\n\x08messages\x18\x03 \x03(\x0b\x32 .yieldloop.common.v1.ChatMessage\x12,\n\x05tools\x18\x04 \x03(\x0b\x32\x1d.yieldloop.common.v1.ToolSpec\x12\x10\n\x08raw_text\x18\x05 \x01(\x08\"@\n\nToolResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\"2\n\rEpisodeGraded\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x11\n\tinfo_json\x18\x02 \x01(\t\"\xbd\x01\n\x15StreamEpisodeResponse\x12\x33\n\x07started\x18\x01 \x01(\x0b\x32 .yieldloop.env.v1.EpisodeStartedH\x00\x12\x33\n\x0btool_result\x18\x02 \x01(\x0b\x32\x1c.yieldloop.env.v1.ToolResultH\x00\x12\x31\n\x06graded\x18\x03 \x01(\x0b\x32\x1f.yieldloop.env.v1.EpisodeGradedH\x00\x42\x07\n\x05\x65vent2\xd4\x01\n\nEnvService\x12`\n\rListScenarios\x12&.yieldloop.env.v1.ListScenariosRequest\x1a\'.yieldloop.env.v1.ListScenariosResponse\x12\x64\n\rStreamEpisode\x12&.yieldloop.env.v1.StreamEpisodeRequest\x1a\'.yieldloop.env.v1.StreamEpisodeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,17 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CALLTOOL']._serialized_start=416
   _globals['_CALLTOOL']._serialized_end=508
   _globals['_SUBMITANSWER']._serialized_start=510
-  _globals['_SUBMITANSWER']._serialized_end=540
-  _globals['_STREAMEPISODEREQUEST']._serialized_start=543
-  _globals['_STREAMEPISODEREQUEST']._serialized_end=723
-  _globals['_EPISODESTARTED']._serialized_start=726
-  _globals['_EPISODESTARTED']._serialized_end=894
-  _globals['_TOOLRESULT']._serialized_start=896
-  _globals['_TOOLRESULT']._serialized_end=960
-  _globals['_EPISODEGRADED']._serialized_start=962
-  _globals['_EPISODEGRADED']._serialized_end=1012
-  _globals['_STREAMEPISODERESPONSE']._serialized_start=1015
-  _globals['_STREAMEPISODERESPONSE']._serialized_end=1204
-  _globals['_ENVSERVICE']._serialized_start=1207
-  _globals['_ENVSERVICE']._serialized_end=1419
+  _globals['_SUBMITANSWER']._serialized_end=624
+  _globals['_STREAMEPISODEREQUEST']._serialized_start=627
+  _globals['_STREAMEPISODEREQUEST']._serialized_end=807
+  _globals['_EPISODESTARTED']._serialized_start=810
+  _globals['_EPISODESTARTED']._serialized_end=978
+  _globals['_TOOLRESULT']._serialized_start=980
+  _globals['_TOOLRESULT']._serialized_end=1044
+  _globals['_EPISODEGRADED']._serialized_start=1046
+  _globals['_EPISODEGRADED']._serialized_end=1096
+  _globals['_STREAMEPISODERESPONSE']._serialized_start=1099
+  _globals['_STREAMEPISODERESPONSE']._serialized_end=1288
+  _globals['_ENVSERVICE']._serialized_start=1291
+  _globals['_ENVSERVICE']._serialized_end=1503
 # @@protoc_insertion_point(module_scope)

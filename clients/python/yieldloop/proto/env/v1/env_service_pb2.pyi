@@ -54,10 +54,14 @@ class CallTool(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., errors_as_results: _Optional[bool] = ...) -> None: ...
 
 class SubmitAnswer(_message.Message):
-    __slots__ = ("answer",)
+    __slots__ = ("answer", "stop_reason", "completion_token_ids")
     ANSWER_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     answer: str
-    def __init__(self, answer: _Optional[str] = ...) -> None: ...
+    stop_reason: _common_pb2.StopReason
+    completion_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, answer: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamEpisodeRequest(_message.Message):
     __slots__ = ("start", "call_tool", "submit")
