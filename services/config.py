@@ -54,6 +54,8 @@ class TrainerOptions:
     """Trainer weights dtype (auto: bfloat16 on CUDA, float32 elsewhere)."""
     nproc: int = 1
     """Trainer ranks, data parallel (gloo on CPU, NCCL on CUDA, one GPU per rank)."""
+    max_models: int = dataclasses.field(default=2, metadata={"flag": "--trainer-max-models"})
+    """Models the trainer keeps loaded at once, one session each (1 when nproc > 1)."""
 
     def resolved_dtype(self, device: str) -> str:
         """The dtype with "auto" resolved for ``device``."""

@@ -43,14 +43,14 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
         from yieldloop_server.trainer.server import build
         from yieldloop_server.trainer.trainer import TrainerConfig
 
-        server, session = await build(
+        server, sessions = await build(
             opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device)),
-            opts.host, opts.port, opts.trainer.nproc, opts.transport,
+            opts.host, opts.port, opts.trainer.nproc, opts.transport, opts.trainer.max_models,
         )
 
         async def stop(grace: float) -> None:
             await server.stop(grace)
-            await session.close()
+            await sessions.close()
 
         return server.start, stop
     if opts.service == "rollout":

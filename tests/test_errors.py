@@ -142,3 +142,14 @@ async def test_rollout_server_for_unknown_model_fails_fast(stack, tmp_path) -> N
     with pytest.raises(errors.NotFoundError) as err:
         await server.start()
     assert err.value.reason == "MODEL_NOT_FOUND"
+
+
+async def test_a_client_stream_that_fails_to_build_raises_its_own_error(client) -> None:
+    """An error while the client produces a stream's messages is raised as itself, not as grpc's CANCELLED."""
+    with pytest.raises(errors.InvalidArgumentError, match="num_substeps"):
+        await client.forward_backward(runs=_bad_runs())
+
+
+def _bad_runs():
+    yield "not-a-trace-id-that-matters"
+    raise errors.InvalidArgumentError("num_substeps must be >= 1", reason="INVALID_FIELD", field="num_substeps")

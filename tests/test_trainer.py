@@ -91,3 +91,48 @@ def test_datum_validation(datum: Datum, field: str, reason: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         datum.validate(vocab_size=384)
     assert (err.value.field, err.value.reason) == (field, reason)
+
+
+async def test_one_trainer_trains_several_slugs_apart(stack, client) -> None:
+    """Each slug has its own session (weights, AdamW state, gradients): steps of one never move another's head;
+    two slugs train concurrently; a busy trainer refuses a third slug rather than drop pending gradients."""
+    import asyncio
+
+    from yieldloop import errors
+    from yieldloop.envs.letters import tasks
+
+    for name in ("twin-a", "twin-b", "twin-c"):
+        await client.fork_model("tiny", name)
+    runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2)]
+    tiny_head = await client.get_head("tiny")
+
+    async def train(slug: str) -> str:
+        await client.forward_backward(runs=runs, model=slug)
+        return (await client.optim_step(1e-3, model=slug)).checkpoint.checkpoint_id
+
+    a, b = await asyncio.gather(train("twin-a"), train("twin-b"))  # concurrently, from one client
+    for slug, checkpoint in (("twin-a", a), ("twin-b", b)):
+        head = await client.get_head(slug)
+        assert head.checkpoint_id == checkpoint
+        assert (await client.get_checkpoint(slug, checkpoint)).parent_checkpoint_id == tiny_head.checkpoint_id
+        assert (await client.get_trainer_info(model=slug)).step == 1  # its own optimizer, one step
+    assert (await client.get_head("tiny")).checkpoint_id == tiny_head.checkpoint_id
+    a2 = await train("twin-a")
+    assert (await client.get_checkpoint("twin-a", a2)).parent_checkpoint_id == a
+    assert (await client.get_head("twin-b")).checkpoint_id == b
+
+    # Two loaded sessions with pending gradients: a third slug is refused, nothing is dropped.
+    await client.forward_backward(runs=runs, model="twin-a")
+    await client.forward_backward(runs=runs, model="twin-b")
+    with pytest.raises(errors.ResourceExhaustedError) as err:
+        await client.forward_backward(runs=runs, model="twin-c")
+    assert err.value.reason == "TOO_MANY_MODELS"
+    for slug in ("twin-a", "twin-b"):
+        assert (await client.get_trainer_info(model=slug)).num_pending_datums == len(runs)
+        await client.optim_step(1e-3, model=slug)
+    await client.forward_backward(runs=runs, model="twin-c")  # room again: an idle session is closed
+    assert (await client.get_trainer_info(model="twin-c")).step == 0
+    await client.optim_step(1e-3, model="twin-c")
+    with pytest.raises(errors.NotFoundError) as missing:
+        await client.forward_backward(runs=runs, model="no-such-slug")
+    assert missing.value.reason == "MODEL_NOT_FOUND"

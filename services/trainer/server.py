@@ -12,7 +12,7 @@ from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
 from yieldloop_server.trainer.servicer import TrainerServicer
-from yieldloop_server.trainer.session import TrainingSession
+from yieldloop_server.trainer.session import TrainingSession, TrainingSessions
 from yieldloop_server.trainer.trainer import TrainerConfig
 
 SERVICE_NAME = "yieldloop.trainer.v1.TrainerService"
@@ -28,14 +28,19 @@ async def build(
     port: int = 0,
     nproc: int = 1,
     transport: TransportConfig = DEFAULT_TRANSPORT,
-) -> tuple[GrpcServer, TrainingSession]:
-    """A TrainerService server with the model's head loaded (not started), and its session (close it after the
-    server stopped); ``nproc`` > 1 trains data-parallel."""
+    max_sessions: int = 2,
+) -> tuple[GrpcServer, TrainingSessions]:
+    """A TrainerService server (not started) with the default ``model``'s session loaded, and its sessions
+    (close them after the server stopped). ``nproc`` > 1 trains data-parallel, one model at a time (each
+    session's ranks are processes of their own)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = Client(checkpoint=checkpoint_address, transport=transport)
     traces = TraceStore(store, run_to_bytes, run_from_bytes)
-    session = TrainingSession(model, store, checkpoints, traces, work_dir, config, nproc)
-    await session.load_head()
+    sessions = TrainingSessions(
+        lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc),
+        default=model, max_sessions=1 if nproc > 1 else max_sessions,
+    )
+    await sessions.start()
     server = GrpcServer(host, port, transport)
-    server.add(pb_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(session), SERVICE_NAME)
-    return server, session
+    server.add(pb_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(sessions), SERVICE_NAME)
+    return server, sessions

@@ -14,54 +14,54 @@ from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, Run
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.trainer import losses
-from yieldloop_server.trainer.session import LossOptions, TrainingSession
+from yieldloop_server.trainer.session import LossOptions, TrainingSessions
 from yieldloop_server.trainer.trainer import AdamConfig
 
 
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
-    """Serves one model's training session."""
+    """Serves the training sessions of every slug (see :class:`TrainingSessions`)."""
 
-    def __init__(self, session: TrainingSession) -> None:
-        self.session = session
+    def __init__(self, sessions: TrainingSessions) -> None:
+        self.sessions = sessions
 
     @rpc
     async def ForwardBackward(
         self, request_iterator: AsyncIterator[pb.ForwardBackwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.ForwardBackwardResponse:
-        session = self.session
-        await session.follow_head()
-        config: pb.ForwardBackwardConfig | None = None
-        runs: list[Run] = []
-        datums: list[Datum] = []
-        async for request in request_iterator:
-            item = request.WhichOneof("item")
-            if config is None and item != "config":
-                raise invalid_field("config", "the first message must be a ForwardBackwardConfig")
-            if item == "config":
-                if config is not None:
-                    raise invalid_field("config", "the config was sent twice")
-                config = request.config
-                losses.resolve(config.loss_fn, dict(config.loss_fn_config))  # fail before the data arrives
-            elif item == "datum":
-                datums.append(datum_from_pb(request.datum).validate(session.vocab_size, f"datums[{len(datums)}]"))
-            elif item == "run":
-                runs.append(run_from_pb(request.run))
-            elif item == "trace_id":
-                runs.append(await session.get_run(request.trace_id))
-            else:
-                raise invalid_field("item", "empty request")
-        if config is None:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None:
             raise invalid_field("config", "no ForwardBackwardConfig was sent")
-        options = LossOptions(
-            loss_fn=config.loss_fn,
-            loss_fn_config=dict(config.loss_fn_config),
-            normalize_advantages_by_std=config.normalize_advantages_by_std,
-            drop_groups_without_signal=config.drop_groups_without_signal,
-            reward_scale=config.reward_scale,
-            group_size=config.group_size,
-            allow_incomplete_groups=config.allow_incomplete_groups,
-        )
-        metrics, num_datums, stats = await session.forward_backward(datums, runs, options)
+        if first.WhichOneof("item") != "config":
+            raise invalid_field("config", "the first message must be a ForwardBackwardConfig")
+        config = first.config
+        losses.resolve(config.loss_fn, dict(config.loss_fn_config))  # fail before the data arrives
+        async with self.sessions.use(config.model) as session:
+            await session.follow_head()
+            runs: list[Run] = []
+            datums: list[Datum] = []
+            async for request in requests:
+                item = request.WhichOneof("item")
+                if item == "config":
+                    raise invalid_field("config", "the config was sent twice")
+                if item == "datum":
+                    datums.append(datum_from_pb(request.datum).validate(session.vocab_size, f"datums[{len(datums)}]"))
+                elif item == "run":
+                    runs.append(run_from_pb(request.run))
+                elif item == "trace_id":
+                    runs.append(await session.get_run(request.trace_id))
+                else:
+                    raise invalid_field("item", "empty request")
+            options = LossOptions(
+                loss_fn=config.loss_fn,
+                loss_fn_config=dict(config.loss_fn_config),
+                normalize_advantages_by_std=config.normalize_advantages_by_std,
+                drop_groups_without_signal=config.drop_groups_without_signal,
+                reward_scale=config.reward_scale,
+                group_size=config.group_size,
+                allow_incomplete_groups=config.allow_incomplete_groups,
+            )
+            metrics, num_datums, stats = await session.forward_backward(datums, runs, options)
         return pb.ForwardBackwardResponse(
             loss_sum=metrics.pop("loss_sum"),
             num_datums=num_datums,
@@ -75,20 +75,24 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def Forward(
         self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.ForwardResponse:
-        session = self.session
-        await session.follow_head()
-        items: list[Datum | Run] = []
-        async for request in request_iterator:
-            kind = request.WhichOneof("item")
-            if kind == "datum":
-                items.append(datum_from_pb(request.datum).validate(session.vocab_size, f"items[{len(items)}]"))
-            elif kind == "run":
-                items.append(run_from_pb(request.run))
-            else:
-                raise invalid_field(f"items[{len(items)}]", "empty request")
-        if not items:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None:
             raise invalid_field("items", "the batch is empty")
-        scored = await session.score(items)
+        async with self.sessions.use(first.model) as session:
+            await session.follow_head()
+            items: list[Datum | Run] = []
+            request: pb.ForwardRequest | None = first
+            while request is not None:
+                kind = request.WhichOneof("item")
+                if kind == "datum":
+                    items.append(datum_from_pb(request.datum).validate(session.vocab_size, f"items[{len(items)}]"))
+                elif kind == "run":
+                    items.append(run_from_pb(request.run))
+                else:
+                    raise invalid_field(f"items[{len(items)}]", "empty request")
+                request = await anext(requests, None)
+            scored = await session.score(items)
         return pb.ForwardResponse(
             results=[pb.TokenLogprobs(logprobs=logprobs, datum=datum_to_pb(datum)) for datum, logprobs in scored]
         )
@@ -97,16 +101,21 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def Backward(
         self, request_iterator: AsyncIterator[pb.BackwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.BackwardResponse:
-        session = self.session
-        await session.follow_head()
-        datums: list[Datum] = []
-        async for request in request_iterator:
-            datum = datum_from_pb(request.datum)
-            datum.sampling_logprobs, datum.advantages = [], []  # only the weights count here
-            datums.append(datum.validate(session.vocab_size, f"datums[{len(datums)}]"))
-        if not datums:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None:
             raise invalid_field("items", "the batch is empty")
-        return pb.BackwardResponse(num_datums=len(datums), num_tokens=await session.backward(datums))
+        async with self.sessions.use(first.model) as session:
+            await session.follow_head()
+            datums: list[Datum] = []
+            request: pb.BackwardRequest | None = first
+            while request is not None:
+                datum = datum_from_pb(request.datum)
+                datum.sampling_logprobs, datum.advantages = [], []  # only the weights count here
+                datums.append(datum.validate(session.vocab_size, f"datums[{len(datums)}]"))
+                request = await anext(requests, None)
+            num_tokens = await session.backward(datums)
+        return pb.BackwardResponse(num_datums=len(datums), num_tokens=num_tokens)
 
     @rpc
     async def OptimStep(self, request: pb.OptimStepRequest, context: grpc.aio.ServicerContext) -> pb.OptimStepResponse:
@@ -119,15 +128,16 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             weight_decay=adam.weight_decay,
             max_grad_norm=adam.max_grad_norm,
         )
-        outcome = await self.session.optim_step(
-            config, skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
-            metadata_json=request.metadata_json,
-        )
+        async with self.sessions.use(request.model) as session:
+            outcome = await session.optim_step(
+                config, skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
+                metadata_json=request.metadata_json,
+            )
         if not outcome.checkpoint_id:
             return pb.OptimStepResponse(step=outcome.step, grad_norm=outcome.grad_norm)
         return pb.OptimStepResponse(
             step=outcome.step,
-            checkpoint=common_pb.CheckpointRef(model=self.session.model, checkpoint_id=outcome.checkpoint_id),
+            checkpoint=common_pb.CheckpointRef(model=session.model, checkpoint_id=outcome.checkpoint_id),
             grad_norm=outcome.grad_norm,
             head_sequence=outcome.head.sequence if outcome.head is not None else 0,
         )
@@ -152,12 +162,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def GetTrainerInfo(
         self, request: pb.GetTrainerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetTrainerInfoResponse:
-        session = self.session
-        assert session.trainer is not None
-        return pb.GetTrainerInfoResponse(
-            model=session.model,
-            step=session.trainer.step,
-            checkpoint_id=session.checkpoint_id,
-            num_pending_datums=session.trainer.num_pending_datums,
-            device=session.config.device,
-        )
+        async with self.sessions.use(request.model) as session:
+            assert session.trainer is not None
+            return pb.GetTrainerInfoResponse(
+                model=session.model,
+                step=session.trainer.step,
+                checkpoint_id=session.checkpoint_id,
+                num_pending_datums=session.trainer.num_pending_datums,
+                device=session.config.device,
+            )

@@ -9,18 +9,20 @@ committing each optimizer step. Plain Python over the client library: no grpc, n
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import pathlib
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from yieldloop.client import Client
-from yieldloop.errors import invalid_field
+from yieldloop.errors import ResourceExhaustedError, invalid_field
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, Run, RunStatus
 from yieldloop_server.checkpoint.files import download_verified, upload_folder
@@ -208,3 +210,72 @@ class TrainingSession:
         _, head = await self.checkpoints.commit_checkpoint(manifest, set_head=set_head)
         self.checkpoint_id = checkpoint_id
         return StepOutcome(step, grad_norm, checkpoint_id, head)
+
+
+class TrainingSessions:
+    """One :class:`TrainingSession` per model slug: loaded from the slug's head on first use, never sharing
+    weights, optimizer state or gradients with another slug. Beyond ``max_sessions`` loaded at once, the least
+    recently used idle session (no call in flight, no pending gradients) is closed; when none is idle the call
+    is refused (RESOURCE_EXHAUSTED/TOO_MANY_MODELS) rather than dropping a slug's gradients.
+
+    Args:
+        make: Builds the (unloaded) session of a slug.
+        default: The slug a call naming no model trains.
+        max_sessions: Sessions loaded at once.
+    """
+
+    def __init__(self, make: Callable[[str], TrainingSession], default: str, max_sessions: int = 2) -> None:
+        self.make = make
+        self.default = default
+        self.max_sessions = max(1, max_sessions)
+        self._sessions: collections.OrderedDict[str, TrainingSession] = collections.OrderedDict()
+        self._users: collections.Counter[str] = collections.Counter()
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Loads the default slug (a missing model fails the start, not the first call)."""
+        async with self.use(self.default):
+            pass
+
+    @contextlib.asynccontextmanager
+    async def use(self, model: str = "") -> AsyncIterator[TrainingSession]:
+        """The session of ``model`` (default: the default slug), loaded if needed, held for the block."""
+        slug = model or self.default
+        async with self._lock:  # one load at a time; calls on loaded slugs pass straight through
+            session = self._sessions.get(slug)
+            if session is None:
+                await self._make_room()
+                session = self.make(slug)
+                try:
+                    await session.load_head()  # NOT_FOUND (MODEL_NOT_FOUND) for a slug that does not exist
+                except BaseException:
+                    await session.close()
+                    raise
+                self._sessions[slug] = session
+            self._sessions.move_to_end(slug)
+            self._users[slug] += 1
+        try:
+            yield session
+        finally:
+            self._users[slug] -= 1
+
+    async def _make_room(self) -> None:
+        while len(self._sessions) >= self.max_sessions:
+            idle = [slug for slug, s in self._sessions.items()
+                    if not self._users[slug] and not (s.trainer and s.trainer.num_pending_datums)]
+            if not idle:
+                raise ResourceExhaustedError(
+                    f"the trainer holds {len(self._sessions)} models ({', '.join(self._sessions)}), each busy or "
+                    "with pending gradients: run their optimizer steps first", reason="TOO_MANY_MODELS",
+                )
+            await self._sessions.pop(idle[0]).close()  # least recently used first
+
+    @property
+    def loaded(self) -> list[str]:
+        return list(self._sessions)
+
+    async def close(self) -> None:
+        async with self._lock:
+            for session in self._sessions.values():
+                await session.close()
+            self._sessions.clear()

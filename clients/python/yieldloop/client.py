@@ -93,12 +93,33 @@ async def _call_error(call: Any, err: grpc.aio.AioRpcError | None = None) -> Yie
 
 
 async def _unary(method: Any, request: Any, timeout: float | None = None) -> Any:
-    """Calls a unary-response RPC (``request`` may be an iterator for client streams)."""
+    """Calls a unary-response RPC (``request`` may be an iterator for client streams).
+
+    An exception raised while producing a client stream's messages is raised as itself: grpc would cancel
+    the call and report only CANCELLED.
+    """
+    failure: list[Exception] = []
+    if hasattr(request, "__iter__"):  # a client stream (protobuf messages are not iterable)
+        request = _recording(request, failure)
     call = method(request, timeout=timeout)
     try:
         return await call
+    except asyncio.CancelledError:
+        if failure:
+            raise failure[0] from None
+        raise
     except grpc.aio.AioRpcError as err:
+        if failure:
+            raise failure[0] from None
         raise await _call_error(call, err) from None
+
+
+def _recording(requests: Iterable[Any], failure: list[Exception]) -> Iterable[Any]:
+    try:
+        yield from requests
+    except Exception as exc:  # kept for _unary, which raises it instead of grpc's CANCELLED
+        failure.append(exc)
+        raise
 
 
 async def _stream(call: Any) -> AsyncIterator[Any]:
@@ -357,10 +378,11 @@ class Client:
         reward_scale: float = 1.0,
         group_size: int = 0,
         allow_incomplete_groups: bool = False,
+        model: str = "",
     ) -> trainer_pb.ForwardBackwardResponse:
         """Streams a config then runs (Run messages or trace ids, interchangeably) and/or datums.
 
-        Gradients accumulate until optim_step.
+        Gradients accumulate until optim_step. ``model`` names the slug trained (empty: the trainer's default).
 
         Runs become datums with GRPO advantages (reward * reward_scale minus the group mean, optionally
         divided by the group's std); with ``group_size`` a group of another size is refused unless
@@ -374,6 +396,7 @@ class Client:
             reward_scale=reward_scale,
             group_size=group_size,
             allow_incomplete_groups=allow_incomplete_groups,
+            model=model,
         )
 
         def requests() -> Iterable[trainer_pb.ForwardBackwardRequest]:
@@ -389,30 +412,32 @@ class Client:
         return await _unary(self.trainer_stub.ForwardBackward, requests(), self.timeout)
 
     async def forward_scored(
-        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = ()
+        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = (),
+        model: str = "",
     ) -> list[tuple[Datum, list[float]]]:
         """For each run, then each datum: the datum scored (runs with their group-centred advantages) and the
         learner's logprob of each of its targets (no gradient)."""
 
         def requests() -> Iterable[trainer_pb.ForwardRequest]:
             for run in runs:
-                yield trainer_pb.ForwardRequest(run=run_to_pb(run))
+                yield trainer_pb.ForwardRequest(run=run_to_pb(run), model=model)
             for datum in datums:
-                yield trainer_pb.ForwardRequest(datum=datum_to_pb(datum))
+                yield trainer_pb.ForwardRequest(datum=datum_to_pb(datum), model=model)
 
         response = await _unary(self.trainer_stub.Forward, requests(), self.timeout)
         return [(datum_from_pb(result.datum), list(result.logprobs)) for result in response.results]
 
     async def forward(
-        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = ()
+        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = (),
+        model: str = "",
     ) -> list[list[float]]:
         """The learner's per-target-token logprobs for each run, then each datum (no gradient)."""
-        return [logprobs for _, logprobs in await self.forward_scored(runs=runs, datums=datums)]
+        return [logprobs for _, logprobs in await self.forward_scored(runs=runs, datums=datums, model=model)]
 
-    async def backward(self, datums: Iterable[Datum | common_pb.Datum]) -> trainer_pb.BackwardResponse:
+    async def backward(self, datums: Iterable[Datum | common_pb.Datum], model: str = "") -> trainer_pb.BackwardResponse:
         """Accumulates the gradient of -(weights * logprob).sum() for datums whose weights are -d loss / d logprob
         (a custom loss: see :func:`yieldloop.training.forward_backward_custom`)."""
-        requests = (trainer_pb.BackwardRequest(datum=datum_to_pb(d)) for d in datums)
+        requests = (trainer_pb.BackwardRequest(datum=datum_to_pb(d), model=model) for d in datums)
         return await _unary(self.trainer_stub.Backward, requests, self.timeout)
 
     async def optim_step(
@@ -422,6 +447,7 @@ class Client:
         set_head: bool = True,
         metadata_json: str = "",
         skip_checkpoint: bool = False,
+        model: str = "",
         **adam: float,
     ) -> trainer_pb.OptimStepResponse:
         """AdamW step (beta1, beta2, eps, weight_decay, max_grad_norm as keywords) and checkpoint commit."""
@@ -430,6 +456,7 @@ class Client:
             set_head=set_head,
             metadata_json=metadata_json,
             skip_checkpoint=skip_checkpoint,
+            model=model,
         )
         return await _unary(self.trainer_stub.OptimStep, request, self.timeout)
 
@@ -442,6 +469,7 @@ class Client:
         num_substeps: int = 1,
         set_head: bool = True,
         adam: Mapping[str, float] | None = None,
+        model: str = "",
         **forward_backward_options: Any,
     ) -> tuple[trainer_pb.OptimStepResponse, list[trainer_pb.ForwardBackwardResponse]]:
         """One training step on a batch: ``num_substeps`` optimizer steps on consecutive slices of it.
@@ -453,18 +481,20 @@ class Client:
         slices = split_whole_groups(runs, num_substeps)
         metrics, step = [], None
         for i, batch in enumerate(slices):
-            metrics.append(await self.forward_backward(runs=batch, loss_fn=loss_fn, **forward_backward_options))
+            metrics.append(await self.forward_backward(runs=batch, loss_fn=loss_fn, model=model,
+                                                       **forward_backward_options))
             last = i == len(slices) - 1
             step = await self.optim_step(
-                learning_rate, set_head=set_head and last, skip_checkpoint=not last, **dict(adam or {})
+                learning_rate, set_head=set_head and last, skip_checkpoint=not last, model=model, **dict(adam or {})
             )
         return step, metrics
 
     async def list_losses(self) -> trainer_pb.ListLossesResponse:
         return await _unary(self.trainer_stub.ListLosses, trainer_pb.ListLossesRequest(), self.timeout)
 
-    async def get_trainer_info(self) -> trainer_pb.GetTrainerInfoResponse:
-        return await _unary(self.trainer_stub.GetTrainerInfo, trainer_pb.GetTrainerInfoRequest(), self.timeout)
+    async def get_trainer_info(self, model: str = "") -> trainer_pb.GetTrainerInfoResponse:
+        request = trainer_pb.GetTrainerInfoRequest(model=model)
+        return await _unary(self.trainer_stub.GetTrainerInfo, request, self.timeout)
 
     # CheckpointService ---------------------------------------------------------------
 

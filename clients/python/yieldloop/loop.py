@@ -308,11 +308,11 @@ async def closed_loop(
         fb = await client.forward_backward(
             runs=[r for r in runs if r.status == RunStatus.GRADED], loss_fn=config.loss_fn,
             loss_fn_config=config.loss_fn_config, normalize_advantages_by_std=config.normalize_advantages_by_std,
-            allow_incomplete_groups=True,
+            allow_incomplete_groups=True, model=config.model,
         )
         backward = time.perf_counter()
         adam = {"max_grad_norm": config.max_grad_norm} if config.max_grad_norm else {}
-        optim = await client.optim_step(config.learning_rate, set_head=not heldout,
+        optim = await client.optim_step(config.learning_rate, set_head=not heldout, model=config.model,
                                         metadata_json=json.dumps({"job_id": job.id}), **adam)
         candidate = optim.checkpoint.checkpoint_id
         optimized = time.perf_counter()

@@ -231,6 +231,7 @@ async def forward_backward_custom(
     loss_fn: Callable[..., Any] | None = None,
     *,
     datums: Iterable[Datum] = (),
+    model: str = "",
 ) -> tuple[float, dict[str, float]]:
     """Trains on any loss that depends on the weights only through the logprobs.
 
@@ -244,7 +245,7 @@ async def forward_backward_custom(
 
     if loss_fn is None:
         raise invalid_field("loss_fn", "forward_backward_custom needs a loss_fn(datums, logprobs)")
-    scored = await client.forward_scored(runs=runs, datums=datums)
+    scored = await client.forward_scored(runs=runs, datums=datums, model=model)
     logprobs = [torch.tensor(lps, dtype=torch.float64, requires_grad=True) for _, lps in scored]
     result = loss_fn([datum for datum, _ in scored], logprobs)
     loss, metrics = result if isinstance(result, tuple) else (result, {})
@@ -253,7 +254,7 @@ async def forward_backward_custom(
         Datum(datum.input_tokens, datum.target_tokens,
               weights=(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).tolist())
         for (datum, _), lp in zip(scored, logprobs, strict=True)
-    ])
+    ], model=model)
     return float(loss.detach()), dict(metrics)
 
 
@@ -288,12 +289,9 @@ class TrainingClient:
         self._checked = False
 
     async def _check_model(self) -> None:
+        """Loads the slug's training session (NOT_FOUND/MODEL_NOT_FOUND when the slug does not exist)."""
         if not self._checked:
-            info = await self.client.get_trainer_info()
-            if info.model != self.model:
-                raise NotFoundError(
-                    f"the trainer trains {info.model!r}, not {self.model!r}", reason="MODEL_NOT_FOUND"
-                )
+            await self.client.get_trainer_info(model=self.model)
             self._checked = True
 
     async def available_losses(self) -> list[str]:
@@ -307,7 +305,8 @@ class TrainingClient:
         await self._check_model()
         report_groups_without_spread(runs)
         return await self.client.forward_backward(
-            runs=runs, loss_fn=loss_fn, loss_fn_config=loss_fn_config, group_size=group_size, **options
+            runs=runs, loss_fn=loss_fn, loss_fn_config=loss_fn_config, group_size=group_size, model=self.model,
+            **options,
         )
 
     async def forward_backward_custom(
@@ -320,12 +319,12 @@ class TrainingClient:
         resolved = [by_id[run] if isinstance(run, str) else run for run in runs]
         report_groups_without_spread(resolved)
         check_group_sizes(resolved, group_size)
-        return await forward_backward_custom(self.client, resolved, loss_fn)
+        return await forward_backward_custom(self.client, resolved, loss_fn, model=self.model)
 
     async def optim_step(self, learning_rate: float, *, set_head: bool = True, **adam: float) -> StepResult:
         """AdamW step and checkpoint commit (HEAD moves when ``set_head``)."""
         await self._check_model()
-        step = await self.client.optim_step(learning_rate, set_head=set_head, **adam)
+        step = await self.client.optim_step(learning_rate, set_head=set_head, model=self.model, **adam)
         return StepResult(step.step, step.checkpoint.checkpoint_id, float("nan"), float("nan"), 0, {}, step.grad_norm)
 
     async def step(
@@ -345,7 +344,7 @@ class TrainingClient:
         flat = report_groups_without_spread(runs)
         step, metrics = await self.client.train_step(
             runs, learning_rate, loss_fn=loss_fn, num_substeps=num_substeps, set_head=set_head,
-            group_size=group_size, loss_fn_config=loss_fn_config, **options,
+            group_size=group_size, loss_fn_config=loss_fn_config, model=self.model, **options,
         )
         last = metrics[-1]
         return StepResult(

@@ -79,6 +79,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_SOURCE_NOT_FOUND: _ClassVar[ErrorReason]
     MODEL_SOURCE_INVALID: _ClassVar[ErrorReason]
     NO_CHAT_TEMPLATE: _ClassVar[ErrorReason]
+    TOO_MANY_MODELS: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -137,6 +138,7 @@ MISSING_DEPENDENCY: ErrorReason
 MODEL_SOURCE_NOT_FOUND: ErrorReason
 MODEL_SOURCE_INVALID: ErrorReason
 NO_CHAT_TEMPLATE: ErrorReason
+TOO_MANY_MODELS: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

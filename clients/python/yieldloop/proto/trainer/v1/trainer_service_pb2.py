@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from yieldloop.proto.common.v1 import common_pb2 as yieldloop_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*yieldloop/trainer/v1/trainer_service.proto\x12\x14yieldloop.trainer.v1\x1a yieldloop/common/v1/common.proto\"\xc8\x02\n\x15\x46orwardBackwardConfig\x12\x0f\n\x07loss_fn\x18\x01 \x01(\t\x12U\n\x0eloss_fn_config\x18\x02 \x03(\x0b\x32=.yieldloop.trainer.v1.ForwardBackwardConfig.LossFnConfigEntry\x12#\n\x1bnormalize_advantages_by_std\x18\x03 \x01(\x08\x12\"\n\x1a\x64rop_groups_without_signal\x18\x04 \x01(\x08\x12\x14\n\x0creward_scale\x18\x05 \x01(\x01\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x1f\n\x17\x61llow_incomplete_groups\x18\x07 \x01(\x08\x1a\x33\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc9\x01\n\x16\x46orwardBackwardRequest\x12=\n\x06\x63onfig\x18\x01 \x01(\x0b\x32+.yieldloop.trainer.v1.ForwardBackwardConfigH\x00\x12+\n\x05\x64\x61tum\x18\x02 \x01(\x0b\x32\x1a.yieldloop.common.v1.DatumH\x00\x12\'\n\x03run\x18\x03 \x01(\x0b\x32\x18.yieldloop.common.v1.RunH\x00\x12\x12\n\x08trace_id\x18\x04 \x01(\tH\x00\x42\x06\n\x04item\"\x8e\x02\n\x17\x46orwardBackwardResponse\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x12\n\nnum_datums\x18\x02 \x01(\x03\x12\x19\n\x11num_action_tokens\x18\x03 \x01(\x03\x12\x12\n\nnum_groups\x18\x04 \x01(\x03\x12!\n\x19num_groups_without_signal\x18\x05 \x01(\x03\x12K\n\x07metrics\x18\x06 \x03(\x0b\x32:.yieldloop.trainer.v1.ForwardBackwardResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"n\n\x0e\x46orwardRequest\x12+\n\x05\x64\x61tum\x18\x01 \x01(\x0b\x32\x1a.yieldloop.common.v1.DatumH\x00\x12\'\n\x03run\x18\x02 \x01(\x0b\x32\x18.yieldloop.common.v1.RunH\x00\x42\x06\n\x04item\"L\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12)\n\x05\x64\x61tum\x18\x02 \x01(\x0b\x32\x1a.yieldloop.common.v1.Datum\"G\n\x0f\x46orwardResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.yieldloop.trainer.v1.TokenLogprobs\"<\n\x0f\x42\x61\x63kwardRequest\x12)\n\x05\x64\x61tum\x18\x01 \x01(\x0b\x32\x1a.yieldloop.common.v1.Datum\":\n\x10\x42\x61\x63kwardResponse\x12\x12\n\nnum_datums\x18\x01 \x01(\x03\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\"{\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x06 \x01(\x01\"\x84\x01\n\x10OptimStepRequest\x12.\n\x04\x61\x64\x61m\x18\x01 \x01(\x0b\x32 .yieldloop.trainer.v1.AdamParams\x12\x10\n\x08set_head\x18\x02 \x01(\x08\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x17\n\x0fskip_checkpoint\x18\x04 \x01(\x08\"\x83\x01\n\x11OptimStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x36\n\ncheckpoint\x18\x02 \x01(\x0b\x32\".yieldloop.common.v1.CheckpointRef\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12\x15\n\rhead_sequence\x18\x04 \x01(\x03\"D\n\x08LossKnob\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rdefault_value\x18\x02 \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"\\\n\x08LossSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x05knobs\x18\x03 \x03(\x0b\x32\x1e.yieldloop.trainer.v1.LossKnob\"\x13\n\x11ListLossesRequest\"D\n\x12ListLossesResponse\x12.\n\x06losses\x18\x01 \x03(\x0b\x32\x1e.yieldloop.trainer.v1.LossSpec\"\x17\n\x15GetTrainerInfoRequest\"x\n\x16GetTrainerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rcheckpoint_id\x18\x03 \x01(\t\x12\x1a\n\x12num_pending_datums\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t2\xe5\x04\n\x0eTrainerService\x12p\n\x0f\x46orwardBackward\x12,.yieldloop.trainer.v1.ForwardBackwardRequest\x1a-.yieldloop.trainer.v1.ForwardBackwardResponse(\x01\x12X\n\x07\x46orward\x12$.yieldloop.trainer.v1.ForwardRequest\x1a%.yieldloop.trainer.v1.ForwardResponse(\x01\x12[\n\x08\x42\x61\x63kward\x12%.yieldloop.trainer.v1.BackwardRequest\x1a&.yieldloop.trainer.v1.BackwardResponse(\x01\x12\\\n\tOptimStep\x12&.yieldloop.trainer.v1.OptimStepRequest\x1a\'.yieldloop.trainer.v1.OptimStepResponse\x12_\n\nListLosses\x12\'.yieldloop.trainer.v1.ListLossesRequest\x1a(.yieldloop.trainer.v1.ListLossesResponse\x12k\n\x0eGetTrainerInfo\x12+.yieldloop.trainer.v1.GetTrainerInfoRequest\x1a,.yieldloop.trainer.v1.GetTrainerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*yieldloop/trainer/v1/trainer_service.proto\x12\x14yieldloop.trainer.v1\x1a yieldloop/common/v1/common.proto\"\xd7\x02\n\x15\x46orwardBackwardConfig\x12\x0f\n\x07loss_fn\x18\x01 \x01(\t\x12U\n\x0eloss_fn_config\x18\x02 \x03(\x0b\x32=.yieldloop.trainer.v1.ForwardBackwardConfig.LossFnConfigEntry\x12#\n\x1bnormalize_advantages_by_std\x18\x03 \x01(\x08\x12\"\n\x1a\x64rop_groups_without_signal\x18\x04 \x01(\x08\x12\x14\n\x0creward_scale\x18\x05 \x01(\x01\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x1f\n\x17\x61llow_incomplete_groups\x18\x07 \x01(\x08\x12\r\n\x05model\x18\x08 \x01(\t\x1a\x33\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc9\x01\n\x16\x46orwardBackwardRequest\x12=\n\x06\x63onfig\x18\x01 \x01(\x0b\x32+.yieldloop.trainer.v1.ForwardBackwardConfigH\x00\x12+\n\x05\x64\x61tum\x18\x02 \x01(\x0b\x32\x1a.yieldloop.common.v1.DatumH\x00\x12\'\n\x03run\x18\x03 \x01(\x0b\x32\x18.yieldloop.common.v1.RunH\x00\x12\x12\n\x08trace_id\x18\x04 \x01(\tH\x00\x42\x06\n\x04item\"\x8e\x02\n\x17\x46orwardBackwardResponse\x12\x10\n\x08loss_sum\x18\x01 \x01(\x01\x12\x12\n\nnum_datums\x18\x02 \x01(\x03\x12\x19\n\x11num_action_tokens\x18\x03 \x01(\x03\x12\x12\n\nnum_groups\x18\x04 \x01(\x03\x12!\n\x19num_groups_without_signal\x18\x05 \x01(\x03\x12K\n\x07metrics\x18\x06 \x03(\x0b\x32:.yieldloop.trainer.v1.ForwardBackwardResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"}\n\x0e\x46orwardRequest\x12+\n\x05\x64\x61tum\x18\x01 \x01(\x0b\x32\x1a.yieldloop.common.v1.DatumH\x00\x12\'\n\x03run\x18\x02 \x01(\x0b\x32\x18.yieldloop.common.v1.RunH\x00\x12\r\n\x05model\x18\x03 \x01(\tB\x06\n\x04item\"L\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12)\n\x05\x64\x61tum\x18\x02 \x01(\x0b\x32\x1a.yieldloop.common.v1.Datum\"G\n\x0f\x46orwardResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.yieldloop.trainer.v1.TokenLogprobs\"K\n\x0f\x42\x61\x63kwardRequest\x12)\n\x05\x64\x61tum\x18\x01 \x01(\x0b\x32\x1a.yieldloop.common.v1.Datum\x12\r\n\x05model\x18\x02 \x01(\t\":\n\x10\x42\x61\x63kwardResponse\x12\x12\n\nnum_datums\x18\x01 \x01(\x03\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\"{\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\x06 \x01(\x01\"\x93\x01\n\x10OptimStepRequest\x12.\n\x04\x61\x64\x61m\x18\x01 \x01(\x0b\x32 .yieldloop.trainer.v1.AdamParams\x12\x10\n\x08set_head\x18\x02 \x01(\x08\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\x12\x17\n\x0fskip_checkpoint\x18\x04 \x01(\x08\x12\r\n\x05model\x18\x05 \x01(\t\"\x83\x01\n\x11OptimStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x36\n\ncheckpoint\x18\x02 \x01(\x0b\x32\".yieldloop.common.v1.CheckpointRef\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12\x15\n\rhead_sequence\x18\x04 \x01(\x03\"D\n\x08LossKnob\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rdefault_value\x18\x02 \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"\\\n\x08LossSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12-\n\x05knobs\x18\x03 \x03(\x0b\x32\x1e.yieldloop.trainer.v1.LossKnob\"\x13\n\x11ListLossesRequest\"D\n\x12ListLossesResponse\x12.\n\x06losses\x18\x01 \x03(\x0b\x32\x1e.yieldloop.trainer.v1.LossSpec\"&\n\x15GetTrainerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"x\n\x16GetTrainerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x15\n\rcheckpoint_id\x18\x03 \x01(\t\x12\x1a\n\x12num_pending_datums\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t2\xe5\x04\n\x0eTrainerService\x12p\n\x0f\x46orwardBackward\x12,.yieldloop.trainer.v1.ForwardBackwardRequest\x1a-.yieldloop.trainer.v1.ForwardBackwardResponse(\x01\x12X\n\x07\x46orward\x12$.yieldloop.trainer.v1.ForwardRequest\x1a%.yieldloop.trainer.v1.ForwardResponse(\x01\x12[\n\x08\x42\x61\x63kward\x12%.yieldloop.trainer.v1.BackwardRequest\x1a&.yieldloop.trainer.v1.BackwardResponse(\x01\x12\\\n\tOptimStep\x12&.yieldloop.trainer.v1.OptimStepRequest\x1a\'.yieldloop.trainer.v1.OptimStepResponse\x12_\n\nListLosses\x12\'.yieldloop.trainer.v1.ListLossesRequest\x1a(.yieldloop.trainer.v1.ListLossesResponse\x12k\n\x0eGetTrainerInfo\x12+.yieldloop.trainer.v1.GetTrainerInfoRequest\x1a,.yieldloop.trainer.v1.GetTrainerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,43 +37,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_FORWARDBACKWARDCONFIG']._serialized_start=103
-  _globals['_FORWARDBACKWARDCONFIG']._serialized_end=431
-  _globals['_FORWARDBACKWARDCONFIG_LOSSFNCONFIGENTRY']._serialized_start=380
-  _globals['_FORWARDBACKWARDCONFIG_LOSSFNCONFIGENTRY']._serialized_end=431
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_start=434
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=635
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=638
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=908
-  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_start=862
-  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_end=908
-  _globals['_FORWARDREQUEST']._serialized_start=910
-  _globals['_FORWARDREQUEST']._serialized_end=1020
-  _globals['_TOKENLOGPROBS']._serialized_start=1022
-  _globals['_TOKENLOGPROBS']._serialized_end=1098
-  _globals['_FORWARDRESPONSE']._serialized_start=1100
-  _globals['_FORWARDRESPONSE']._serialized_end=1171
-  _globals['_BACKWARDREQUEST']._serialized_start=1173
-  _globals['_BACKWARDREQUEST']._serialized_end=1233
-  _globals['_BACKWARDRESPONSE']._serialized_start=1235
-  _globals['_BACKWARDRESPONSE']._serialized_end=1293
-  _globals['_ADAMPARAMS']._serialized_start=1295
-  _globals['_ADAMPARAMS']._serialized_end=1418
-  _globals['_OPTIMSTEPREQUEST']._serialized_start=1421
-  _globals['_OPTIMSTEPREQUEST']._serialized_end=1553
-  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1556
-  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1687
-  _globals['_LOSSKNOB']._serialized_start=1689
-  _globals['_LOSSKNOB']._serialized_end=1757
-  _globals['_LOSSSPEC']._serialized_start=1759
-  _globals['_LOSSSPEC']._serialized_end=1851
-  _globals['_LISTLOSSESREQUEST']._serialized_start=1853
-  _globals['_LISTLOSSESREQUEST']._serialized_end=1872
-  _globals['_LISTLOSSESRESPONSE']._serialized_start=1874
-  _globals['_LISTLOSSESRESPONSE']._serialized_end=1942
-  _globals['_GETTRAINERINFOREQUEST']._serialized_start=1944
-  _globals['_GETTRAINERINFOREQUEST']._serialized_end=1967
-  _globals['_GETTRAINERINFORESPONSE']._serialized_start=1969
-  _globals['_GETTRAINERINFORESPONSE']._serialized_end=2089
-  _globals['_TRAINERSERVICE']._serialized_start=2092
-  _globals['_TRAINERSERVICE']._serialized_end=2705
+  _globals['_FORWARDBACKWARDCONFIG']._serialized_end=446
+  _globals['_FORWARDBACKWARDCONFIG_LOSSFNCONFIGENTRY']._serialized_start=395
+  _globals['_FORWARDBACKWARDCONFIG_LOSSFNCONFIGENTRY']._serialized_end=446
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_start=449
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=650
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=653
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=923
+  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_start=877
+  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_end=923
+  _globals['_FORWARDREQUEST']._serialized_start=925
+  _globals['_FORWARDREQUEST']._serialized_end=1050
+  _globals['_TOKENLOGPROBS']._serialized_start=1052
+  _globals['_TOKENLOGPROBS']._serialized_end=1128
+  _globals['_FORWARDRESPONSE']._serialized_start=1130
+  _globals['_FORWARDRESPONSE']._serialized_end=1201
+  _globals['_BACKWARDREQUEST']._serialized_start=1203
+  _globals['_BACKWARDREQUEST']._serialized_end=1278
+  _globals['_BACKWARDRESPONSE']._serialized_start=1280
+  _globals['_BACKWARDRESPONSE']._serialized_end=1338
+  _globals['_ADAMPARAMS']._serialized_start=1340
+  _globals['_ADAMPARAMS']._serialized_end=1463
+  _globals['_OPTIMSTEPREQUEST']._serialized_start=1466
+  _globals['_OPTIMSTEPREQUEST']._serialized_end=1613
+  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1616
+  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1747
+  _globals['_LOSSKNOB']._serialized_start=1749
+  _globals['_LOSSKNOB']._serialized_end=1817
+  _globals['_LOSSSPEC']._serialized_start=1819
+  _globals['_LOSSSPEC']._serialized_end=1911
+  _globals['_LISTLOSSESREQUEST']._serialized_start=1913
+  _globals['_LISTLOSSESREQUEST']._serialized_end=1932
+  _globals['_LISTLOSSESRESPONSE']._serialized_start=1934
+  _globals['_LISTLOSSESRESPONSE']._serialized_end=2002
+  _globals['_GETTRAINERINFOREQUEST']._serialized_start=2004
+  _globals['_GETTRAINERINFOREQUEST']._serialized_end=2042
+  _globals['_GETTRAINERINFORESPONSE']._serialized_start=2044
+  _globals['_GETTRAINERINFORESPONSE']._serialized_end=2164
+  _globals['_TRAINERSERVICE']._serialized_start=2167
+  _globals['_TRAINERSERVICE']._serialized_end=2780
 # @@protoc_insertion_point(module_scope)

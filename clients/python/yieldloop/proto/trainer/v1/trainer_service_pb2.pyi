@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardBackwardConfig(_message.Message):
-    __slots__ = ("loss_fn", "loss_fn_config", "normalize_advantages_by_std", "drop_groups_without_signal", "reward_scale", "group_size", "allow_incomplete_groups")
+    __slots__ = ("loss_fn", "loss_fn_config", "normalize_advantages_by_std", "drop_groups_without_signal", "reward_scale", "group_size", "allow_incomplete_groups", "model")
     class LossFnConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class ForwardBackwardConfig(_message.Message):
     REWARD_SCALE_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_INCOMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     loss_fn: str
     loss_fn_config: _containers.ScalarMap[str, float]
     normalize_advantages_by_std: bool
@@ -30,7 +31,8 @@ class ForwardBackwardConfig(_message.Message):
     reward_scale: float
     group_size: int
     allow_incomplete_groups: bool
-    def __init__(self, loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., normalize_advantages_by_std: _Optional[bool] = ..., drop_groups_without_signal: _Optional[bool] = ..., reward_scale: _Optional[float] = ..., group_size: _Optional[int] = ..., allow_incomplete_groups: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., normalize_advantages_by_std: _Optional[bool] = ..., drop_groups_without_signal: _Optional[bool] = ..., reward_scale: _Optional[float] = ..., group_size: _Optional[int] = ..., allow_incomplete_groups: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
     __slots__ = ("config", "datum", "run", "trace_id")
@@ -68,12 +70,14 @@ class ForwardBackwardResponse(_message.Message):
     def __init__(self, loss_sum: _Optional[float] = ..., num_datums: _Optional[int] = ..., num_action_tokens: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_groups_without_signal: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("datum", "run")
+    __slots__ = ("datum", "run", "model")
     DATUM_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     datum: _common_pb2.Datum
     run: _common_pb2.Run
-    def __init__(self, datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ..., run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ..., run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprobs", "datum")
@@ -90,10 +94,12 @@ class ForwardResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("datum",)
+    __slots__ = ("datum", "model")
     DATUM_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     datum: _common_pb2.Datum
-    def __init__(self, datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, datum: _Optional[_Union[_common_pb2.Datum, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
     __slots__ = ("num_datums", "num_tokens")
@@ -120,16 +126,18 @@ class AdamParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("adam", "set_head", "metadata_json", "skip_checkpoint")
+    __slots__ = ("adam", "set_head", "metadata_json", "skip_checkpoint", "model")
     ADAM_FIELD_NUMBER: _ClassVar[int]
     SET_HEAD_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     SKIP_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     adam: AdamParams
     set_head: bool
     metadata_json: str
     skip_checkpoint: bool
-    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ..., skip_checkpoint: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ..., skip_checkpoint: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "checkpoint", "grad_norm", "head_sequence")
@@ -174,8 +182,10 @@ class ListLossesResponse(_message.Message):
     def __init__(self, losses: _Optional[_Iterable[_Union[LossSpec, _Mapping]]] = ...) -> None: ...
 
 class GetTrainerInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetTrainerInfoResponse(_message.Message):
     __slots__ = ("model", "step", "checkpoint_id", "num_pending_datums", "device")

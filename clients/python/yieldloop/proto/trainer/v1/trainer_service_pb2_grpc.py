@@ -26,8 +26,11 @@ if _version_not_supported:
 
 
 class TrainerServiceStub:
-    """Trains one model slug: gradients accumulate across ForwardBackward calls
-    until OptimStep applies them and commits a checkpoint.
+    """Trains model slugs, one session per slug (loaded on first use from the slug's head; the least recently
+    used idle session is closed beyond the service's limit): gradients accumulate per slug across
+    ForwardBackward calls until OptimStep applies them and commits a checkpoint of that slug. Every RPC that
+    names a model may also answer NOT_FOUND (MODEL_NOT_FOUND), and RESOURCE_EXHAUSTED (TOO_MANY_MODELS) when
+    every loaded session holds pending gradients.
     """
 
     def __init__(self, channel):
@@ -69,8 +72,11 @@ class TrainerServiceStub:
 
 
 class TrainerServiceServicer:
-    """Trains one model slug: gradients accumulate across ForwardBackward calls
-    until OptimStep applies them and commits a checkpoint.
+    """Trains model slugs, one session per slug (loaded on first use from the slug's head; the least recently
+    used idle session is closed beyond the service's limit): gradients accumulate per slug across
+    ForwardBackward calls until OptimStep applies them and commits a checkpoint of that slug. Every RPC that
+    names a model may also answer NOT_FOUND (MODEL_NOT_FOUND), and RESOURCE_EXHAUSTED (TOO_MANY_MODELS) when
+    every loaded session holds pending gradients.
     """
 
     def ForwardBackward(self, request_iterator, context):
@@ -177,8 +183,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TrainerService:
-    """Trains one model slug: gradients accumulate across ForwardBackward calls
-    until OptimStep applies them and commits a checkpoint.
+    """Trains model slugs, one session per slug (loaded on first use from the slug's head; the least recently
+    used idle session is closed beyond the service's limit): gradients accumulate per slug across
+    ForwardBackward calls until OptimStep applies them and commits a checkpoint of that slug. Every RPC that
+    names a model may also answer NOT_FOUND (MODEL_NOT_FOUND), and RESOURCE_EXHAUSTED (TOO_MANY_MODELS) when
+    every loaded session holds pending gradients.
     """
 
     @staticmethod
