@@ -72,6 +72,8 @@ class RolloutOptions:
     """Rollout engine: torch, or vllm (pip install 'yieldloop-server[vllm]')."""
     http_port: int = 0
     """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
+    max_models: int = dataclasses.field(default=2, metadata={"flag": "--rollout-max-models"})
+    """Engines the rollout service keeps loaded at once, one per model slug (least recently used unloaded)."""
 
 
 @dataclasses.dataclass

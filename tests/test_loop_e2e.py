@@ -13,6 +13,7 @@ from yieldloop.envs.letters import letter_reward, tasks
 from yieldloop.loop import LoopConfig, closed_loop
 
 MODEL = "tiny"
+PROMPT = [1, 40, 41, 42, 43]
 
 
 async def test_one_iteration_commits_moves_head_and_reloads(client: Client) -> None:
@@ -184,3 +185,45 @@ async def test_hot_reloads_under_generation_load_fail_no_request(client: Client)
     assert failures == [], failures[:3]
     assert completed > 20 and versions_seen == {"base", original.checkpoint_id}
     assert (await client.get_head(MODEL)).checkpoint_id == original.checkpoint_id
+
+
+async def test_one_rollout_service_serves_every_slug_by_name(stack, client: Client) -> None:
+    """A fork is sampled by its slug (gRPC and the OpenAI endpoint), follows its own head, and is trained by its
+    slug; the source's head and weights are untouched; beyond the engine limit an idle engine is unloaded."""
+    import aiohttp
+
+    from yieldloop import errors
+
+    tiny_head = await client.get_head(MODEL)
+    await client.fork_model(MODEL, "served-fork")
+    completion = await client.generate(PROMPT, model="served-fork", sampling=sampling_params(max_tokens=4))
+    assert completion.weight_version == tiny_head.checkpoint_id  # the fork's head: shared objects, same node
+    runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2, model="served-fork")]
+    assert {run.model for run in runs} == {"served-fork"}
+
+    await client.forward_backward(runs=runs, model="served-fork")
+    step = await client.optim_step(1e-3, model="served-fork")
+    new = step.checkpoint.checkpoint_id
+    info = await client.get_serving_info(wait_for_checkpoint_id=new, model="served-fork")
+    assert info.model == "served-fork" and info.weight_version == new
+    after = await client.generate(PROMPT, model="served-fork", sampling=sampling_params(max_tokens=4))
+    assert after.weight_version == new
+    assert (await client.get_head(MODEL)).checkpoint_id == tiny_head.checkpoint_id
+    assert (await client.get_serving_info()).weight_version == tiny_head.checkpoint_id
+
+    base_url = info.openai_base_url
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "served-fork", "prompt": PROMPT, "max_tokens": 3}
+        async with http.post(f"{base_url}/completions", json=body) as response:
+            assert response.status == 200 and (await response.json())["choices"][0]["weight_version"] == new
+        async with http.post(f"{base_url}/completions", json={**body, "model": "no-such-slug"}) as response:
+            assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
+
+    # Two engines at most (the default): a third slug unloads the least recently used idle one.
+    await client.fork_model(MODEL, "served-fork-2")
+    third = await client.generate(PROMPT, model="served-fork-2", sampling=sampling_params(max_tokens=2))
+    assert third.weight_version == tiny_head.checkpoint_id
+    assert (await client.generate(PROMPT, sampling=sampling_params(max_tokens=2))).weight_version
+    with pytest.raises(errors.NotFoundError) as err:
+        await client.generate(PROMPT, model="no-such-slug")
+    assert err.value.reason == "MODEL_NOT_FOUND"

@@ -74,7 +74,7 @@ async def test_one_interceptor_sees_every_rpc_kind_of_every_service_and_http(sta
     counts = _count(call_recorder, since)
     assert counts[HEALTH_CHECK] == 4 and counts[HEALTH_WATCH] == 4
     for method, expected in [
-        ("/yieldloop.checkpoint.v1.CheckpointService/ListModels", 1),
+        ("/yieldloop.checkpoint.v1.CheckpointService/ListModels", 2),  # ours, and /v1/models listing the store
         ("/yieldloop.env.v1.EnvService/ListScenarios", 1),
         ("/yieldloop.trainer.v1.TrainerService/GetTrainerInfo", 1),
         ("/yieldloop.trainer.v1.TrainerService/Forward", 1),

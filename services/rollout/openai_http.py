@@ -26,10 +26,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from yieldloop.errors import InvalidArgumentError, NotFoundError, YieldloopError, as_yieldloop_error, invalid_field
+from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
 from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
-from yieldloop_server.rollout.engines import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta
+from yieldloop_server.rollout.models import ServedModel, ServedModels
 
 log = logging.getLogger(__name__)
 _FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -86,10 +87,10 @@ class OpenAIEndpoint:
     """The HTTP endpoint of one RolloutService (``base_url`` is ``http://host:port/v1``)."""
 
     def __init__(
-        self, model: str, engine: Engine, host: str = "127.0.0.1", port: int = 0,
+        self, models: ServedModels, host: str = "127.0.0.1", port: int = 0,
         transport: TransportConfig = DEFAULT_TRANSPORT,
     ) -> None:
-        self.model, self.engine, self.host, self.port = model, engine, host, port
+        self.models, self.host, self.port = models, host, port
         self.transport = transport
         self._runner: Any = None
         self.base_url = ""
@@ -135,11 +136,20 @@ class OpenAIEndpoint:
     async def _models(self, request: Any) -> Any:
         from aiohttp import web
 
-        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "yieldloop",
-                "weight_version": self.engine.weight_version}
-        if self.engine.weight_version:
-            card["max_model_len"] = self.engine.max_model_len
-        return web.json_response({"object": "list", "data": [card]})
+        # Every slug of the store is served on request: the default first; loaded ones with their weights.
+        slugs = [self.models.default]
+        if self.models.checkpoints is not None:
+            listed = await self.models.checkpoints.list_models()
+            slugs += sorted(m.slug for m in listed.models if m.slug != self.models.default)
+        loaded = {served.slug: served.engine for served in self.models.loaded}
+        cards = []
+        for slug in slugs:
+            card: dict[str, Any] = {"id": slug, "object": "model", "created": 0, "owned_by": "yieldloop",
+                                    "weight_version": loaded[slug].weight_version if slug in loaded else ""}
+            if slug in loaded and loaded[slug].weight_version:
+                card["max_model_len"] = loaded[slug].max_model_len
+            cards.append(card)
+        return web.json_response({"object": "list", "data": cards})
 
     async def _completions(self, request: Any) -> Any:
         return await self._handle(request, chat=False)
@@ -155,42 +165,40 @@ class OpenAIEndpoint:
         try:
             if not isinstance(body, dict):
                 raise invalid_field("body", "the request body must be a JSON object")
-            if body.get("model") not in (None, "", self.model):
-                raise NotFoundError(f"this server serves {self.model!r}, not {body.get('model')!r}",
-                                    reason="MODEL_NOT_FOUND")
+            model = body.get("model") or ""
+            if not isinstance(model, str):
+                raise invalid_field("model", "model must be a model slug")
             n = body.get("n") or 1
             if not isinstance(n, int) or not 1 <= n <= 64:
                 raise invalid_field("n", "n must be an integer in [1, 64]")
-            if chat:
-                sampling = _sampling(body, ("max_completion_tokens", "max_tokens"))
-                prompt_ids = self._chat_prompt(body)
-            else:
-                sampling = _sampling(body, ("max_tokens",))
-                prompt_ids = self._completion_prompt(body)
-            if body.get("stream"):
-                if n != 1:
-                    raise invalid_field("n", "streaming supports n = 1")
-                return await self._stream(request, chat, body, prompt_ids, sampling)
-            choices = await asyncio.gather(*(self._collect(prompt_ids, sampling, i) for i in range(n)))
+            sampling = _sampling(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+            async with self.models.use(model) as served:  # NOT_FOUND (MODEL_NOT_FOUND) for a missing slug
+                prompt_ids = self._chat_prompt(served, body) if chat else self._completion_prompt(served, body)
+                if body.get("stream"):
+                    if n != 1:
+                        raise invalid_field("n", "streaming supports n = 1")
+                    return await self._stream(served, request, chat, body, prompt_ids, sampling)
+                choices = await asyncio.gather(*(self._collect(served, prompt_ids, sampling, i) for i in range(n)))
+                response = self._response(served, chat, body, prompt_ids, choices)
         except Exception as err:  # the request's boundary: a typed answer, the endpoint keeps serving
             if not isinstance(err, YieldloopError):
                 log.exception("unexpected error in %s", request.path)
             return _error(as_yieldloop_error(err))
         from aiohttp import web
 
-        return web.json_response(self._response(chat, body, prompt_ids, choices))
+        return web.json_response(response)
 
-    def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
+    def _completion_prompt(self, served: ServedModel, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return self.engine.encode(prompt)
+            return served.engine.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         raise invalid_field("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
 
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+    def _chat_prompt(self, served: ServedModel, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise invalid_field("messages", "messages must be a non-empty list of message objects")
@@ -198,14 +206,16 @@ class OpenAIEndpoint:
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise invalid_field("tools", "tools must be a list")
-        return self.engine.render_chat(rendered, tools)
+        return served.engine.render_chat(rendered, tools)
 
-    async def _collect(self, prompt_ids: list[int], sampling: SamplingConfig, index: int) -> dict[str, Any]:
+    async def _collect(
+        self, served: ServedModel, prompt_ids: list[int], sampling: SamplingConfig, index: int
+    ) -> dict[str, Any]:
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: set[str] = set()
         reason = ""
-        async for delta in self.engine.generate(prompt_ids, sampling):
+        async for delta in served.engine.generate(prompt_ids, sampling):
             tokens += delta.token_ids
             logprobs += delta.logprobs
             versions.add(delta.weight_version)
@@ -213,12 +223,12 @@ class OpenAIEndpoint:
         return {"index": index, "token_ids": tokens, "logprobs": logprobs, "stop": reason,
                 "weight_version": ",".join(sorted(versions))}
 
-    def _choice(self, chat: bool, body: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
-        text = self.engine.decode(sampled["token_ids"])
+    def _choice(self, served: ServedModel, chat: bool, body: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
+        text = served.engine.decode(sampled["token_ids"])
         finish = _FINISH.get(sampled["stop"], "stop")
         choice: dict[str, Any] = {"index": sampled["index"], "finish_reason": finish,
                                   "token_ids": sampled["token_ids"], "weight_version": sampled["weight_version"]}
-        pieces = [self.engine.decode([t], skip_special_tokens=False) for t in sampled["token_ids"]] \
+        pieces = [served.engine.decode([t], skip_special_tokens=False) for t in sampled["token_ids"]] \
             if body.get("logprobs") not in (None, False) else []
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -245,14 +255,16 @@ class OpenAIEndpoint:
                                   "text_offset": []} if body.get("logprobs") is not None else None
         return choice
 
-    def _response(self, chat: bool, body: dict[str, Any], prompt_ids: list[int], choices: list[dict]) -> dict:
+    def _response(
+        self, served: ServedModel, chat: bool, body: dict[str, Any], prompt_ids: list[int], choices: list[dict]
+    ) -> dict:
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         response = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model,
-            "choices": [self._choice(chat, body, c) for c in choices],
+            "model": served.slug,
+            "choices": [self._choice(served, chat, body, c) for c in choices],
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
                       "total_tokens": len(prompt_ids) + completion_tokens},
             "prompt_token_ids": prompt_ids,
@@ -262,11 +274,13 @@ class OpenAIEndpoint:
                 choice["prompt_token_ids"] = prompt_ids
         return response
 
-    async def _stream(self, request: Any, chat: bool, body: dict, prompt_ids: list[int], sampling: SamplingConfig) -> Any:
+    async def _stream(
+        self, served: ServedModel, request: Any, chat: bool, body: dict, prompt_ids: list[int], sampling: SamplingConfig
+    ) -> Any:
         from aiohttp import web
 
         stream_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        deltas: AsyncIterator[TokenDelta] = self.engine.generate(prompt_ids, sampling)
+        deltas: AsyncIterator[TokenDelta] = served.engine.generate(prompt_ids, sampling)
         first = await anext(deltas)  # errors before the first byte are still a proper HTTP error
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -276,7 +290,7 @@ class OpenAIEndpoint:
         async def send(delta: TokenDelta) -> None:
             nonlocal text
             tokens.extend(delta.token_ids)
-            full = self.engine.decode(tokens)
+            full = served.engine.decode(tokens)
             piece, text = full[len(text):], full
             finish = _FINISH.get(delta.stop_reason, "stop") if delta.finished else None
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": delta.token_ids,
@@ -284,16 +298,16 @@ class OpenAIEndpoint:
             if chat:
                 choice["delta"] = {"role": "assistant", "content": piece} if len(tokens) == len(delta.token_ids) \
                     else {"content": piece}
-                choice["logprobs"] = {"content": [{"token": self.engine.decode([t], skip_special_tokens=False),
+                choice["logprobs"] = {"content": [{"token": served.engine.decode([t], skip_special_tokens=False),
                                                    "logprob": lp, "bytes": None, "top_logprobs": []}
                                                   for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]}
             else:
                 choice["text"] = piece
-                choice["logprobs"] = {"tokens": [self.engine.decode([t], skip_special_tokens=False)
+                choice["logprobs"] = {"tokens": [served.engine.decode([t], skip_special_tokens=False)
                                                  for t in delta.token_ids],
                                       "token_logprobs": delta.logprobs, "top_logprobs": None, "text_offset": []}
             chunk = {"id": stream_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": int(time.time()), "model": self.model, "choices": [choice]}
+                     "created": int(time.time()), "model": served.slug, "choices": [choice]}
             if len(tokens) == len(delta.token_ids):
                 chunk["prompt_token_ids"] = prompt_ids
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import pathlib
 
 from yieldloop.client import Client
@@ -14,7 +12,7 @@ from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.rollout.engines import create_engine
 from yieldloop_server.rollout.openai_http import OpenAIEndpoint
 from yieldloop_server.rollout.servicer import RolloutServicer
-from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
+from yieldloop_server.rollout.models import ServedModels
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
 
@@ -24,10 +22,11 @@ WEIGHTS_HEALTH = SERVICE_NAME + "/weights"
 
 
 class RolloutServer:
-    """A RolloutService with its engine and the task that follows the head.
+    """A RolloutService: engines for every model slug (the default one loaded at start), each following its
+    slug's head, the OpenAI-compatible endpoint, and the servicer.
 
     Args:
-        model: Model slug served.
+        model: The default model slug (requests naming none get it).
         store: Object store with the checkpoints.
         checkpoint_address: CheckpointService address (head watching).
         env_address: EnvService address (rollouts).
@@ -35,6 +34,7 @@ class RolloutServer:
         engine: Engine kind ("torch" or "vllm").
         http_port: Port of the OpenAI-compatible HTTP endpoint (0: a free one; None: off).
         transport: Limits and interceptors of the gRPC server, the HTTP endpoint and the internal clients.
+        max_models: Engines loaded at once (the least recently used idle one is unloaded beyond it).
     """
 
     def __init__(
@@ -49,36 +49,33 @@ class RolloutServer:
         port: int = 0,
         http_port: int | None = 0,
         transport: TransportConfig = DEFAULT_TRANSPORT,
+        max_models: int = 2,
         **engine_options: object,
     ) -> None:
-        self.engine = create_engine(engine, **engine_options)
-        self.http = None if http_port is None else OpenAIEndpoint(model, self.engine, host, http_port, transport)
         self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport)
-        self.follower = WeightFollower(self.engine, model, store, self.clients, cache_dir)
         # Candidates are evaluated on the light torch engine, beside whatever engine serves the head.
         device = str(engine_options.get("device", "cpu"))
-        self.pinned = PinnedEngines(self.follower, lambda: create_engine("torch", device=device))
-        self.grpc = GrpcServer(host, port, transport)
-        self.servicer = RolloutServicer(model, self.engine, self.follower, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), self.pinned)
-        self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
-        self._follow_task: asyncio.Task | None = None
 
         async def report(ok: bool) -> None:
             await self.grpc.set_health(WEIGHTS_HEALTH, ok)
 
-        self.follower.on_reload = report
+        self.models = ServedModels(
+            model, lambda: create_engine(engine, **engine_options), lambda: create_engine("torch", device=device),
+            store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
+        )
+        self.http = None if http_port is None else OpenAIEndpoint(self.models, host, http_port, transport)
+        self.grpc = GrpcServer(host, port, transport)
+        self.servicer = RolloutServicer(self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes))
+        self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
 
-    async def start(self, wait_for_weights: bool = True) -> str:
-        """Starts following the head (waiting for the first load by default), then serves."""
-        self._follow_task = asyncio.create_task(self.follower.run())
-        if wait_for_weights:
-            loaded = asyncio.create_task(self.follower.wait_loaded())
-            await asyncio.wait({loaded, self._follow_task}, return_when=asyncio.FIRST_COMPLETED)
-            if self._follow_task.done():  # e.g. the model does not exist: fail now, do not hang
-                loaded.cancel()
-                await self.clients.close()
-                await self.engine.close()
-                self._follow_task.result()
+    async def start(self) -> str:
+        """Loads the default model (its first head), then serves."""
+        try:
+            await self.models.start()
+        except BaseException:
+            await self.models.close()
+            await self.clients.close()
+            raise
         if self.http is not None:
             self.servicer.openai_base_url = await self.http.start()
         return await self.grpc.start()
@@ -87,13 +84,8 @@ class RolloutServer:
         if self.http is not None:
             await self.http.stop()
         await self.grpc.stop(grace)
-        if self._follow_task is not None:
-            self._follow_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follow_task
-        await self.pinned.close()
+        await self.models.close()
         await self.clients.close()
-        await self.engine.close()
 
 
 class _NoFollower:
@@ -112,7 +104,7 @@ async def serve_engine(model: str, engine, host: str = "127.0.0.1", port: int = 
     server = GrpcServer(host, port)
     server.add(
         pb_grpc.add_RolloutServiceServicer_to_server,
-        RolloutServicer(model, engine, _NoFollower(), Client(), traces=None),
+        RolloutServicer(ServedModels.fixed(model, engine, _NoFollower()), Client(), traces=None),
         SERVICE_NAME,
     )
     await server.start()

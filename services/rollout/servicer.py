@@ -13,13 +13,13 @@ import grpc
 from yieldloop.client import Client
 from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
 from yieldloop.types import JobInfo
-from yieldloop.errors import NotFoundError, invalid_field
+from yieldloop.errors import invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop_server.common.grpc_server import rpc
-from yieldloop_server.rollout.engines import Engine, SamplingConfig
+from yieldloop_server.rollout.engines import SamplingConfig
+from yieldloop_server.rollout.models import ServedModels
 from yieldloop_server.rollout.rollouts import STOP_REASONS, AgentConfig, stream_rollouts
-from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
 from yieldloop_server.store.traces import TraceStore
 
 
@@ -36,57 +36,43 @@ def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    """Serves one model with ``engine``; episodes run against EnvService through ``env``."""
+    """Serves every model by slug (``models``); episodes run against EnvService through ``env``."""
 
-    def __init__(
-        self,
-        model: str,
-        engine: Engine,
-        follower: WeightFollower,
-        env: Client,
-        traces: TraceStore | None,
-        pinned: PinnedEngines | None = None,
-    ) -> None:
-        self.model = model
-        self.pinned = pinned
-        self.engine = engine
-        self.follower = follower
+    def __init__(self, models: ServedModels, env: Client, traces: TraceStore | None) -> None:
+        self.models = models
         self.env = env
         self.traces = traces
         self.openai_base_url = ""
-
-    def _check_model(self, model: str) -> None:
-        if model and model != self.model:
-            raise NotFoundError(f"this server serves {self.model!r}, not {model!r}", reason="MODEL_NOT_FOUND")
 
     @rpc
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        self._check_model(request.model)
         sampling = sampling_from_pb(request.sampling)
         kind = request.WhichOneof("prompt")
-        if kind == "chat":
-            if not self.engine.weight_version:
-                self.engine.validate_prompt([])  # raises ENGINE_NOT_READY
-            prompt_ids = self.engine.render_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
-        elif kind == "prompt_token_ids":
-            prompt_ids = list(request.prompt_token_ids.token_ids)
-        else:
+        if kind not in ("chat", "prompt_token_ids"):
             raise invalid_field("prompt", "give prompt_token_ids or chat")
-        first = True
-        async for delta in self.engine.generate(prompt_ids, sampling):
-            response = pb.GenerateResponse(
-                token_ids=delta.token_ids,
-                logprobs=delta.logprobs,
-                weight_version=delta.weight_version,
-                finished=delta.finished,
-                stop_reason=STOP_REASONS.get(delta.stop_reason, 0),
-            )
-            if first:
-                response.prompt_token_ids.extend(prompt_ids)
-                first = False
-            yield response
+        async with self.models.use(request.model) as served:
+            engine = served.engine
+            if kind == "chat":
+                if not engine.weight_version:
+                    engine.validate_prompt([])  # raises ENGINE_NOT_READY
+                prompt_ids = engine.render_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            else:
+                prompt_ids = list(request.prompt_token_ids.token_ids)
+            first = True
+            async for delta in engine.generate(prompt_ids, sampling):
+                response = pb.GenerateResponse(
+                    token_ids=delta.token_ids,
+                    logprobs=delta.logprobs,
+                    weight_version=delta.weight_version,
+                    finished=delta.finished,
+                    stop_reason=STOP_REASONS.get(delta.stop_reason, 0),
+                )
+                if first:
+                    response.prompt_token_ids.extend(prompt_ids)
+                    first = False
+                yield response
 
     @rpc
     async def StreamRollouts(
@@ -107,16 +93,17 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             max_attempts=request.max_attempts or AgentConfig.max_attempts,
         )
         sampling = sampling_from_pb(request.sampling)
-        if request.checkpoint_id and self.pinned is None:
-            raise invalid_field("checkpoint_id", "this server evaluates only the checkpoint it serves")
-        if not self.engine.weight_version:
-            self.engine.validate_prompt([])  # raises ENGINE_NOT_READY
         job_id = request.job_id or "default"
-        await asyncio.to_thread(self.traces.ensure_job, job_id, self.model)
         async with contextlib.AsyncExitStack() as stack:
-            engine = self.engine
+            served = await stack.enter_async_context(self.models.use(request.model))
+            if request.checkpoint_id and served.pinned is None:
+                raise invalid_field("checkpoint_id", "this server evaluates only the checkpoint it serves")
+            engine = served.engine
             if request.checkpoint_id:
-                engine = await stack.enter_async_context(self.pinned.engine(request.checkpoint_id))
+                engine = await stack.enter_async_context(served.pinned.engine(request.checkpoint_id))
+            elif not engine.weight_version:
+                engine.validate_prompt([])  # raises ENGINE_NOT_READY
+            await asyncio.to_thread(self.traces.ensure_job, job_id, served.slug)
             async for run in stream_rollouts(
                 engine,
                 self.env,
@@ -124,7 +111,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 group_size=request.group_size,
                 max_concurrent=request.max_concurrent,
                 sampling=sampling,
-                model=self.model,
+                model=served.slug,
                 config=config,
             ):
                 # Persisted before it is streamed: a run the client saw always has its trace.
@@ -140,20 +127,23 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def GetServingInfo(
         self, request: pb.GetServingInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetServingInfoResponse:
-        if request.wait_for_checkpoint_id:
-            await self.follower.wait_for(request.wait_for_checkpoint_id)  # bounded by the call deadline
-        return pb.GetServingInfoResponse(
-            model=self.model,
-            weight_version=self.engine.weight_version,
-            head_sequence=self.follower.head_sequence,
-            engine=self.engine.name,
-            last_reload_error=self.follower.last_error,
-            openai_base_url=self.openai_base_url,
-        )
+        async with self.models.use(request.model) as served:
+            if request.wait_for_checkpoint_id:
+                await served.follower.wait_for(request.wait_for_checkpoint_id)  # bounded by the call deadline
+            return pb.GetServingInfoResponse(
+                model=served.slug,
+                weight_version=served.engine.weight_version,
+                head_sequence=served.follower.head_sequence,
+                engine=served.engine.name,
+                last_reload_error=served.follower.last_error,
+                openai_base_url=self.openai_base_url,
+            )
 
     @rpc
     async def CreateJob(self, request: pb.CreateJobRequest, context: grpc.aio.ServicerContext) -> pb.CreateJobResponse:
-        self._check_model(request.model)
+        model = request.model or self.models.default
+        if request.model and self.models.checkpoints is not None:
+            await self.models.checkpoints.get_head(model)  # NOT_FOUND (MODEL_NOT_FOUND) for a missing slug
         if request.group_size < 0:
             raise invalid_field("group_size", "group_size must be >= 0")
         if request.metadata_json:
@@ -162,7 +152,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     raise ValueError("not an object")
             except ValueError as err:
                 raise invalid_field("metadata_json", f"metadata_json must be a JSON object: {err}") from None
-        job = JobInfo(model=self.model, name=request.name, group_size=request.group_size,
+        job = JobInfo(model=model, name=request.name, group_size=request.group_size,
                       metadata_json=request.metadata_json)
         return pb.CreateJobResponse(job=job_to_pb(await asyncio.to_thread(self.traces.create_job, job)))
 

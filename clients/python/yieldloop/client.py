@@ -315,6 +315,7 @@ class Client:
         episode_timeout_s: float = 0.0,
         max_attempts: int = 0,
         checkpoint_id: str = "",
+        model: str = "",
         timeout: float | None = None,
     ) -> AsyncIterator[Run]:
         """Runs tasks x group_size episodes and yields Runs as they finish.
@@ -322,6 +323,7 @@ class Client:
         ``max_steps`` bounds model turns per episode (0: 8), ``episode_timeout_s`` its wall clock (0:
         the environment's own), ``max_attempts`` the tries when infrastructure fails (0: 3).
         ``checkpoint_id`` samples that checkpoint instead of the served head (a candidate's evaluation).
+        ``model`` names the slug sampled (empty: the rollout service's default model).
         """
         request = rollout_pb.StreamRolloutsRequest(
             tasks=[task_to_proto(t) for t in tasks],
@@ -333,6 +335,7 @@ class Client:
             episode_timeout_s=episode_timeout_s,
             max_attempts=max_attempts,
             checkpoint_id=checkpoint_id,
+            model=model,
         )
         async for response in _stream(self.rollout_stub.StreamRollouts(request, timeout=timeout)):
             yield run_from_pb(response.run)
@@ -359,9 +362,10 @@ class Client:
         return [run_from_pb(run) for run in (await _unary(self.rollout_stub.GetRuns, request, self.timeout)).runs]
 
     async def get_serving_info(
-        self, wait_for_checkpoint_id: str = "", timeout: float | None = None
+        self, wait_for_checkpoint_id: str = "", timeout: float | None = None, model: str = ""
     ) -> rollout_pb.GetServingInfoResponse:
-        request = rollout_pb.GetServingInfoRequest(wait_for_checkpoint_id=wait_for_checkpoint_id)
+        """What serves ``model`` (empty: the default model); with ``wait_for_checkpoint_id``, once it serves that."""
+        request = rollout_pb.GetServingInfoRequest(wait_for_checkpoint_id=wait_for_checkpoint_id, model=model)
         return await _unary(self.rollout_stub.GetServingInfo, request, timeout or self.timeout)
 
     # TrainerService ----------------------------------------------------------------

@@ -336,7 +336,7 @@ async def closed_loop(
             score, heldout_runs, evaluated = float("nan"), [], optimized
             promoted, reason = True, "no held-out tasks: promoted by the trainer"
             head = await client.get_head(config.model)
-        info = await client.get_serving_info(wait_for_checkpoint_id=head.checkpoint_id)
+        info = await client.get_serving_info(wait_for_checkpoint_id=head.checkpoint_id, model=config.model)
         reloaded = time.perf_counter()
         train_reward = mean_reward(runs)
         history.append((train_reward, score))

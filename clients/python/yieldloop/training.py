@@ -195,6 +195,7 @@ async def run_tasks(
         episode_timeout_s=agent.episode_timeout_s,
         max_attempts=agent.max_attempts,
         checkpoint_id=checkpoint_id,
+        model=agent.model or job.model,
     ):
         runs.append(run)
         if on_run is not None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from yieldloop.proto.common.v1 import common_pb2 as yieldloop_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*yieldloop/rollout/v1/rollout_service.proto\x12\x14yieldloop.rollout.v1\x1a yieldloop/common/v1/common.proto\"\x87\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"\xe8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12>\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\".yieldloop.rollout.v1.PromptTokensH\x00\x12\x30\n\x04\x63hat\x18\x03 \x01(\x0b\x32 .yieldloop.rollout.v1.ChatPromptH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.yieldloop.rollout.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"!\n\x0cPromptTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"@\n\nChatPrompt\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .yieldloop.common.v1.ChatMessage\"\xb1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x34\n\x0bstop_reason\x18\x05 \x01(\x0e\x32\x1f.yieldloop.common.v1.StopReason\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\"\x90\x02\n\x15StreamRolloutsRequest\x12(\n\x05tasks\x18\x01 \x03(\x0b\x32\x19.yieldloop.common.v1.Task\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12\x16\n\x0emax_concurrent\x18\x03 \x01(\x05\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.yieldloop.rollout.v1.SamplingParams\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x11\n\tmax_steps\x18\x06 \x01(\x05\x12\x19\n\x11\x65pisode_timeout_s\x18\x07 \x01(\x01\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x15\n\rcheckpoint_id\x18\t \x01(\t\"?\n\x16StreamRolloutsResponse\x12%\n\x03run\x18\x01 \x01(\x0b\x32\x18.yieldloop.common.v1.Run\"#\n\x0eGetRunsRequest\x12\x11\n\ttrace_ids\x18\x01 \x03(\t\"9\n\x0fGetRunsResponse\x12&\n\x04runs\x18\x01 \x03(\x0b\x32\x18.yieldloop.common.v1.Run\"7\n\x15GetServingInfoRequest\x12\x1e\n\x16wait_for_checkpoint_id\x18\x01 \x01(\t\"\x9a\x01\n\x16GetServingInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12\x15\n\rhead_sequence\x18\x03 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x19\n\x11last_reload_error\x18\x05 \x01(\t\x12\x17\n\x0fopenai_base_url\x18\x06 \x01(\t\"\x85\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x14\n\x0c\x63reated_time\x18\x05 \x01(\x01\x12\x10\n\x08num_runs\x18\x06 \x01(\x03\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\"Z\n\x10\x43reateJobRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\";\n\x11\x43reateJobResponse\x12&\n\x03job\x18\x01 \x01(\x0b\x32\x19.yieldloop.rollout.v1.Job\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.yieldloop.rollout.v1.Job\"&\n\x14StreamJobRunsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\">\n\x15StreamJobRunsResponse\x12%\n\x03run\x18\x01 \x01(\x0b\x32\x18.yieldloop.common.v1.Run2\xc6\x05\n\x0eRolloutService\x12[\n\x08Generate\x12%.yieldloop.rollout.v1.GenerateRequest\x1a&.yieldloop.rollout.v1.GenerateResponse0\x01\x12m\n\x0eStreamRollouts\x12+.yieldloop.rollout.v1.StreamRolloutsRequest\x1a,.yieldloop.rollout.v1.StreamRolloutsResponse0\x01\x12V\n\x07GetRuns\x12$.yieldloop.rollout.v1.GetRunsRequest\x1a%.yieldloop.rollout.v1.GetRunsResponse\x12k\n\x0eGetServingInfo\x12+.yieldloop.rollout.v1.GetServingInfoRequest\x1a,.yieldloop.rollout.v1.GetServingInfoResponse\x12\\\n\tCreateJob\x12&.yieldloop.rollout.v1.CreateJobRequest\x1a\'.yieldloop.rollout.v1.CreateJobResponse\x12Y\n\x08ListJobs\x12%.yieldloop.rollout.v1.ListJobsRequest\x1a&.yieldloop.rollout.v1.ListJobsResponse\x12j\n\rStreamJobRuns\x12*.yieldloop.rollout.v1.StreamJobRunsRequest\x1a+.yieldloop.rollout.v1.StreamJobRunsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*yieldloop/rollout/v1/rollout_service.proto\x12\x14yieldloop.rollout.v1\x1a yieldloop/common/v1/common.proto\"\x87\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"\xe8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12>\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\".yieldloop.rollout.v1.PromptTokensH\x00\x12\x30\n\x04\x63hat\x18\x03 \x01(\x0b\x32 .yieldloop.rollout.v1.ChatPromptH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.yieldloop.rollout.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"!\n\x0cPromptTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"@\n\nChatPrompt\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .yieldloop.common.v1.ChatMessage\"\xb1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0eweight_version\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x34\n\x0bstop_reason\x18\x05 \x01(\x0e\x32\x1f.yieldloop.common.v1.StopReason\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\"\x9f\x02\n\x15StreamRolloutsRequest\x12(\n\x05tasks\x18\x01 \x03(\x0b\x32\x19.yieldloop.common.v1.Task\x12\x12\n\ngroup_size\x18\x02 \x01(\x05\x12\x16\n\x0emax_concurrent\x18\x03 \x01(\x05\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.yieldloop.rollout.v1.SamplingParams\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x11\n\tmax_steps\x18\x06 \x01(\x05\x12\x19\n\x11\x65pisode_timeout_s\x18\x07 \x01(\x01\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x15\n\rcheckpoint_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\"?\n\x16StreamRolloutsResponse\x12%\n\x03run\x18\x01 \x01(\x0b\x32\x18.yieldloop.common.v1.Run\"#\n\x0eGetRunsRequest\x12\x11\n\ttrace_ids\x18\x01 \x03(\t\"9\n\x0fGetRunsResponse\x12&\n\x04runs\x18\x01 \x03(\x0b\x32\x18.yieldloop.common.v1.Run\"F\n\x15GetServingInfoRequest\x12\x1e\n\x16wait_for_checkpoint_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\x9a\x01\n\x16GetServingInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\t\x12\x15\n\rhead_sequence\x18\x03 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x19\n\x11last_reload_error\x18\x05 \x01(\t\x12\x17\n\x0fopenai_base_url\x18\x06 \x01(\t\"\x85\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x14\n\x0c\x63reated_time\x18\x05 \x01(\x01\x12\x10\n\x08num_runs\x18\x06 \x01(\x03\x12\x15\n\rmetadata_json\x18\x07 \x01(\t\"Z\n\x10\x43reateJobRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x15\n\rmetadata_json\x18\x04 \x01(\t\";\n\x11\x43reateJobResponse\x12&\n\x03job\x18\x01 \x01(\x0b\x32\x19.yieldloop.rollout.v1.Job\"\x11\n\x0fListJobsRequest\";\n\x10ListJobsResponse\x12\'\n\x04jobs\x18\x01 \x03(\x0b\x32\x19.yieldloop.rollout.v1.Job\"&\n\x14StreamJobRunsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\">\n\x15StreamJobRunsResponse\x12%\n\x03run\x18\x01 \x01(\x0b\x32\x18.yieldloop.common.v1.Run2\xc6\x05\n\x0eRolloutService\x12[\n\x08Generate\x12%.yieldloop.rollout.v1.GenerateRequest\x1a&.yieldloop.rollout.v1.GenerateResponse0\x01\x12m\n\x0eStreamRollouts\x12+.yieldloop.rollout.v1.StreamRolloutsRequest\x1a,.yieldloop.rollout.v1.StreamRolloutsResponse0\x01\x12V\n\x07GetRuns\x12$.yieldloop.rollout.v1.GetRunsRequest\x1a%.yieldloop.rollout.v1.GetRunsResponse\x12k\n\x0eGetServingInfo\x12+.yieldloop.rollout.v1.GetServingInfoRequest\x1a,.yieldloop.rollout.v1.GetServingInfoResponse\x12\\\n\tCreateJob\x12&.yieldloop.rollout.v1.CreateJobRequest\x1a\'.yieldloop.rollout.v1.CreateJobResponse\x12Y\n\x08ListJobs\x12%.yieldloop.rollout.v1.ListJobsRequest\x1a&.yieldloop.rollout.v1.ListJobsResponse\x12j\n\rStreamJobRuns\x12*.yieldloop.rollout.v1.StreamJobRunsRequest\x1a+.yieldloop.rollout.v1.StreamJobRunsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,31 +43,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=577
   _globals['_GENERATERESPONSE']._serialized_end=754
   _globals['_STREAMROLLOUTSREQUEST']._serialized_start=757
-  _globals['_STREAMROLLOUTSREQUEST']._serialized_end=1029
-  _globals['_STREAMROLLOUTSRESPONSE']._serialized_start=1031
-  _globals['_STREAMROLLOUTSRESPONSE']._serialized_end=1094
-  _globals['_GETRUNSREQUEST']._serialized_start=1096
-  _globals['_GETRUNSREQUEST']._serialized_end=1131
-  _globals['_GETRUNSRESPONSE']._serialized_start=1133
-  _globals['_GETRUNSRESPONSE']._serialized_end=1190
-  _globals['_GETSERVINGINFOREQUEST']._serialized_start=1192
-  _globals['_GETSERVINGINFOREQUEST']._serialized_end=1247
-  _globals['_GETSERVINGINFORESPONSE']._serialized_start=1250
-  _globals['_GETSERVINGINFORESPONSE']._serialized_end=1404
-  _globals['_JOB']._serialized_start=1407
-  _globals['_JOB']._serialized_end=1540
-  _globals['_CREATEJOBREQUEST']._serialized_start=1542
-  _globals['_CREATEJOBREQUEST']._serialized_end=1632
-  _globals['_CREATEJOBRESPONSE']._serialized_start=1634
-  _globals['_CREATEJOBRESPONSE']._serialized_end=1693
-  _globals['_LISTJOBSREQUEST']._serialized_start=1695
-  _globals['_LISTJOBSREQUEST']._serialized_end=1712
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1714
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1773
-  _globals['_STREAMJOBRUNSREQUEST']._serialized_start=1775
-  _globals['_STREAMJOBRUNSREQUEST']._serialized_end=1813
-  _globals['_STREAMJOBRUNSRESPONSE']._serialized_start=1815
-  _globals['_STREAMJOBRUNSRESPONSE']._serialized_end=1877
-  _globals['_ROLLOUTSERVICE']._serialized_start=1880
-  _globals['_ROLLOUTSERVICE']._serialized_end=2590
+  _globals['_STREAMROLLOUTSREQUEST']._serialized_end=1044
+  _globals['_STREAMROLLOUTSRESPONSE']._serialized_start=1046
+  _globals['_STREAMROLLOUTSRESPONSE']._serialized_end=1109
+  _globals['_GETRUNSREQUEST']._serialized_start=1111
+  _globals['_GETRUNSREQUEST']._serialized_end=1146
+  _globals['_GETRUNSRESPONSE']._serialized_start=1148
+  _globals['_GETRUNSRESPONSE']._serialized_end=1205
+  _globals['_GETSERVINGINFOREQUEST']._serialized_start=1207
+  _globals['_GETSERVINGINFOREQUEST']._serialized_end=1277
+  _globals['_GETSERVINGINFORESPONSE']._serialized_start=1280
+  _globals['_GETSERVINGINFORESPONSE']._serialized_end=1434
+  _globals['_JOB']._serialized_start=1437
+  _globals['_JOB']._serialized_end=1570
+  _globals['_CREATEJOBREQUEST']._serialized_start=1572
+  _globals['_CREATEJOBREQUEST']._serialized_end=1662
+  _globals['_CREATEJOBRESPONSE']._serialized_start=1664
+  _globals['_CREATEJOBRESPONSE']._serialized_end=1723
+  _globals['_LISTJOBSREQUEST']._serialized_start=1725
+  _globals['_LISTJOBSREQUEST']._serialized_end=1742
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1744
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1803
+  _globals['_STREAMJOBRUNSREQUEST']._serialized_start=1805
+  _globals['_STREAMJOBRUNSREQUEST']._serialized_end=1843
+  _globals['_STREAMJOBRUNSRESPONSE']._serialized_start=1845
+  _globals['_STREAMJOBRUNSRESPONSE']._serialized_end=1907
+  _globals['_ROLLOUTSERVICE']._serialized_start=1910
+  _globals['_ROLLOUTSERVICE']._serialized_end=2620
 # @@protoc_insertion_point(module_scope)

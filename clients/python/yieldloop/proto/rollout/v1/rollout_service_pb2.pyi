@@ -68,7 +68,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamRolloutsRequest(_message.Message):
-    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id", "max_steps", "episode_timeout_s", "max_attempts", "checkpoint_id")
+    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id", "max_steps", "episode_timeout_s", "max_attempts", "checkpoint_id", "model")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class StreamRolloutsRequest(_message.Message):
     EPISODE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]
     group_size: int
     max_concurrent: int
@@ -87,7 +88,8 @@ class StreamRolloutsRequest(_message.Message):
     episode_timeout_s: float
     max_attempts: int
     checkpoint_id: str
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., episode_timeout_s: _Optional[float] = ..., max_attempts: _Optional[int] = ..., checkpoint_id: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., episode_timeout_s: _Optional[float] = ..., max_attempts: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class StreamRolloutsResponse(_message.Message):
     __slots__ = ("run",)
@@ -108,10 +110,12 @@ class GetRunsResponse(_message.Message):
     def __init__(self, runs: _Optional[_Iterable[_Union[_common_pb2.Run, _Mapping]]] = ...) -> None: ...
 
 class GetServingInfoRequest(_message.Message):
-    __slots__ = ("wait_for_checkpoint_id",)
+    __slots__ = ("wait_for_checkpoint_id", "model")
     WAIT_FOR_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     wait_for_checkpoint_id: str
-    def __init__(self, wait_for_checkpoint_id: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, wait_for_checkpoint_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetServingInfoResponse(_message.Message):
     __slots__ = ("model", "weight_version", "head_sequence", "engine", "last_reload_error", "openai_base_url")

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class RolloutServiceStub:
-    """Serves one model slug with an engine; follows the model's head and hot-reloads it.
+    """Serves every model slug of the store by name: an engine per slug, loaded on first use (the least
+    recently used idle one is unloaded beyond the service's limit), each following its slug's head and
+    hot-reloading it. Requests naming no model use the service's default model.
     """
 
     def __init__(self, channel):
@@ -73,14 +75,17 @@ class RolloutServiceStub:
 
 
 class RolloutServiceServicer:
-    """Serves one model slug with an engine; follows the model's head and hot-reloads it.
+    """Serves every model slug of the store by name: an engine per slug, loaded on first use (the least
+    recently used idle one is unloaded beyond the service's limit), each following its slug's head and
+    hot-reloading it. Requests naming no model use the service's default model.
     """
 
     def Generate(self, request, context):
         """Streams a completion: token ids, sampling logprobs and the weight version.
         Returns: OK; INVALID_ARGUMENT (INVALID_FIELD, PROMPT_TOO_LONG, TOKEN_OUT_OF_VOCAB);
-        NOT_FOUND (MODEL_NOT_FOUND) when `model` is not the served model;
-        UNAVAILABLE (ENGINE_NOT_READY) before weights are loaded; CANCELLED.
+        NOT_FOUND (MODEL_NOT_FOUND) when `model` does not exist; RESOURCE_EXHAUSTED (TOO_MANY_MODELS)
+        when every loaded engine is busy and no other fits; UNAVAILABLE (ENGINE_NOT_READY) before weights are
+        loaded; CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,7 +192,9 @@ def add_RolloutServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RolloutService:
-    """Serves one model slug with an engine; follows the model's head and hot-reloads it.
+    """Serves every model slug of the store by name: an engine per slug, loaded on first use (the least
+    recently used idle one is unloaded beyond the service's limit), each following its slug's head and
+    hot-reloading it. Requests naming no model use the service's default model.
     """
 
     @staticmethod

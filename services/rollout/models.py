@@ -1,0 +1,153 @@
+"""The models a rollout service serves: an engine per slug, loaded on first use, each following its own head.
+
+Beyond ``max_models`` engines, the least recently used one that no request holds is unloaded; when every
+loaded engine is in use the request is refused (RESOURCE_EXHAUSTED/TOO_MANY_MODELS) rather than evicting
+one mid-request. A load holds the admission lock for its duration (seconds for a small model): requests for
+loaded models wait that long to enter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import pathlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from yieldloop.client import Client
+from yieldloop.errors import NotFoundError, ResourceExhaustedError
+from yieldloop_server.rollout.engines import Engine
+from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
+from yieldloop_server.store import ObjectStore
+
+
+@dataclasses.dataclass(eq=False)
+class ServedModel:
+    """One slug's engine, the follower keeping it on the slug's head, and its candidates' pinned engines."""
+
+    slug: str
+    engine: Engine
+    follower: Any
+    """A :class:`WeightFollower` (or, for a fixed engine, anything with ``wait_for``, ``head_sequence``, ``last_error``)."""
+    pinned: PinnedEngines | None = None
+    task: asyncio.Task | None = None
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        if self.pinned is not None:
+            await self.pinned.close()
+        await self.engine.close()
+
+
+class ServedModels:
+    """Engines for every slug by name.
+
+    Args:
+        default: The slug requests naming no model get (loaded at start).
+        make_engine: A new, empty engine of the service's kind.
+        make_pinned_engine: A new engine for a candidate checkpoint (the light torch engine).
+        store: Where checkpoints are read from.
+        checkpoints: CheckpointService client (heads, manifests).
+        cache_dir: Local folder for verified checkpoints.
+        max_models: Engines loaded at once.
+        on_default_reload: ``async (ok) -> None`` after each head of the default slug was handled (health).
+    """
+
+    def __init__(
+        self,
+        default: str,
+        make_engine: Callable[[], Engine] | None,
+        make_pinned_engine: Callable[[], Engine] | None,
+        store: ObjectStore | None,
+        checkpoints: Client | None,
+        cache_dir: pathlib.Path | None,
+        max_models: int = 2,
+        on_default_reload: Any = None,
+    ) -> None:
+        self.default = default
+        self.make_engine = make_engine
+        self.make_pinned_engine = make_pinned_engine
+        self.store = store
+        self.checkpoints = checkpoints
+        self.cache_dir = cache_dir
+        self.max_models = max(1, max_models)
+        self.on_default_reload = on_default_reload
+        self._models: collections.OrderedDict[str, ServedModel] = collections.OrderedDict()
+        self._users: collections.Counter[str] = collections.Counter()
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def fixed(cls, slug: str, engine: Engine, follower: Any) -> ServedModels:
+        """Serves one already-loaded engine and nothing else (benchmarks, engine tests)."""
+        models = cls(slug, None, None, None, None, None, max_models=1)
+        models._models[slug] = ServedModel(slug, engine, follower)
+        return models
+
+    async def start(self) -> None:
+        """Loads the default slug (a missing model fails the start, not the first request)."""
+        async with self.use(self.default):
+            pass
+
+    @contextlib.asynccontextmanager
+    async def use(self, model: str = "") -> AsyncIterator[ServedModel]:
+        """The engine serving ``model`` (default: the default slug), loaded if needed, held for the block."""
+        slug = model or self.default
+        async with self._lock:
+            served = self._models.get(slug)
+            if served is None:
+                await self._check(slug)  # before anything is unloaded for it
+                await self._make_room()
+                served = self._models[slug] = await self._load(slug)
+            self._models.move_to_end(slug)
+            self._users[slug] += 1
+        try:
+            yield served
+        finally:
+            self._users[slug] -= 1
+
+    @property
+    def loaded(self) -> list[ServedModel]:
+        return list(self._models.values())
+
+    async def _check(self, slug: str) -> None:
+        """NOT_FOUND (MODEL_NOT_FOUND) for a slug this service cannot load."""
+        if self.make_engine is None or self.checkpoints is None:
+            raise NotFoundError(f"this server serves only {self.default!r}, not {slug!r}", reason="MODEL_NOT_FOUND")
+        await self.checkpoints.get_head(slug)
+
+    async def _load(self, slug: str) -> ServedModel:
+        assert self.make_engine is not None
+        engine = self.make_engine()
+        follower = WeightFollower(engine, slug, self.store, self.checkpoints, self.cache_dir)
+        if slug == self.default:
+            follower.on_reload = self.on_default_reload
+        task = asyncio.create_task(follower.run())
+        loaded = asyncio.create_task(follower.wait_loaded())
+        await asyncio.wait({loaded, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():  # the follower gave up (e.g. the model vanished): fail this request, not the service
+            loaded.cancel()
+            await engine.close()
+            task.result()
+        pinned = PinnedEngines(follower, self.make_pinned_engine) if self.make_pinned_engine else None
+        return ServedModel(slug, engine, follower, pinned, task)
+
+    async def _make_room(self) -> None:
+        while len(self._models) >= self.max_models:
+            idle = [slug for slug in self._models if not self._users[slug]]
+            if not idle:
+                raise ResourceExhaustedError(
+                    f"this rollout service serves {len(self._models)} models ({', '.join(self._models)}), all busy",
+                    reason="TOO_MANY_MODELS",
+                )
+            await self._models.pop(idle[0]).close()  # least recently used first
+
+    async def close(self) -> None:
+        async with self._lock:
+            for served in self._models.values():
+                await served.close()
+            self._models.clear()
