@@ -198,3 +198,54 @@ def test_up_then_demo_attach(up: pathlib.Path) -> None:
     demo = run(up, "demo", "--attach", str(up), "--steps", "1", "--group-size", "2")
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert re.search(r"step +\d+: train .* (promoted|NOT promoted)", demo.stdout), demo.stdout
+
+
+def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Import a Llama folder, fork it twice, eval and train each fork by slug through the CLI, sample each by
+    slug (Generate and the OpenAI endpoint), roll one back; the imported source's head never moves."""
+    import asyncio
+
+    import aiohttp
+
+    from test_import import build_llama
+    from yieldloop.client import sampling_params
+    from yieldloop.training import connect
+
+    folder = build_llama(tmp_path / "wf-llama")
+    assert run(up, "models", "import", str(folder), "--name", "wf-base").returncode == 0
+    for fork in ("wf-a", "wf-b"):
+        forked = run(up, "models", "fork", "wf-base", "--name", fork)
+        assert forked.returncode == 0 and "at base" in forked.stdout, forked.stdout + forked.stderr
+        evaluated = run(up, "eval", "yieldloop.envs.letters:heldout_tasks", fork, "--group", "2")
+        assert evaluated.returncode == 0 and "mean reward" in evaluated.stdout, evaluated.stdout + evaluated.stderr
+        config = tmp_path / f"{fork}.toml"
+        config.write_text(f'model = "{fork}"\nsteps = 3\ngroup_size = 2\ntasks_per_step = 4\nheldout_tasks = ""\n'
+                          f'name = "train {fork}"\n')
+        trained = run(up, "train", str(config))
+        assert trained.returncode == 0, trained.stdout + trained.stderr
+        tree = run(up, "models", "checkpoints", fork)
+        assert tree.returncode == 0 and len(set(re.findall(r"step-00000[123]-\w+", tree.stdout))) == 3, tree.stdout
+
+    async def sample() -> None:
+        async with connect(up, timeout=120) as client:
+            for fork in ("wf-a", "wf-b"):
+                head = (await client.get_head(fork)).checkpoint_id
+                assert head.startswith("step-000003")
+                await client.get_serving_info(wait_for_checkpoint_id=head, model=fork)
+                done = await client.generate([1, 40, 41], model=fork, sampling=sampling_params(max_tokens=3))
+                assert done.weight_version == head
+                base_url = (await client.get_serving_info(model=fork)).openai_base_url
+                async with aiohttp.ClientSession() as http:
+                    body = {"model": fork, "prompt": [1, 40, 41], "max_tokens": 3}
+                    async with http.post(f"{base_url}/completions", json=body) as response:
+                        assert (await response.json())["choices"][0]["weight_version"] == head
+            # Roll wf-a back to its base: the next sample uses the rolled-back weights.
+            rolled = run(up, "models", "head", "wf-a", "--set", "base")
+            assert rolled.returncode == 0, rolled.stderr
+            await client.get_serving_info(wait_for_checkpoint_id="base", model="wf-a")
+            done = await client.generate([1, 40, 41], model="wf-a", sampling=sampling_params(max_tokens=3))
+            assert done.weight_version == "base"
+            assert (await client.get_head("wf-base")).checkpoint_id == "base"  # the source never moved
+
+    asyncio.run(sample())
+    assert "wf-base head: base" in run(up, "models", "head", "wf-base").stdout
