@@ -74,6 +74,8 @@ class RolloutOptions:
     """RolloutService's OpenAI-compatible HTTP endpoint port (0: a free one; -1: off)."""
     max_models: int = dataclasses.field(default=2, metadata={"flag": "--rollout-max-models"})
     """Engines the rollout service keeps loaded at once, one per model slug (least recently used unloaded)."""
+    memory_budget_mb: int = dataclasses.field(default=0, metadata={"flag": "--rollout-memory-mb"})
+    """Megabytes of model weights the rollout service keeps loaded at once (0: only the engine count limits)."""
 
 
 @dataclasses.dataclass

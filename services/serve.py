@@ -59,7 +59,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
         server = RolloutServer(
             opts.model, store, opts.checkpoint_address, opts.env_address, work_dir, opts.rollout.engine,
             opts.host, opts.port, None if opts.rollout.http_port < 0 else opts.rollout.http_port, transport=opts.transport,
-            max_models=opts.rollout.max_models,
+            max_models=opts.rollout.max_models, memory_budget_bytes=opts.rollout.memory_budget_mb * 1_000_000,
             device=opts.device,
         )
         return server.start, server.stop

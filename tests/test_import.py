@@ -11,12 +11,13 @@ import pytest
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
 from yieldloop.envs.letters import tasks
-from yieldloop_server.config import EnvOptions, StackConfig
+from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig
 from yieldloop_server.stack import InProcessStack
 from yieldloop_server.store import open_store
 
 
-def build_llama(folder: pathlib.Path, *, chat_template: bool = True, safetensors: bool = True) -> pathlib.Path:
+def build_llama(folder: pathlib.Path, *, chat_template: bool = True, safetensors: bool = True,
+                num_hidden_layers: int = 2) -> pathlib.Path:
     """A small Llama (not the built-in Qwen2) in Hugging Face format, made offline: head size 32."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -27,7 +28,7 @@ def build_llama(folder: pathlib.Path, *, chat_template: bool = True, safetensors
     if not chat_template:
         tokenizer.chat_template = None
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
@@ -201,5 +202,43 @@ async def test_a_model_without_chat_template_rolls_out_raw_text(tmp_path_factory
             async with http.post(f"{base_url}/completions",
                                  json={"model": "plain-base", "prompt": "40 + 2 =", "max_tokens": 4}) as response:
                 assert response.status == 200
+    finally:
+        await stack.stop()
+
+
+async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too_large(tmp_path_factory) -> None:
+    data_dir = tmp_path_factory.mktemp("budget-stack")
+    stack = InProcessStack(StackConfig(data_dir=data_dir, env=EnvOptions(workers=0)))
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, timeout=120) as client:
+            tiny = next(m for m in (await client.list_models()).models if m.slug == "tiny")
+            big = build_llama(tmp_path_factory.mktemp("src") / "big-llama", num_hidden_layers=8)
+            await client.import_model(str(big), "big-llama")
+            await client.fork_model("tiny", "budget-fork")
+    finally:
+        await stack.stop()
+    # Room for one tiny-sized model's weights (and at most four engines by count).
+    budget = StackConfig(data_dir=data_dir, env=EnvOptions(workers=0),
+                         rollout=RolloutOptions(max_models=4, memory_budget_mb=1))
+    assert tiny.size_bytes < 1_000_000 < 2 * tiny.size_bytes
+    stack = InProcessStack(budget)
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, timeout=120) as client:
+            fork = await client.generate([1, 40, 41], model="budget-fork", sampling=sampling_params(max_tokens=2))
+            again = await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=2))  # the default, reloaded
+            assert fork.weight_version and again.weight_version
+            with pytest.raises(errors.ResourceExhaustedError) as err:
+                await client.generate([1, 40, 41], model="big-llama", sampling=sampling_params(max_tokens=2))
+            assert err.value.reason == "MODEL_TOO_LARGE" and "big-llama" in err.value.message
+            # The refusal unloaded nothing: the default still serves, and is the only model loaded.
+            assert (await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=2))).weight_version
+            base_url = (await client.get_serving_info()).openai_base_url
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http, http.get(f"{base_url}/models") as response:
+            loaded = {card["id"] for card in (await response.json())["data"] if card["weight_version"]}
+        assert loaded == {"tiny"}  # budget-fork was unloaded to make room
     finally:
         await stack.stop()

@@ -1,8 +1,10 @@
 """The models a rollout service serves: an engine per slug, loaded on first use, each following its own head.
 
-Beyond ``max_models`` engines, the least recently used one that no request holds is unloaded; when every
-loaded engine is in use the request is refused (RESOURCE_EXHAUSTED/TOO_MANY_MODELS) rather than evicting
-one mid-request. A load holds the admission lock for its duration (seconds for a small model): requests for
+Beyond ``max_models`` engines, or beyond ``memory_budget_bytes`` of loaded weights (each slug counts its
+base checkpoint's size as recorded at import), the least recently used engine that no request holds is
+unloaded; when every loaded engine is in use the request is refused (RESOURCE_EXHAUSTED/TOO_MANY_MODELS)
+rather than evicting one mid-request, and a model larger than the whole budget is RESOURCE_EXHAUSTED/
+MODEL_TOO_LARGE. A load holds the admission lock for its duration (seconds for a small model): requests for
 loaded models wait that long to enter.
 """
 
@@ -33,6 +35,8 @@ class ServedModel:
     """A :class:`WeightFollower` (or, for a fixed engine, anything with ``wait_for``, ``head_sequence``, ``last_error``)."""
     pinned: PinnedEngines | None = None
     task: asyncio.Task | None = None
+    size_bytes: int = 0
+    """What the slug counts against the memory budget (its weights' size)."""
 
     async def close(self) -> None:
         if self.task is not None:
@@ -55,6 +59,7 @@ class ServedModels:
         checkpoints: CheckpointService client (heads, manifests).
         cache_dir: Local folder for verified checkpoints.
         max_models: Engines loaded at once.
+        memory_budget_bytes: Bytes of weights loaded at once (0: no byte budget, only ``max_models``).
         on_default_reload: ``async (ok) -> None`` after each head of the default slug was handled (health).
     """
 
@@ -68,6 +73,7 @@ class ServedModels:
         cache_dir: pathlib.Path | None,
         max_models: int = 2,
         on_default_reload: Any = None,
+        memory_budget_bytes: int = 0,
     ) -> None:
         self.default = default
         self.make_engine = make_engine
@@ -76,6 +82,7 @@ class ServedModels:
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
         self.max_models = max(1, max_models)
+        self.memory_budget_bytes = memory_budget_bytes
         self.on_default_reload = on_default_reload
         self._models: collections.OrderedDict[str, ServedModel] = collections.OrderedDict()
         self._users: collections.Counter[str] = collections.Counter()
@@ -100,9 +107,10 @@ class ServedModels:
         async with self._lock:
             served = self._models.get(slug)
             if served is None:
-                await self._check(slug)  # before anything is unloaded for it
-                await self._make_room()
+                size = await self._check(slug)  # before anything is unloaded for it
+                await self._make_room(size)
                 served = self._models[slug] = await self._load(slug)
+                served.size_bytes = size
             self._models.move_to_end(slug)
             self._users[slug] += 1
         try:
@@ -114,11 +122,22 @@ class ServedModels:
     def loaded(self) -> list[ServedModel]:
         return list(self._models.values())
 
-    async def _check(self, slug: str) -> None:
-        """NOT_FOUND (MODEL_NOT_FOUND) for a slug this service cannot load."""
+    async def _check(self, slug: str) -> int:
+        """The slug's size; NOT_FOUND (MODEL_NOT_FOUND) for a slug this service cannot load, RESOURCE_EXHAUSTED
+        (MODEL_TOO_LARGE) for one larger than the whole memory budget."""
         if self.make_engine is None or self.checkpoints is None:
             raise NotFoundError(f"this server serves only {self.default!r}, not {slug!r}", reason="MODEL_NOT_FOUND")
         await self.checkpoints.get_head(slug)
+        if not self.memory_budget_bytes:
+            return 0
+        listed = await self.checkpoints.list_models()
+        size = next((m.size_bytes for m in listed.models if m.slug == slug), 0)
+        if size > self.memory_budget_bytes:
+            raise ResourceExhaustedError(
+                f"model {slug!r} needs {size / 1e6:.1f} MB of weights, more than this rollout service's whole "
+                f"budget of {self.memory_budget_bytes / 1e6:.1f} MB", reason="MODEL_TOO_LARGE",
+            )
+        return size
 
     async def _load(self, slug: str) -> ServedModel:
         assert self.make_engine is not None
@@ -136,8 +155,15 @@ class ServedModels:
         pinned = PinnedEngines(follower, self.make_pinned_engine) if self.make_pinned_engine else None
         return ServedModel(slug, engine, follower, pinned, task)
 
-    async def _make_room(self) -> None:
-        while len(self._models) >= self.max_models:
+    def _over_budget(self, size: int) -> bool:
+        """Whether loading ``size`` more bytes would pass the count or the byte budget."""
+        if len(self._models) >= self.max_models:
+            return True
+        loaded = sum(served.size_bytes for served in self._models.values())
+        return bool(self.memory_budget_bytes) and loaded + size > self.memory_budget_bytes
+
+    async def _make_room(self, size: int = 0) -> None:
+        while self._over_budget(size):
             idle = [slug for slug in self._models if not self._users[slug]]
             if not idle:
                 raise ResourceExhaustedError(

@@ -35,6 +35,7 @@ class RolloutServer:
         http_port: Port of the OpenAI-compatible HTTP endpoint (0: a free one; None: off).
         transport: Limits and interceptors of the gRPC server, the HTTP endpoint and the internal clients.
         max_models: Engines loaded at once (the least recently used idle one is unloaded beyond it).
+        memory_budget_bytes: Bytes of weights loaded at once (0: only ``max_models`` limits).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class RolloutServer:
         http_port: int | None = 0,
         transport: TransportConfig = DEFAULT_TRANSPORT,
         max_models: int = 2,
+        memory_budget_bytes: int = 0,
         **engine_options: object,
     ) -> None:
         self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport)
@@ -62,6 +64,7 @@ class RolloutServer:
         self.models = ServedModels(
             model, lambda: create_engine(engine, **engine_options), lambda: create_engine("torch", device=device),
             store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
+            memory_budget_bytes=memory_budget_bytes,
         )
         self.http = None if http_port is None else OpenAIEndpoint(self.models, host, http_port, transport)
         self.grpc = GrpcServer(host, port, transport)

@@ -80,6 +80,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_SOURCE_INVALID: _ClassVar[ErrorReason]
     NO_CHAT_TEMPLATE: _ClassVar[ErrorReason]
     TOO_MANY_MODELS: _ClassVar[ErrorReason]
+    MODEL_TOO_LARGE: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -139,6 +140,7 @@ MODEL_SOURCE_NOT_FOUND: ErrorReason
 MODEL_SOURCE_INVALID: ErrorReason
 NO_CHAT_TEMPLATE: ErrorReason
 TOO_MANY_MODELS: ErrorReason
+MODEL_TOO_LARGE: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
