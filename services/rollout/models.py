@@ -2,24 +2,23 @@
 
 Beyond ``max_models`` engines, or beyond ``memory_budget_bytes`` of loaded weights (each slug counts its
 base checkpoint's size as recorded at import), the least recently used engine that no request holds is
-unloaded; when every loaded engine is in use the request is refused (RESOURCE_EXHAUSTED/TOO_MANY_MODELS)
-rather than evicting one mid-request, and a model larger than the whole budget is RESOURCE_EXHAUSTED/
-MODEL_TOO_LARGE. A load holds the admission lock for its duration (seconds for a small model): requests for
+unloaded (see :class:`~yieldloop_server.common.pool.Pool`); a model larger than the whole budget is
+RESOURCE_EXHAUSTED/MODEL_TOO_LARGE. A load holds the admission lock for its duration (seconds for a small model): requests for
 loaded models wait that long to enter.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import pathlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from yieldloop.client import Client
 from yieldloop.errors import NotFoundError, ResourceExhaustedError
+from yieldloop_server.common.pool import Pool
 from yieldloop_server.rollout.engines import Engine
 from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
 from yieldloop_server.store import ObjectStore
@@ -35,8 +34,6 @@ class ServedModel:
     """A :class:`WeightFollower` (or, for a fixed engine, anything with ``wait_for``, ``head_sequence``, ``last_error``)."""
     pinned: PinnedEngines | None = None
     task: asyncio.Task | None = None
-    size_bytes: int = 0
-    """What the slug counts against the memory budget (its weights' size)."""
 
     async def close(self) -> None:
         if self.task is not None:
@@ -49,7 +46,7 @@ class ServedModel:
 
 
 class ServedModels:
-    """Engines for every slug by name.
+    """Engines for every slug by name (a :class:`~yieldloop_server.common.pool.Pool` of :class:`ServedModel`).
 
     Args:
         default: The slug requests naming no model get (loaded at start).
@@ -59,8 +56,8 @@ class ServedModels:
         checkpoints: CheckpointService client (heads, manifests).
         cache_dir: Local folder for verified checkpoints.
         max_models: Engines loaded at once.
-        memory_budget_bytes: Bytes of weights loaded at once (0: no byte budget, only ``max_models``).
         on_default_reload: ``async (ok) -> None`` after each head of the default slug was handled (health).
+        memory_budget_bytes: Bytes of weights loaded at once (0: no byte budget, only ``max_models``).
     """
 
     def __init__(
@@ -81,18 +78,18 @@ class ServedModels:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
-        self.max_models = max(1, max_models)
-        self.memory_budget_bytes = memory_budget_bytes
         self.on_default_reload = on_default_reload
-        self._models: collections.OrderedDict[str, ServedModel] = collections.OrderedDict()
-        self._users: collections.Counter[str] = collections.Counter()
-        self._lock = asyncio.Lock()
+        self.memory_budget_bytes = memory_budget_bytes
+        self._pool: Pool[ServedModel] = Pool(
+            default, self._load, ServedModel.close, max_models, check=self._check,
+            budget_bytes=memory_budget_bytes, owner="this rollout service",
+        )
 
     @classmethod
     def fixed(cls, slug: str, engine: Engine, follower: Any) -> ServedModels:
         """Serves one already-loaded engine and nothing else (benchmarks, engine tests)."""
         models = cls(slug, None, None, None, None, None, max_models=1)
-        models._models[slug] = ServedModel(slug, engine, follower)
+        models._pool.put(slug, ServedModel(slug, engine, follower))
         return models
 
     async def start(self) -> None:
@@ -100,27 +97,13 @@ class ServedModels:
         async with self.use(self.default):
             pass
 
-    @contextlib.asynccontextmanager
-    async def use(self, model: str = "") -> AsyncIterator[ServedModel]:
+    def use(self, model: str = "") -> contextlib.AbstractAsyncContextManager[ServedModel]:
         """The engine serving ``model`` (default: the default slug), loaded if needed, held for the block."""
-        slug = model or self.default
-        async with self._lock:
-            served = self._models.get(slug)
-            if served is None:
-                size = await self._check(slug)  # before anything is unloaded for it
-                await self._make_room(size)
-                served = self._models[slug] = await self._load(slug)
-                served.size_bytes = size
-            self._models.move_to_end(slug)
-            self._users[slug] += 1
-        try:
-            yield served
-        finally:
-            self._users[slug] -= 1
+        return self._pool.use(model)
 
     @property
     def loaded(self) -> list[ServedModel]:
-        return list(self._models.values())
+        return self._pool.items
 
     async def _check(self, slug: str) -> int:
         """The slug's size; NOT_FOUND (MODEL_NOT_FOUND) for a slug this service cannot load, RESOURCE_EXHAUSTED
@@ -155,25 +138,5 @@ class ServedModels:
         pinned = PinnedEngines(follower, self.make_pinned_engine) if self.make_pinned_engine else None
         return ServedModel(slug, engine, follower, pinned, task)
 
-    def _over_budget(self, size: int) -> bool:
-        """Whether loading ``size`` more bytes would pass the count or the byte budget."""
-        if len(self._models) >= self.max_models:
-            return True
-        loaded = sum(served.size_bytes for served in self._models.values())
-        return bool(self.memory_budget_bytes) and loaded + size > self.memory_budget_bytes
-
-    async def _make_room(self, size: int = 0) -> None:
-        while self._over_budget(size):
-            idle = [slug for slug in self._models if not self._users[slug]]
-            if not idle:
-                raise ResourceExhaustedError(
-                    f"this rollout service serves {len(self._models)} models ({', '.join(self._models)}), all busy",
-                    reason="TOO_MANY_MODELS",
-                )
-            await self._models.pop(idle[0]).close()  # least recently used first
-
     async def close(self) -> None:
-        async with self._lock:
-            for served in self._models.values():
-                await served.close()
-            self._models.clear()
+        await self._pool.close()

@@ -38,7 +38,7 @@ async def build(
     traces = TraceStore(store, run_to_bytes, run_from_bytes)
     sessions = TrainingSessions(
         lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc),
-        default=model, max_sessions=1 if nproc > 1 else max_sessions,
+        default=model, max_sessions=1 if nproc > 1 else max_sessions, checkpoints=checkpoints,
     )
     await sessions.start()
     server = GrpcServer(host, port, transport)

@@ -9,7 +9,6 @@ committing each optimizer step. Plain Python over the client library: no grpc, n
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -18,14 +17,15 @@ import pathlib
 import shutil
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from yieldloop.client import Client
-from yieldloop.errors import ResourceExhaustedError, invalid_field
+from yieldloop.errors import invalid_field
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, Run, RunStatus
 from yieldloop_server.checkpoint.files import download_verified, upload_folder
+from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
 from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
@@ -216,66 +216,55 @@ class TrainingSessions:
     """One :class:`TrainingSession` per model slug: loaded from the slug's head on first use, never sharing
     weights, optimizer state or gradients with another slug. Beyond ``max_sessions`` loaded at once, the least
     recently used idle session (no call in flight, no pending gradients) is closed; when none is idle the call
-    is refused (RESOURCE_EXHAUSTED/TOO_MANY_MODELS) rather than dropping a slug's gradients.
+    is refused (RESOURCE_EXHAUSTED/TOO_MANY_MODELS) rather than dropping a slug's gradients (a
+    :class:`~yieldloop_server.common.pool.Pool`).
 
     Args:
         make: Builds the (unloaded) session of a slug.
         default: The slug a call naming no model trains.
         max_sessions: Sessions loaded at once.
+        checkpoints: CheckpointService client: a slug is checked to exist before any session is closed for it.
     """
 
-    def __init__(self, make: Callable[[str], TrainingSession], default: str, max_sessions: int = 2) -> None:
+    def __init__(
+        self, make: Callable[[str], TrainingSession], default: str, max_sessions: int = 2,
+        checkpoints: Client | None = None,
+    ) -> None:
         self.make = make
         self.default = default
-        self.max_sessions = max(1, max_sessions)
-        self._sessions: collections.OrderedDict[str, TrainingSession] = collections.OrderedDict()
-        self._users: collections.Counter[str] = collections.Counter()
-        self._lock = asyncio.Lock()
+        self.checkpoints = checkpoints
+        self._pool: Pool[TrainingSession] = Pool(
+            default, self._load, TrainingSession.close, max_sessions, check=self._check,
+            busy=lambda session: bool(session.trainer and session.trainer.num_pending_datums),
+            owner="the trainer", busy_hint="run their optimizer steps first",
+        )
 
     async def start(self) -> None:
         """Loads the default slug (a missing model fails the start, not the first call)."""
         async with self.use(self.default):
             pass
 
-    @contextlib.asynccontextmanager
-    async def use(self, model: str = "") -> AsyncIterator[TrainingSession]:
+    def use(self, model: str = "") -> contextlib.AbstractAsyncContextManager[TrainingSession]:
         """The session of ``model`` (default: the default slug), loaded if needed, held for the block."""
-        slug = model or self.default
-        async with self._lock:  # one load at a time; calls on loaded slugs pass straight through
-            session = self._sessions.get(slug)
-            if session is None:
-                await self._make_room()
-                session = self.make(slug)
-                try:
-                    await session.load_head()  # NOT_FOUND (MODEL_NOT_FOUND) for a slug that does not exist
-                except BaseException:
-                    await session.close()
-                    raise
-                self._sessions[slug] = session
-            self._sessions.move_to_end(slug)
-            self._users[slug] += 1
-        try:
-            yield session
-        finally:
-            self._users[slug] -= 1
+        return self._pool.use(model)
 
-    async def _make_room(self) -> None:
-        while len(self._sessions) >= self.max_sessions:
-            idle = [slug for slug, s in self._sessions.items()
-                    if not self._users[slug] and not (s.trainer and s.trainer.num_pending_datums)]
-            if not idle:
-                raise ResourceExhaustedError(
-                    f"the trainer holds {len(self._sessions)} models ({', '.join(self._sessions)}), each busy or "
-                    "with pending gradients: run their optimizer steps first", reason="TOO_MANY_MODELS",
-                )
-            await self._sessions.pop(idle[0]).close()  # least recently used first
+    async def _check(self, slug: str) -> int:
+        if self.checkpoints is not None:
+            await self.checkpoints.get_head(slug)  # NOT_FOUND (MODEL_NOT_FOUND) for a slug that does not exist
+        return 0
+
+    async def _load(self, slug: str) -> TrainingSession:
+        session = self.make(slug)
+        try:
+            await session.load_head()  # NOT_FOUND (MODEL_NOT_FOUND) for a slug that does not exist
+        except BaseException:
+            await session.close()
+            raise
+        return session
 
     @property
     def loaded(self) -> list[str]:
-        return list(self._sessions)
+        return self._pool.names
 
     async def close(self) -> None:
-        async with self._lock:
-            for session in self._sessions.values():
-                await session.close()
-            self._sessions.clear()
+        await self._pool.close()
