@@ -23,7 +23,7 @@ import time
 
 from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.checkpoint.importer import BASE_CHECKPOINT, inspect_folder
-from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
+from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest
 from yieldloop_server.config import SERVICES, ServeOptions, StackConfig
 from yieldloop_server.serve import Stopper, build_service
 from yieldloop_server.store import ObjectStore
@@ -95,11 +95,7 @@ def ensure_base_model(store: ObjectStore, slug: str = BUILTIN_MODEL) -> bool:
         folder = create_tiny_model(pathlib.Path(tmp) / "model")
         facts = inspect_folder(folder, "the built-in model")
         objects = upload_folder(store, slug, BASE_CHECKPOINT, folder)
-    registry.create_model(ModelInfo(
-        slug=slug, base=slug, owner="yieldloop", trainable=True, architecture=facts.architecture,
-        num_parameters=facts.num_parameters, dtype=facts.dtype, has_chat_template=facts.has_chat_template,
-        source="built-in", size_bytes=sum(o.size for o in objects),
-    ))
+    registry.create_model(facts.base_info(slug, "built-in", "yieldloop", sum(o.size for o in objects)))
     registry.commit(Manifest(model=slug, checkpoint_id=BASE_CHECKPOINT, objects=objects), set_head=True)
     return True
 

@@ -76,6 +76,14 @@ class ModelFacts:
     weights: list[pathlib.Path]
     """The safetensors files (empty when the weights are PyTorch .bin files, converted on upload)."""
 
+    def base_info(self, slug: str, source: str, owner: str, size_bytes: int) -> ModelInfo:
+        """The record of a base slug holding these weights."""
+        return ModelInfo(
+            slug=slug, base=slug, owner=owner, trainable=True, architecture=self.architecture,
+            num_parameters=self.num_parameters, dtype=self.dtype, has_chat_template=self.has_chat_template,
+            source=source, size_bytes=size_bytes,
+        )
+
 
 def inspect_folder(folder: pathlib.Path, source: str) -> ModelFacts:
     """Checks that transformers can load the folder's config, tokenizer and weights; returns what it is.
@@ -218,12 +226,7 @@ def import_model(
         else:
             _stage_converted(folder, staging)
         objects = upload_folder(registry.store, name, BASE_CHECKPOINT, staging)
-    info = ModelInfo(
-        slug=name, base=name, owner=owner, trainable=True, architecture=facts.architecture,
-        num_parameters=facts.num_parameters, dtype=facts.dtype, has_chat_template=facts.has_chat_template,
-        source=source, size_bytes=sum(o.size for o in objects),
-    )
-    info = registry.create_model(info)
+    info = registry.create_model(facts.base_info(name, source, owner, sum(o.size for o in objects)))
     _, head = registry.commit(Manifest(model=name, checkpoint_id=BASE_CHECKPOINT, objects=objects), set_head=True)
     assert head is not None
     return info, head

@@ -21,17 +21,10 @@ from yieldloop.proto.env.v1 import env_service_pb2 as pb
 from yieldloop.proto.env.v1 import env_service_pb2_grpc as pb_grpc
 from yieldloop.environment import FinalCompletion, RawText
 from yieldloop.episode import protocol_error
+from yieldloop.types import StopReason
 from yieldloop.errors import DeadlineExceededError, InvalidArgumentError
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
-
-
-_STOP_REASONS = {
-    common_pb.STOP_REASON_EOS: "eos", common_pb.STOP_REASON_LENGTH: "length",
-    common_pb.STOP_REASON_STOP_STRING: "stop_string", common_pb.STOP_REASON_CANCELLED: "cancelled",
-    common_pb.STOP_REASON_CONTEXT: "context",
-}
-"""The wire's stop reasons as the environment SDK names them (the engines' names)."""
 
 
 def _json_object(text: str, reason: str, field: str) -> dict[str, Any]:
@@ -196,7 +189,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     completion = None
                     if submit.stop_reason or submit.completion_token_ids:
                         completion = FinalCompletion(submit.answer, tuple(submit.completion_token_ids),
-                                                _STOP_REASONS.get(submit.stop_reason, ""))
+                                                StopReason.label(submit.stop_reason))
                     grade = await self.host.submit(key, submit.answer, completion)
                     info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info
                     await write(pb.StreamEpisodeResponse(

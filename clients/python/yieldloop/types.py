@@ -88,6 +88,12 @@ class StopReason(enum.IntEnum):
     CANCELLED = 4
     CONTEXT = 5
 
+    @classmethod
+    def label(cls, value: int) -> str:
+        """The engines' name of a wire value ("eos", "length", ...); "" when unspecified or unknown."""
+        member = cls._value2member_map_.get(value, cls.UNSPECIFIED)
+        return "" if member is cls.UNSPECIFIED else member.name.lower()
+
 
 class AgentStopReason(enum.IntEnum):
     """Why the agent loop ended an episode (values as ``yieldloop.common.v1.AgentStopReason``)."""
