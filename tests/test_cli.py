@@ -201,8 +201,9 @@ def test_up_then_demo_attach(up: pathlib.Path) -> None:
 
 
 def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """Import a Llama folder, fork it twice, eval and train each fork by slug through the CLI, sample each by
-    slug (Generate and the OpenAI endpoint), roll one back; the imported source's head never moves."""
+    """Import a Llama folder, fork it twice (full, and LoRA r=8), eval and train each fork by slug through the
+    CLI, sample each by slug (Generate and the OpenAI endpoint), roll each back; the imported source's head
+    never moves."""
     import asyncio
 
     import aiohttp
@@ -213,9 +214,10 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
 
     folder = build_llama(tmp_path / "wf-llama")
     assert run(up, "models", "import", str(folder), "--name", "wf-base").returncode == 0
-    for fork in ("wf-a", "wf-b"):
-        forked = run(up, "models", "fork", "wf-base", "--name", fork)
-        assert forked.returncode == 0 and "at base" in forked.stdout, forked.stdout + forked.stderr
+    forks = {"wf-a": ([], "base"), "wf-l": (["--lora-rank", "8"], "adapter-init")}
+    for fork, (options, first) in forks.items():
+        forked = run(up, "models", "fork", "wf-base", "--name", fork, *options)
+        assert forked.returncode == 0 and f"at {first}" in forked.stdout, forked.stdout + forked.stderr
         evaluated = run(up, "eval", "yieldloop.envs.letters:heldout_tasks", fork, "--group", "2")
         assert evaluated.returncode == 0 and "mean reward" in evaluated.stdout, evaluated.stdout + evaluated.stderr
         config = tmp_path / f"{fork}.toml"
@@ -225,10 +227,16 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
         assert trained.returncode == 0, trained.stdout + trained.stderr
         tree = run(up, "models", "checkpoints", fork)
         assert tree.returncode == 0 and len(set(re.findall(r"step-00000[123]-\w+", tree.stdout))) == 3, tree.stdout
+        assert first in tree.stdout
+    refused = run(up, "models", "fork", "wf-base", "--name", "wf-z", "--lora-rank", "0")
+    assert refused.returncode != 0 and "LoRA rank" in refused.stderr + refused.stdout, refused.stderr
+    listed = run(up, "models", "list")
+    assert "wf-z" not in listed.stdout
+    assert re.search(r"wf-l .*lora r=8", listed.stdout) and re.search(r"wf-a .*full", listed.stdout), listed.stdout
 
     async def sample() -> None:
         async with connect(up, timeout=120) as client:
-            for fork in ("wf-a", "wf-b"):
+            for fork in forks:
                 head = (await client.get_head(fork)).checkpoint_id
                 assert head.startswith("step-000003")
                 await client.get_serving_info(wait_for_checkpoint_id=head, model=fork)
@@ -239,12 +247,16 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
                     body = {"model": fork, "prompt": [1, 40, 41], "max_tokens": 3}
                     async with http.post(f"{base_url}/completions", json=body) as response:
                         assert (await response.json())["choices"][0]["weight_version"] == head
-            # Roll wf-a back to its base: the next sample uses the rolled-back weights.
-            rolled = run(up, "models", "head", "wf-a", "--set", "base")
-            assert rolled.returncode == 0, rolled.stderr
-            await client.get_serving_info(wait_for_checkpoint_id="base", model="wf-a")
-            done = await client.generate([1, 40, 41], model="wf-a", sampling=sampling_params(max_tokens=3))
-            assert done.weight_version == "base"
+            # The LoRA fork's checkpoints hold its adapter (and optimizer state) only.
+            names = {o.name for o in (await client.get_checkpoint("wf-l", head)).objects}
+            assert names == {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"}
+            # Roll each fork back to its first checkpoint: the next sample uses the rolled-back weights.
+            for fork, (_, first) in forks.items():
+                rolled = run(up, "models", "head", fork, "--set", first)
+                assert rolled.returncode == 0, rolled.stderr
+                await client.get_serving_info(wait_for_checkpoint_id=first, model=fork)
+                done = await client.generate([1, 40, 41], model=fork, sampling=sampling_params(max_tokens=3))
+                assert done.weight_version == first
             assert (await client.get_head("wf-base")).checkpoint_id == "base"  # the source never moved
 
     asyncio.run(sample())

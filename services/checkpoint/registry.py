@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,9 @@ from yieldloop.errors import (
     NotFoundError,
     invalid_field,
 )
-from yieldloop.types import Head, Manifest, ModelInfo, ObjectInfo  # noqa: F401  (re-exported)
+from yieldloop.types import Head, LoraConfig, Manifest, ModelInfo, ObjectInfo  # noqa: F401  (re-exported)
+from yieldloop_server.common import lora as lora_files
+from yieldloop_server.common.lora import adapter_config
 from yieldloop_server.store import ObjectNotFound, ObjectStore, PreconditionFailed
 from yieldloop_server.store.base import check_name
 
@@ -71,7 +74,7 @@ class CheckpointRegistry:
         try:
             self.store.put_bytes(
                 model_prefix(info.slug) + "model.json",
-                json.dumps(dataclasses.asdict(info), sort_keys=True).encode(),
+                json.dumps(info.to_dict(), sort_keys=True).encode(),
                 if_none_match=True,
             )
         except PreconditionFailed:
@@ -84,26 +87,69 @@ class CheckpointRegistry:
             data, _ = self.store.get_bytes(model_prefix(slug) + "model.json")
         except ObjectNotFound:
             raise NotFoundError(f"no model {slug!r}", reason="MODEL_NOT_FOUND") from None
-        return ModelInfo(**json.loads(data))
+        return ModelInfo.from_dict(json.loads(data))
 
-    def list_models(self) -> list[ModelInfo]:
+    def list_models(self, describe: bool = False) -> list[ModelInfo]:
+        """Every model; with ``describe``, as :meth:`describe_model` gives them."""
         slugs = sorted({key.split("/")[1] for key in self.store.list("models/") if key.endswith("/model.json")})
-        return [self.get_model(slug) for slug in slugs]
+        return [self.describe_model(slug) if describe else self.get_model(slug) for slug in slugs]
 
-    def fork_model(self, source: str, name: str, owner: str = "") -> tuple[ModelInfo, Head]:
-        """A new slug whose first checkpoint is the source's head, or ``source@checkpoint`` (objects shared,
-        not copied). Everything is checked before anything is written."""
+    def fork_model(
+        self, source: str, name: str, owner: str = "", lora: LoraConfig | None = None
+    ) -> tuple[ModelInfo, Head]:
+        """A new slug starting from the source's head, or ``source@checkpoint``. Everything is checked before
+        anything is written.
+
+        A full fork's first checkpoint is the source's (objects shared, not copied). With ``lora`` the fork
+        trains a LoRA adapter over the source's frozen weights at that checkpoint: its first checkpoint is a
+        fresh adapter (config only). A fork of a LoRA fork is a LoRA fork over the same frozen weights, sharing
+        its source's adapter; it cannot change the adapter's config.
+        """
         check_name(name, "name")
         source, _, checkpoint_id = source.partition("@")
         src = self.get_model(source)
         manifest = self.get_manifest(source, checkpoint_id or self.get_head(source).checkpoint_id)
+        if lora is not None:
+            lora = lora.validate("lora")
+            if src.lora is not None and lora != src.lora:
+                raise invalid_field(
+                    "lora", f"{source!r} is a LoRA fork ({src.lora.describe()}): its forks keep its adapter's "
+                    f"config; fork {src.adapter_base_model!r} for another adapter",
+                )
         # The fork inherits what the weights are (architecture, size, chat template) from its source.
-        info = self.create_model(
-            dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0)
+        info = dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0)
+        if lora is None or src.lora is not None:
+            self.create_model(info)
+            forked = dataclasses.replace(manifest, model=name, created_time=time.time())
+            self.store.put_bytes(checkpoint_prefix(name, forked.checkpoint_id) + MANIFEST, forked.to_json())
+            return info, self.set_head(name, forked.checkpoint_id)
+        info = self.create_model(dataclasses.replace(
+            info, lora=lora, adapter_base_model=source, adapter_base_checkpoint_id=manifest.checkpoint_id,
+        ))
+        checkpoint_id = "adapter-init"
+        config = json.dumps(adapter_config(lora, f"{source}@{manifest.checkpoint_id}"), indent=2).encode()
+        key = checkpoint_prefix(name, checkpoint_id) + lora_files.CONFIG_FILE
+        self.store.put_bytes(key, config)
+        first = Manifest(
+            model=name, checkpoint_id=checkpoint_id, step=0,
+            objects=[ObjectInfo(lora_files.CONFIG_FILE, len(config), hashlib.sha256(config).hexdigest(), key)],
+            metadata_json=json.dumps({"adapter_of": f"{source}@{manifest.checkpoint_id}"}),
         )
-        forked = dataclasses.replace(manifest, model=name, created_time=time.time())
-        self.store.put_bytes(checkpoint_prefix(name, forked.checkpoint_id) + MANIFEST, forked.to_json())
-        return info, self.set_head(name, forked.checkpoint_id)
+        self.commit(first)
+        return info, self.set_head(name, checkpoint_id)
+
+    def describe_model(self, slug: str) -> ModelInfo:
+        """The model's record, with a LoRA fork's size the adapter's at its head."""
+        info = self.get_model(slug)
+        head = self.find_head(slug) if info.lora else None
+        if head is not None:
+            objects = self.get_manifest(slug, head.checkpoint_id).objects
+            info.size_bytes = sum(o.size for o in objects if o.name == lora_files.WEIGHTS_FILE)
+        return info
+
+    def adapter_bases(self) -> set[tuple[str, str]]:
+        """(slug, checkpoint id) of every checkpoint a LoRA fork's adapter applies to."""
+        return {(m.adapter_base_model, m.adapter_base_checkpoint_id) for m in self.list_models() if m.lora}
 
     # Checkpoints --------------------------------------------------------------
 
@@ -204,7 +250,8 @@ class CheckpointRegistry:
         """
         manifests = self.list_checkpoints(model)
         ever_head = {key.rsplit("/", 1)[1] for key in self.store.list(model_prefix(model) + "head-history/")}
-        keep = {m.checkpoint_id for m in manifests[-keep_last:]} | ever_head
+        adapter_bases = {cid for slug, cid in self.adapter_bases() if slug == model}  # LoRA forks' frozen weights
+        keep = {m.checkpoint_id for m in manifests[-keep_last:]} | ever_head | adapter_bases
         doomed = [m for m in manifests if m.checkpoint_id not in keep]
         for manifest in doomed:
             self.store.delete(checkpoint_prefix(model, manifest.checkpoint_id) + MANIFEST)

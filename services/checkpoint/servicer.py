@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as pb
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
 from yieldloop.errors import invalid_field
-from yieldloop.convert import head_to_pb, manifest_from_pb, manifest_to_pb, model_to_pb
+from yieldloop.convert import head_to_pb, lora_from_pb, manifest_from_pb, manifest_to_pb, model_to_pb
 from yieldloop_server.checkpoint.importer import import_model
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.common.grpc_server import rpc
@@ -27,11 +27,19 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @rpc
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[model_to_pb(m) for m in await asyncio.to_thread(self.registry.list_models)])
+        models = await asyncio.to_thread(self.registry.list_models, True)
+        return pb.ListModelsResponse(models=[model_to_pb(m) for m in models])
+
+    @rpc
+    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.GetModelResponse:
+        return pb.GetModelResponse(model=model_to_pb(await asyncio.to_thread(self.registry.describe_model, request.model)))
 
     @rpc
     async def ForkModel(self, request: pb.ForkModelRequest, context: grpc.aio.ServicerContext) -> pb.ForkModelResponse:
-        info, head = await asyncio.to_thread(self.registry.fork_model, request.source, request.name, request.owner)
+        lora = lora_from_pb(request.lora) if request.HasField("lora") else None
+        info, head = await asyncio.to_thread(
+            self.registry.fork_model, request.source, request.name, request.owner, lora
+        )
         return pb.ForkModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc

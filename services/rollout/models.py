@@ -1,5 +1,9 @@
 """The models a rollout service serves: an engine per slug, loaded on first use, each following its own head.
 
+A LoRA fork has no engine of its own: its adapter is served by the engine of its frozen base weights (pool
+name ``base@checkpoint``, loaded once for every LoRA fork over them), applied per request, and follows the
+fork's head like any slug (an adapter reload never touches the base weights).
+
 Beyond ``max_models`` engines, or beyond ``memory_budget_bytes`` of loaded weights (each slug counts its
 base checkpoint's size as recorded at import), the least recently used engine that no request holds is
 unloaded (see :class:`~yieldloop_server.common.pool.Pool`); a model larger than the whole budget is
@@ -13,13 +17,16 @@ import asyncio
 import contextlib
 import dataclasses
 import pathlib
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from yieldloop.client import Client
-from yieldloop.errors import NotFoundError, ResourceExhaustedError
+from yieldloop.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from yieldloop.types import ModelInfo
+from yieldloop_server.checkpoint.files import download_verified
 from yieldloop_server.common.pool import Pool
-from yieldloop_server.rollout.engines import Engine
+from yieldloop_server.rollout.engines import AdapterEngine, Engine
 from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
 from yieldloop_server.store import ObjectStore
 
@@ -34,8 +41,16 @@ class ServedModel:
     """A :class:`WeightFollower` (or, for a fixed engine, anything with ``wait_for``, ``head_sequence``, ``last_error``)."""
     pinned: PinnedEngines | None = None
     task: asyncio.Task | None = None
+    adapter_base: str = ""
+    """For a LoRA fork: its base engine's pool name ("slug@checkpoint")."""
+    adapters: dict[str, ServedModel] = dataclasses.field(default_factory=dict)
+    """For a LoRA forks' base engine: each fork served by it, by slug."""
+    adapter_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     async def close(self) -> None:
+        for view in list(self.adapters.values()):
+            await view.close()
+        self.adapters.clear()
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -50,7 +65,8 @@ class ServedModels:
 
     Args:
         default: The slug requests naming no model get (loaded at start).
-        make_engine: A new, empty engine of the service's kind.
+        make_engine: ``(lora) -> Engine``: a new, empty engine of the service's kind (serving LoRA adapters
+            when ``lora``).
         make_pinned_engine: A new engine for a candidate checkpoint (the light torch engine).
         store: Where checkpoints are read from.
         checkpoints: CheckpointService client (heads, manifests).
@@ -63,7 +79,7 @@ class ServedModels:
     def __init__(
         self,
         default: str,
-        make_engine: Callable[[], Engine] | None,
+        make_engine: Callable[[bool], Engine] | None,
         make_pinned_engine: Callable[[], Engine] | None,
         store: ObjectStore | None,
         checkpoints: Client | None,
@@ -80,6 +96,7 @@ class ServedModels:
         self.cache_dir = cache_dir
         self.on_default_reload = on_default_reload
         self.memory_budget_bytes = memory_budget_bytes
+        self._infos: dict[str, ModelInfo] = {}
         self._pool: Pool[ServedModel] = Pool(
             default, self._load, ServedModel.close, max_models, check=self._check,
             budget_bytes=memory_budget_bytes, owner="this rollout service",
@@ -99,22 +116,46 @@ class ServedModels:
 
     def use(self, model: str = "") -> contextlib.AbstractAsyncContextManager[ServedModel]:
         """The engine serving ``model`` (default: the default slug), loaded if needed, held for the block."""
-        return self._pool.use(model)
+        return self._use(model or self.default)
+
+    @contextlib.asynccontextmanager
+    async def _use(self, slug: str) -> AsyncIterator[ServedModel]:
+        info = await self._info(slug)
+        if info is None or info.lora is None:
+            async with self._pool.use(slug) as served:
+                yield served
+            return
+        async with self._pool.use(f"{info.adapter_base_model}@{info.adapter_base_checkpoint_id}") as base:
+            yield await self._adapter(base, slug)
+
+    async def _info(self, slug: str) -> ModelInfo | None:
+        """The slug's record (kept: a slug's kind never changes); None when this service has no registry."""
+        if self.checkpoints is None or self.make_engine is None:
+            return None
+        if slug not in self._infos:
+            self._infos[slug] = await self.checkpoints.get_model(slug)  # NOT_FOUND (MODEL_NOT_FOUND)
+        return self._infos[slug]
 
     @property
     def loaded(self) -> list[ServedModel]:
-        return self._pool.items
+        """Every slug served now: engines, and the LoRA forks their adapters serve."""
+        return [served for item in self._pool.items for served in (item, *item.adapters.values())
+                if "@" not in served.slug]
 
-    async def _check(self, slug: str) -> int:
-        """The slug's size; NOT_FOUND (MODEL_NOT_FOUND) for a slug this service cannot load, RESOURCE_EXHAUSTED
-        (MODEL_TOO_LARGE) for one larger than the whole memory budget."""
+    async def _check(self, name: str) -> int:
+        """The size of a slug (or of ``slug@checkpoint``, a LoRA forks' base); NOT_FOUND (MODEL_NOT_FOUND,
+        CHECKPOINT_NOT_FOUND) for one this service cannot load, RESOURCE_EXHAUSTED (MODEL_TOO_LARGE) for one
+        larger than the whole memory budget."""
         if self.make_engine is None or self.checkpoints is None:
-            raise NotFoundError(f"this server serves only {self.default!r}, not {slug!r}", reason="MODEL_NOT_FOUND")
-        await self.checkpoints.get_head(slug)
+            raise NotFoundError(f"this server serves only {self.default!r}, not {name!r}", reason="MODEL_NOT_FOUND")
+        slug, _, checkpoint_id = name.partition("@")
+        if checkpoint_id:
+            await self.checkpoints.get_checkpoint(slug, checkpoint_id)
+        else:
+            await self.checkpoints.get_head(slug)
         if not self.memory_budget_bytes:
             return 0
-        listed = await self.checkpoints.list_models()
-        size = next((m.size_bytes for m in listed.models if m.slug == slug), 0)
+        size = (await self.checkpoints.get_model(slug)).size_bytes
         if size > self.memory_budget_bytes:
             raise ResourceExhaustedError(
                 f"model {slug!r} needs {size / 1e6:.1f} MB of weights, more than this rollout service's whole "
@@ -122,21 +163,71 @@ class ServedModels:
             )
         return size
 
-    async def _load(self, slug: str) -> ServedModel:
-        assert self.make_engine is not None
-        engine = self.make_engine()
+    async def _follow(self, engine: Engine, slug: str) -> tuple[WeightFollower, asyncio.Task]:
+        """A follower keeping ``engine`` on the slug's head, once the first head was handled (a follower that
+        gave up, e.g. because the model vanished, fails this request, not the service)."""
         follower = WeightFollower(engine, slug, self.store, self.checkpoints, self.cache_dir)
         if slug == self.default:
             follower.on_reload = self.on_default_reload
         task = asyncio.create_task(follower.run())
         loaded = asyncio.create_task(follower.wait_loaded())
         await asyncio.wait({loaded, task}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():  # the follower gave up (e.g. the model vanished): fail this request, not the service
+        if task.done():
             loaded.cancel()
             await engine.close()
             task.result()
+        return follower, task
+
+    async def _load(self, name: str) -> ServedModel:
+        assert self.make_engine is not None
+        slug, _, checkpoint_id = name.partition("@")
+        if checkpoint_id:  # LoRA forks' frozen base weights: loaded once, never reloaded
+            engine = self.make_engine(True)
+            try:
+                manifest = await self.checkpoints.get_checkpoint(slug, checkpoint_id)
+                folder = await asyncio.to_thread(
+                    download_verified, self.store, manifest, self.cache_dir / slug / checkpoint_id
+                )
+                await engine.load_weights(folder, checkpoint_id)
+            except BaseException:
+                await engine.close()
+                raise
+            return ServedModel(name, engine, FixedWeights(engine))
+        engine = self.make_engine(False)
+        follower, task = await self._follow(engine, slug)
         pinned = PinnedEngines(follower, self.make_pinned_engine) if self.make_pinned_engine else None
         return ServedModel(slug, engine, follower, pinned, task)
 
+    async def _adapter(self, base: ServedModel, slug: str) -> ServedModel:
+        """The LoRA fork ``slug`` served by ``base``'s engine (its adapter loaded and following its head)."""
+        async with base.adapter_lock:
+            view = base.adapters.get(slug)
+            if view is None:
+                follower, task = await self._follow(AdapterEngine(base.engine, slug), slug)
+
+                def candidate() -> Engine:  # a candidate checkpoint: the same base, another adapter name
+                    return AdapterEngine(base.engine, f"{slug}@{uuid.uuid4().hex[:8]}")
+
+                view = base.adapters[slug] = ServedModel(
+                    slug, follower.engine, follower, PinnedEngines(follower, candidate), task, base.slug
+                )
+            return view
+
     async def close(self) -> None:
         await self._pool.close()
+
+
+class FixedWeights:
+    """The follower of an engine whose weights never move (a LoRA forks' base)."""
+
+    head_sequence = 1
+    last_error = ""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def wait_for(self, checkpoint_id: str) -> None:
+        if checkpoint_id != self.engine.weight_version:
+            raise FailedPreconditionError(
+                f"this engine holds {self.engine.weight_version} only", reason="CHECKPOINT_NOT_FOUND"
+            )

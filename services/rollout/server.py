@@ -62,7 +62,9 @@ class RolloutServer:
             await self.grpc.set_health(WEIGHTS_HEALTH, ok)
 
         self.models = ServedModels(
-            model, lambda: create_engine(engine, **engine_options), lambda: create_engine("torch", device=device),
+            model,
+            lambda lora: create_engine(engine, lora=lora, **engine_options),
+            lambda: create_engine("torch", device=device),
             store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
             memory_budget_bytes=memory_budget_bytes,
         )

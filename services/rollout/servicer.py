@@ -137,6 +137,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 engine=served.engine.name,
                 last_reload_error=served.follower.last_error,
                 openai_base_url=self.openai_base_url,
+                adapter_base=served.adapter_base,
+                engine_weight_loads=served.engine.weight_loads,
             )
 
     @rpc

@@ -22,7 +22,14 @@ from typing import Any
 from yieldloop.errors import FailedPreconditionError, invalid_field
 from yieldloop_server.trainer import losses
 from yieldloop.types import Datum
-from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig, metrics_from_totals, zero_totals
+from yieldloop_server.trainer.trainer import (
+    AdamConfig,
+    AdapterSetup,
+    Trainer,
+    TrainerConfig,
+    metrics_from_totals,
+    zero_totals,
+)
 
 
 def free_port() -> int:
@@ -71,7 +78,7 @@ def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig) -> float:
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    params = list(trainer.model.parameters())
+    params = [p for p in trainer.model.parameters() if p.requires_grad]  # a LoRA fork: its adapter only
     for param in params:
         if param.grad is None:  # a rank whose shards were empty still joins the sum
             param.grad = torch.zeros_like(param)
@@ -83,12 +90,15 @@ def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig) -> float:
     return trainer.apply_step(adam)
 
 
-def worker_main(rank: int, world_size: int, folder: str, config: TrainerConfig, address: str, port: int) -> None:
+def worker_main(
+    rank: int, world_size: int, folder: str, config: TrainerConfig, address: str, port: int,
+    adapter: AdapterSetup | None = None,
+) -> None:
     """Ranks 1..N-1: load the weights, then follow rank 0's commands until told to stop."""
     import torch.distributed as dist
 
     groups = _init(rank, world_size, address, port, config)
-    trainer = Trainer(pathlib.Path(folder), _device_for(config, rank))
+    trainer = Trainer(pathlib.Path(folder), _device_for(config, rank), adapter)
     while True:
         command: list[Any] = [None]
         dist.broadcast_object_list(command, src=0, group=groups.control)
@@ -111,7 +121,9 @@ class DistributedTrainer:
         world_size: Number of ranks (>= 2).
     """
 
-    def __init__(self, folder: pathlib.Path, config: TrainerConfig, world_size: int) -> None:
+    def __init__(
+        self, folder: pathlib.Path, config: TrainerConfig, world_size: int, adapter: AdapterSetup | None = None
+    ) -> None:
         import torch.multiprocessing as mp
 
         if world_size < 2:
@@ -120,13 +132,14 @@ class DistributedTrainer:
         address, port = "127.0.0.1", free_port()
         context = mp.get_context("spawn")
         self._workers = [
-            context.Process(target=worker_main, args=(rank, world_size, str(folder), config, address, port), daemon=True)
+            context.Process(target=worker_main, args=(rank, world_size, str(folder), config, address, port, adapter),
+                            daemon=True)
             for rank in range(1, world_size)
         ]
         for worker in self._workers:
             worker.start()
         self._groups = _init(0, world_size, address, port, config)
-        self.local = Trainer(folder, _device_for(config, 0))
+        self.local = Trainer(folder, _device_for(config, 0), adapter)
         self.num_pending_datums = 0
 
     # The Trainer interface -------------------------------------------------------------------

@@ -28,7 +28,8 @@ from yieldloop_server.checkpoint.files import download_verified, upload_folder
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
-from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
+from yieldloop_server.common import lora
+from yieldloop_server.trainer.trainer import AdamConfig, AdapterSetup, Trainer, TrainerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,20 +114,30 @@ class TrainingSession:
             await self._run(self.trainer.close)
         self.trainer = None
 
-    async def load_head(self) -> None:
-        """Loads the model's head checkpoint (weights and optimizer state) from the store."""
-        head = await self.checkpoints.get_head(self.model)
-        manifest = await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id)
-        folder = await asyncio.to_thread(
-            download_verified, self.store, manifest, self.work_dir / "cache" / self.model / manifest.checkpoint_id
+    async def _download(self, manifest: Manifest) -> pathlib.Path:
+        return await asyncio.to_thread(
+            download_verified, self.store, manifest, self.work_dir / "cache" / manifest.model / manifest.checkpoint_id
         )
+
+    async def load_head(self) -> None:
+        """Loads the model's head checkpoint (weights and optimizer state) from the store; for a LoRA fork,
+        its frozen base weights and the adapter at its head."""
+        info = await self.checkpoints.get_model(self.model)
+        head = await self.checkpoints.get_head(self.model)
+        folder = await self._download(await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id))
+        adapter = None
+        if info.lora is not None:
+            adapter = AdapterSetup(folder, lora.init_seed(self.model))
+            folder = await self._download(
+                await self.checkpoints.get_checkpoint(info.adapter_base_model, info.adapter_base_checkpoint_id)
+            )
         if self.nproc > 1:  # data parallel: rank 0 here, the other ranks in spawned processes
             from yieldloop_server.trainer.distributed import DistributedTrainer
 
-            self.trainer = await self._run(DistributedTrainer, folder, self.config, self.nproc)
+            self.trainer = await self._run(DistributedTrainer, folder, self.config, self.nproc, adapter)
         else:
-            self.trainer = await self._run(Trainer, folder, self.config)
-        self.checkpoint_id = manifest.checkpoint_id
+            self.trainer = await self._run(Trainer, folder, self.config, adapter)
+        self.checkpoint_id = head.checkpoint_id
 
     async def close(self) -> None:
         await self.close_trainer()

@@ -71,23 +71,71 @@ def micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[Datum]]
     return batches
 
 
-class Trainer:
-    """Loads an HF checkpoint folder and trains it."""
+@dataclasses.dataclass(frozen=True)
+class AdapterSetup:
+    """A LoRA fork's adapter checkpoint folder (config, weights once trained, optimizer state) and the seed a
+    fresh adapter's A matrices are drawn from."""
 
-    def __init__(self, folder: pathlib.Path, config: TrainerConfig = TrainerConfig()) -> None:
+    folder: pathlib.Path
+    seed: int
+
+
+def attach_adapter(model: Any, adapter: AdapterSetup) -> Any:
+    """``model`` wrapped by peft with the adapter's LoRA layers (only they train), its weights loaded when it
+    has any; a fresh adapter's A is drawn from ``adapter.seed`` (B is zero), the same on every load."""
+    import torch
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from yieldloop_server.common import lora
+
+    config = LoraConfig.from_pretrained(str(adapter.folder))
+    config.inference_mode = False
+    config.base_model_name_or_path = getattr(model, "name_or_path", "")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(adapter.seed)
+        model = get_peft_model(model, config)
+    weights = adapter.folder / lora.WEIGHTS_FILE
+    if weights.is_file():
+        result = set_peft_model_state_dict(model, load_file(weights))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise FailedPreconditionError(
+                f"adapter {adapter.folder.name} does not fit its base: missing {missing[:3]}, unexpected "
+                f"{list(result.unexpected_keys)[:3]}", reason="CHECKPOINT_CORRUPT",
+            )
+    return model
+
+
+class Trainer:
+    """Loads an HF checkpoint folder and trains it: every weight, or with ``adapter`` a LoRA adapter over
+    those frozen weights (the adapter folder then holds the optimizer state and step)."""
+
+    def __init__(
+        self, folder: pathlib.Path, config: TrainerConfig = TrainerConfig(), adapter: AdapterSetup | None = None
+    ) -> None:
         import torch
 
         from yieldloop_server.common.hf import load_causal_lm
 
         self.config = config
+        self.adapter = adapter
         self.model, self.tokenizer = load_causal_lm(folder, config.dtype, config.device)
+        if adapter is not None:
+            self.model = attach_adapter(self.model, adapter)
+            folder = adapter.folder
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, foreach=False)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=1e-5, foreach=False)
         state_path = folder / STATE_FILE
         self.step = json.loads(state_path.read_text())["step"] if state_path.exists() else 0
         if (folder / OPTIMIZER_FILE).exists():
             self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=config.device))
         self.num_pending_datums = 0
+
+    @property
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     @property
     def vocab_size(self) -> int:
@@ -192,12 +240,16 @@ class Trainer:
         return grad_norm
 
     def save(self, folder: pathlib.Path) -> pathlib.Path:
-        """Writes an HF checkpoint: safetensors, config, tokenizer, optimizer state, step."""
+        """Writes an HF checkpoint (safetensors, config, tokenizer), or for a LoRA fork peft's adapter files
+        only, plus the optimizer state and step."""
         import torch
 
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder, safe_serialization=True)
-        self.tokenizer.save_pretrained(folder)
+        if self.adapter is None:
+            self.tokenizer.save_pretrained(folder)
+        else:
+            (folder / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
         torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         (folder / STATE_FILE).write_text(json.dumps({"step": self.step}))
         return folder

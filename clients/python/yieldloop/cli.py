@@ -67,10 +67,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     imported.add_argument("source", help="a model folder the checkpoint service can read, or a hub id (org/name)")
     imported.add_argument("--name", required=True, help="the new slug")
     imported.add_argument("--owner", default="")
-    fork = model_commands.add_parser("fork", help="a new model starting from a model's head (objects shared)")
+    fork = model_commands.add_parser(
+        "fork", help="a new model starting from a model's head: full fine-tuning (objects shared until its first "
+                     "step), or with --lora-rank a LoRA fork training adapters only over the source's frozen weights")
     fork.add_argument("source", help="a model slug (its head) or SLUG@CHECKPOINT")
     fork.add_argument("--name", required=True)
     fork.add_argument("--owner", default="")
+    fork.add_argument("--lora-rank", type=int, default=None, metavar="R", help="train a LoRA adapter of rank R (> 0)")
+    fork.add_argument("--lora-alpha", type=float, default=0.0, metavar="A",
+                      help="LoRA alpha: the update is scaled by A / R (default 2 R)")
+    fork.add_argument("--lora-targets", nargs="+", default=[], metavar="MODULE",
+                      help="module names to adapt, e.g. q_proj v_proj (default: every linear layer of the blocks)")
     checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first (> = HEAD)")
     checkpoints.add_argument("model")
     head = model_commands.add_parser("head", help="show a model's head, or move it with --set (rollback, branch)")
@@ -305,12 +312,14 @@ async def _models(args: argparse.Namespace) -> None:
     console = Console()
     async with _client(args, timeout=3600 if args.models_command == "import" else 60) as client:
         if args.models_command == "list":
-            table = Table("model", "base", "parent", "owner", "trainable", "architecture", "parameters", "dtype",
-                          "chat template", "size")
-            for m in (await client.list_models()).models:
+            from yieldloop.convert import model_from_pb
+
+            table = Table("model", "base", "parent", "owner", "trainable", "kind", "architecture", "parameters",
+                          "dtype", "chat template", "size")
+            for m in map(model_from_pb, (await client.list_models()).models):
                 table.add_row(m.slug, m.base, m.parent or "-", m.owner or "-", "yes" if m.trainable else "no",
-                              m.architecture or "-", f"{m.num_parameters:,}", m.dtype or "-",
-                              "yes" if m.has_chat_template else "no", f"{m.size_bytes / 1e6:.1f} MB")
+                              m.kind, m.architecture or "-", f"{m.num_parameters:,}", m.dtype or "-",
+                              "yes" if m.has_chat_template else "no", f"{m.size_bytes / 1e6:.3f} MB")
             console.print(table)
         elif args.models_command == "import":
             done = await client.import_model(args.source, args.name, args.owner)
@@ -319,8 +328,18 @@ async def _models(args: argparse.Namespace) -> None:
                           f"({m.dtype}), chat template {'yes' if m.has_chat_template else 'no'}, "
                           f"{m.size_bytes / 1e6:.1f} MB, head {done.head.checkpoint_id}", markup=False)
         elif args.models_command == "fork":
-            forked = await client.fork_model(args.source, args.name, args.owner)
-            console.print(f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id}")
+            from yieldloop.types import LoraConfig
+
+            lora = None
+            if args.lora_rank is not None:
+                lora = LoraConfig(args.lora_rank, args.lora_alpha, tuple(args.lora_targets))
+            elif args.lora_alpha or args.lora_targets:
+                raise SystemExit("yieldloop: --lora-alpha and --lora-targets need --lora-rank")
+            forked = await client.fork_model(args.source, args.name, args.owner, lora=lora)
+            kind = f"LoRA r={forked.model.lora.rank} over {forked.model.adapter_base_model}@" \
+                   f"{forked.model.adapter_base_checkpoint_id}" if forked.model.HasField("lora") else "full"
+            console.print(f"forked {args.source} -> {forked.model.slug} ({kind}) at {forked.head.checkpoint_id}",
+                          markup=False)
         elif args.models_command == "checkpoints":
             table = Table("", "checkpoint", "parent", "step", "promotion")
             for c in (await client.list_checkpoints(args.model)).checkpoints:

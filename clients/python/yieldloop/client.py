@@ -37,8 +37,10 @@ from yieldloop.convert import (
     datum_to_pb,
     head_from_pb,
     job_from_pb,
+    lora_to_pb,
     manifest_from_pb,
     manifest_to_pb,
+    model_from_pb,
     run_from_pb,
     run_to_pb,
 )
@@ -50,7 +52,7 @@ from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig, open_channel
 from yieldloop.groups import split_whole_groups
-from yieldloop.types import Datum, Head, JobInfo, Manifest, Run
+from yieldloop.types import Datum, Head, JobInfo, LoraConfig, Manifest, ModelInfo, Run
 SERVICES = ("checkpoint", "env", "trainer", "rollout")
 """The four services, in the order a stack starts them (each calls only those before it)."""
 
@@ -505,8 +507,19 @@ class Client:
     async def list_models(self) -> ckpt_pb.ListModelsResponse:
         return await _unary(self.checkpoint_stub.ListModels, ckpt_pb.ListModelsRequest(), self.timeout)
 
-    async def fork_model(self, source: str, name: str, owner: str = "") -> ckpt_pb.ForkModelResponse:
-        request = ckpt_pb.ForkModelRequest(source=source, name=name, owner=owner)
+    async def get_model(self, model: str) -> ModelInfo:
+        """One model's record (NOT_FOUND/MODEL_NOT_FOUND when there is none)."""
+        response = await _unary(self.checkpoint_stub.GetModel, ckpt_pb.GetModelRequest(model=model), self.timeout)
+        return model_from_pb(response.model)
+
+    async def fork_model(
+        self, source: str, name: str, owner: str = "", lora: LoraConfig | None = None
+    ) -> ckpt_pb.ForkModelResponse:
+        """Forks ``source`` (a slug or ``slug@checkpoint``) into ``name``: full fine-tuning, or with ``lora`` a
+        LoRA fork training adapters only over the source's frozen weights."""
+        request = ckpt_pb.ForkModelRequest(
+            source=source, name=name, owner=owner, lora=lora_to_pb(lora) if lora is not None else None
+        )
         return await _unary(self.checkpoint_stub.ForkModel, request, self.timeout)
 
     async def import_model(self, source: str, name: str, owner: str = "") -> ckpt_pb.ImportModelResponse:

@@ -14,6 +14,7 @@ from yieldloop.types import (
     AgentStopReason,
     Datum,
     Head,
+    LoraConfig,
     JobInfo,
     Manifest,
     ModelInfo,
@@ -35,12 +36,22 @@ def head_from_pb(message: ckpt_pb.Head) -> Head:
     return Head(message.model, message.checkpoint_id, message.sequence, message.updated_time)
 
 
+def lora_to_pb(lora: LoraConfig) -> ckpt_pb.LoraConfig:
+    return ckpt_pb.LoraConfig(rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules))
+
+
+def lora_from_pb(message: ckpt_pb.LoraConfig) -> LoraConfig:
+    return LoraConfig(message.rank, message.alpha, tuple(message.target_modules))
+
+
 def model_to_pb(info: ModelInfo) -> ckpt_pb.ModelInfo:
-    return ckpt_pb.ModelInfo(**dataclasses.asdict(info))
+    fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(ModelInfo) if f.name != "lora"}
+    return ckpt_pb.ModelInfo(**fields, lora=lora_to_pb(info.lora) if info.lora else None)
 
 
 def model_from_pb(message: ckpt_pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(**{f.name: getattr(message, f.name) for f in dataclasses.fields(ModelInfo)})
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(ModelInfo) if f.name != "lora"}
+    return ModelInfo(**fields, lora=lora_from_pb(message.lora) if message.HasField("lora") else None)
 
 
 def manifest_to_pb(manifest: Manifest | ckpt_pb.Manifest) -> ckpt_pb.Manifest:

@@ -14,6 +14,44 @@ import math
 from yieldloop.errors import InvalidArgumentError
 
 
+MAX_LORA_RANK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """A LoRA adapter's shape (peft's format): the update ``B @ A`` of each target module is scaled by
+    ``alpha / rank``."""
+
+    rank: int
+    alpha: float = 0.0
+    """0: twice the rank."""
+    target_modules: tuple[str, ...] = ()
+    """Module names ("q_proj", ...); empty: every linear layer of the decoder blocks (peft's "all-linear")."""
+
+    def validate(self, field: str = "lora") -> LoraConfig:
+        """Checks the config; returns it with defaults filled in (INVALID_ARGUMENT/INVALID_FIELD otherwise)."""
+        import math
+        import re
+
+        from yieldloop.errors import invalid_field
+
+        if not isinstance(self.rank, int) or not 0 < self.rank <= MAX_LORA_RANK:
+            raise invalid_field(f"{field}.rank", f"a LoRA rank must be an integer in [1, {MAX_LORA_RANK}], got {self.rank}")
+        if not math.isfinite(self.alpha) or self.alpha < 0:
+            raise invalid_field(f"{field}.alpha", f"LoRA alpha must be a finite number > 0, got {self.alpha}")
+        for name in self.target_modules:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name):
+                raise invalid_field(f"{field}.target_modules", f"{name!r} is not a module name")
+        return LoraConfig(self.rank, self.alpha or 2.0 * self.rank, tuple(self.target_modules))
+
+    @property
+    def scaling(self) -> float:
+        return (self.alpha or 2.0 * self.rank) / self.rank
+
+    def describe(self) -> str:
+        return f"lora r={self.rank}"
+
+
 @dataclasses.dataclass
 class ModelInfo:
     """A model slug: its base, the model it was forked from, its owner."""
@@ -33,7 +71,29 @@ class ModelInfo:
     source: str = ""
     """Where an imported base came from (a folder or a hub id)."""
     size_bytes: int = 0
-    """Bytes of the base checkpoint."""
+    """Bytes of the base checkpoint (for a LoRA fork, of its adapter)."""
+    lora: LoraConfig | None = None
+    """Set for a LoRA fork: its checkpoints hold the adapter (and its optimizer state) only."""
+    adapter_base_model: str = ""
+    """For a LoRA fork: the slug whose weights (at ``adapter_base_checkpoint_id``) the adapter applies to."""
+    adapter_base_checkpoint_id: str = ""
+
+    @property
+    def kind(self) -> str:
+        """"full" or "lora r=R"."""
+        return self.lora.describe() if self.lora else "full"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelInfo:
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        lora = data.pop("lora", None)
+        if lora:
+            lora = LoraConfig(int(lora["rank"]), float(lora.get("alpha", 0.0)), tuple(lora.get("target_modules", ())))
+        return cls(**data, lora=lora or None)
 
 
 @dataclasses.dataclass

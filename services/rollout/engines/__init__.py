@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import AdapterEngine, Engine, SamplingConfig, TokenDelta
 
 
-def create_engine(kind: str, **options: object) -> Engine:
-    """The engine named ``kind``: "torch", or "vllm" (``pip install 'yieldloop-server[vllm]'``)."""
+def create_engine(kind: str, lora: bool = False, **options: object) -> Engine:
+    """The engine named ``kind``: "torch", or "vllm" (``pip install 'yieldloop-server[vllm]'``); with ``lora``
+    one that serves LoRA adapters over its weights (the torch engine always can)."""
     if kind == "torch":
         from yieldloop_server.rollout.engines.torch_engine import TorchEngine
 
@@ -16,8 +17,8 @@ def create_engine(kind: str, **options: object) -> Engine:
 
         if not vllm_available():
             raise ValueError("the vllm engine needs vLLM: pip install 'yieldloop-server[vllm]'")
-        return VllmEngine(**options)
+        return VllmEngine(lora=lora, **options)
     raise ValueError(f"unknown engine {kind!r} (available: torch, vllm)")
 
 
-__all__ = ["Engine", "SamplingConfig", "TokenDelta", "create_engine"]
+__all__ = ["AdapterEngine", "Engine", "SamplingConfig", "TokenDelta", "create_engine"]

@@ -8,7 +8,7 @@ import pathlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from yieldloop.errors import InvalidArgumentError, UnavailableError, invalid_field
+from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, invalid_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,8 @@ class Engine(abc.ABC):
 
     name: str = "engine"
     tokenizer: Any = None
+    weight_loads: int = 0
+    """Full weight loads so far (first load and hot reloads)."""
 
     @property
     @abc.abstractmethod
@@ -84,8 +86,25 @@ class Engine(abc.ABC):
         """Loads an HF checkpoint folder; returns once new requests use it."""
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> AsyncIterator[TokenDelta]:
-        """Streams deltas for one request; closing the iterator cancels it and frees its resources."""
+    def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
+    ) -> AsyncIterator[TokenDelta]:
+        """Streams deltas for one request (with the LoRA adapter loaded as ``adapter`` applied, when named; its
+        deltas then report the adapter's version); closing the iterator cancels it and frees its resources."""
+
+    # LoRA adapters: a base engine serves the LoRA forks of its weights, each adapter applied per request.
+
+    async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:
+        """Loads (or replaces) the adapter ``name`` from a peft adapter folder; returns once new requests use it."""
+        raise FailedPreconditionError(f"the {self.name} engine does not serve LoRA adapters",
+                                      reason="ENGINE_NOT_READY")
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forgets the adapter (requests already running finish with it)."""
+
+    def adapter_version(self, name: str) -> str:
+        """The checkpoint id the adapter ``name`` serves ("" when it is not loaded)."""
+        return ""
 
     @abc.abstractmethod
     def num_unfinished(self) -> int:
@@ -168,3 +187,52 @@ class Engine(abc.ABC):
                 reason="PROMPT_TOO_LONG",
                 field="prompt",
             )
+
+
+class AdapterEngine(Engine):
+    """One LoRA adapter served by its base's engine, seen as an engine of its own: loading weights loads the
+    adapter, ``generate`` runs on the base with the adapter applied, the weight version is the adapter's.
+
+    Args:
+        base: The engine holding the frozen base weights.
+        adapter: The name the adapter is loaded under (unique on ``base``).
+    """
+
+    def __init__(self, base: Engine, adapter: str) -> None:
+        self.base = base
+        self.adapter = adapter
+        self.name = base.name
+
+    @property  # type: ignore[override]
+    def tokenizer(self) -> Any:
+        return self.base.tokenizer
+
+    @property
+    def weight_version(self) -> str:
+        return self.base.adapter_version(self.adapter)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
+    @property  # type: ignore[override]
+    def weight_loads(self) -> int:
+        return self.base.weight_loads
+
+    @property
+    def max_model_len(self) -> int:
+        return self.base.max_model_len
+
+    async def load_weights(self, folder: pathlib.Path, version: str) -> None:
+        await self.base.load_adapter(self.adapter, folder, version)
+
+    def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
+    ) -> AsyncIterator[TokenDelta]:
+        return self.base.generate(prompt_ids, sampling, adapter=self.adapter)
+
+    def num_unfinished(self) -> int:
+        return self.base.num_unfinished()
+
+    async def close(self) -> None:
+        await self.base.unload_adapter(self.adapter)

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from yieldloop.errors import UnavailableError
+from yieldloop.errors import FailedPreconditionError, UnavailableError
 from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,15 @@ class _Weights:
     version: str
     eos_ids: frozenset[int]
     max_model_len: int
+    hooked: bool = False
+    """Whether the LoRA hooks are installed on the model's linear layers."""
+
+
+@dataclasses.dataclass
+class _Adapter:
+    version: str
+    layers: dict[str, tuple[Any, Any, float]]
+    """Module name -> (A (r, in), B (out, r), scaling); empty for a fresh adapter (B = 0: the base's output)."""
 
 
 @dataclasses.dataclass
@@ -44,6 +53,7 @@ class _Request:
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     generator: Any
+    adapter: str = ""
     cancelled: bool = False
 
     def emit(self, item: TokenDelta | BaseException) -> None:
@@ -103,6 +113,10 @@ class TorchEngine(Engine):
             logprobs within 1e-4 of each other).
         max_batch_size: Requests decoded together at most.
         batch_wait_s: How long the worker waits for more requests to batch.
+
+    LoRA adapters (:meth:`load_adapter`) are applied per request: each linear layer an adapter targets adds
+    that adapter's low-rank update to the rows of the batch that use it, so requests for several forks of
+    one base decode in one batch over one copy of the base weights.
     """
 
     name = "torch"
@@ -116,6 +130,11 @@ class TorchEngine(Engine):
         self.batch_wait_s = batch_wait_s
         self._weights: _Weights | None = None
         self._swaps: list[tuple[_Weights, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._adapters: dict[str, _Adapter] = {}
+        """LoRA adapters by name (changed by the worker thread between batches only)."""
+        self._adapter_swaps: list[tuple[str, _Adapter | None, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._active: list[tuple[dict[str, tuple[Any, Any, float]], Any]] = []
+        """The batch being decoded: (adapter layers, row indices) of each adapter in it."""
         self._swap_lock = threading.Lock()
         self._pending: queue.Queue = queue.Queue()
         self._stopping = False
@@ -147,7 +166,44 @@ class TorchEngine(Engine):
         self._pending.put(_WAKE)
         await swapped
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> AsyncIterator[TokenDelta]:
+    async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:
+        from yieldloop_server.common.lora import read_adapter
+
+        layers = await asyncio.to_thread(read_adapter, folder, self.device, self.dtype)
+        self._check_adapter(name, layers)
+        await self._swap_adapter(name, _Adapter(version, layers))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._swap_adapter(name, None)
+
+    def adapter_version(self, name: str) -> str:
+        adapter = self._adapters.get(name)
+        return adapter.version if adapter else ""
+
+    def _check_adapter(self, name: str, layers: dict[str, tuple[Any, Any, float]]) -> None:
+        """CHECKPOINT_CORRUPT for an adapter whose modules or shapes do not fit the base weights."""
+        if self._weights is None:
+            raise UnavailableError("no base weights loaded yet", reason="ENGINE_NOT_READY")
+        modules = dict(self._weights.model.named_modules())
+        for module_name, (a, b, _) in layers.items():
+            module = modules.get(module_name)
+            if module is None or (a.shape[1], b.shape[0]) != (module.in_features, module.out_features):
+                raise FailedPreconditionError(
+                    f"adapter {name}: module {module_name} is not a linear layer of that shape in the base model",
+                    reason="CHECKPOINT_CORRUPT",
+                )
+
+    async def _swap_adapter(self, name: str, adapter: _Adapter | None) -> None:
+        loop = asyncio.get_running_loop()
+        swapped = loop.create_future()
+        with self._swap_lock:
+            self._adapter_swaps.append((name, adapter, loop, swapped))
+        self._pending.put(_WAKE)
+        await swapped
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
+    ) -> AsyncIterator[TokenDelta]:
         import torch
 
         self.validate_prompt(prompt_ids)
@@ -157,7 +213,9 @@ class TorchEngine(Engine):
             generator.manual_seed(sampling.seed)
         else:
             generator.seed()
-        request = _Request(list(prompt_ids), sampling, asyncio.Queue(), asyncio.get_running_loop(), generator)
+        if adapter and not self.adapter_version(adapter):
+            raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
+        request = _Request(list(prompt_ids), sampling, asyncio.Queue(), asyncio.get_running_loop(), generator, adapter)
         self._pending.put(request)
         try:
             while True:
@@ -183,11 +241,44 @@ class TorchEngine(Engine):
     def _apply_swaps(self) -> None:
         with self._swap_lock:
             swaps, self._swaps = self._swaps, []
+            adapter_swaps, self._adapter_swaps = self._adapter_swaps, []
         for weights, loop, future in swaps:
             self._weights = weights
+            self.weight_loads += 1
             self.tokenizer = weights.tokenizer
             log.info("serving weights %s", weights.version)
             loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+        for name, adapter, loop, future in adapter_swaps:
+            if adapter is None:
+                self._adapters.pop(name, None)
+            else:
+                self._adapters[name] = adapter
+                log.info("serving adapter %s at %s", name, adapter.version)
+            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+        if self._adapters and self._weights is not None and not self._weights.hooked:
+            self._install_lora_hooks(self._weights)
+
+    def _install_lora_hooks(self, weights: _Weights) -> None:
+        """Adds each adapter's ``scaling * B @ A @ x`` to the output of its target linear layers, for the rows
+        of the batch that use that adapter (peft's LoRA forward, per request)."""
+        import torch
+
+        def hook_for(name: str) -> Any:
+            def hook(module: Any, args: tuple[Any, ...], output: Any) -> Any:
+                for layers, rows in self._active:
+                    entry = layers.get(name)
+                    if entry is not None:
+                        a, b, scaling = entry
+                        x = args[0].index_select(0, rows)
+                        output.index_add_(0, rows, (x @ a.T) @ b.T, alpha=scaling)
+                return output
+
+            return hook
+
+        for name, module in weights.model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(hook_for(name))
+        weights.hooked = True
 
     def _worker(self) -> None:
         while not self._stopping:
@@ -203,6 +294,9 @@ class TorchEngine(Engine):
                     batch.append(item)
             self._apply_swaps()  # the step boundary: no request is mid-decode here
             batch = [r for r in batch if not r.cancelled]
+            for request in [r for r in batch if r.adapter and r.adapter not in self._adapters]:
+                request.emit(UnavailableError(f"adapter {request.adapter!r} was unloaded", reason="ENGINE_NOT_READY"))
+                batch.remove(request)
             if not batch:
                 continue
             try:
@@ -214,6 +308,7 @@ class TorchEngine(Engine):
                     request.emit(error)
             finally:
                 self._live = 0
+                self._active = []
 
     def _decode(self, batch: list[_Request]) -> None:
         import torch
@@ -221,7 +316,13 @@ class TorchEngine(Engine):
 
         weights = self._weights
         assert weights is not None
-        model, version = weights.model, weights.version
+        model = weights.model
+        versions = [self._adapters[r.adapter].version if r.adapter else weights.version for r in batch]
+        rows: dict[str, list[int]] = {}
+        for i, request in enumerate(batch):
+            if request.adapter and self._adapters[request.adapter].layers:
+                rows.setdefault(request.adapter, []).append(i)
+        self._active = [(self._adapters[name].layers, torch.tensor(ix, device=self.device)) for name, ix in rows.items()]
         pad = weights.tokenizer.pad_token_id or 0
         num_seqs = len(batch)
         max_len = max(len(r.prompt_ids) for r in batch)
@@ -251,7 +352,7 @@ class TorchEngine(Engine):
                 for i, request in enumerate(batch):
                     if not done[i] and request.cancelled:
                         done[i] = True
-                        request.emit(TokenDelta([], [], version, finished=True, stop_reason="cancelled"))
+                        request.emit(TokenDelta([], [], versions[i], finished=True, stop_reason="cancelled"))
                     if done[i]:
                         step_tokens.append(pad)
                         continue
@@ -259,7 +360,7 @@ class TorchEngine(Engine):
                     generated[i].append(token)
                     reason = self._stop_reason(weights, request, generated[i], budgets[i])
                     done[i] = bool(reason)
-                    request.emit(TokenDelta([token], [logprob], version, finished=done[i], stop_reason=reason))
+                    request.emit(TokenDelta([token], [logprob], versions[i], finished=done[i], stop_reason=reason))
                     step_tokens.append(token)
                 self._live = num_seqs - sum(done)
                 if all(done):

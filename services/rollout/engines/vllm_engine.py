@@ -19,6 +19,7 @@ delta that straddles a reload is split in two).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from yieldloop.errors import UnavailableError
+from yieldloop.errors import FailedPreconditionError, UnavailableError
 from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class VllmEngine(Engine):
         kv_cache_space_gib: KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``)
             unless the environment sets it.
         enforce_eager: No CUDA graphs / compilation (always on for CPU).
+        lora: Serve LoRA adapters (vLLM's ``enable_lora``): up to ``max_loras`` adapters in one batch, of rank
+            ``max_lora_rank`` at most; more stay loaded on the CPU side.
         engine_options: Extra ``AsyncEngineArgs`` fields.
     """
 
@@ -71,6 +74,9 @@ class VllmEngine(Engine):
         kv_cache_space_gib: int = 1,
         enforce_eager: bool | None = None,
         device: str | None = None,
+        lora: bool = False,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
         **engine_options: Any,
     ) -> None:
         self.device = device or _default_device()
@@ -79,7 +85,13 @@ class VllmEngine(Engine):
         self._max_model_len_option = max_model_len
         self.memory_utilization = memory_utilization or (0.3 if on_cpu else 0.85)
         self.enforce_eager = on_cpu if enforce_eager is None else enforce_eager
-        self.engine_options = engine_options
+        self.engine_options = dict(engine_options)
+        if lora:
+            self.engine_options.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                       max_cpu_loras=max(4 * max_loras, 32))
+        self._loras: dict[str, tuple[Any, str]] = {}
+        """Adapter name -> (LoRARequest, or None for a fresh adapter that samples like the base; version)."""
+        self._lora_ids = itertools.count(1)
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
         self._llm: Any = None
@@ -115,6 +127,7 @@ class VllmEngine(Engine):
                 await self._reload(folder, version)
             self._vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
             self.tokenizer, self._folder, self._version = tokenizer, folder, version
+            self.weight_loads += 1
         log.info("vLLM serving weights %s", version)
 
     def _start(self, folder: pathlib.Path) -> Any:
@@ -152,6 +165,34 @@ class VllmEngine(Engine):
         finally:
             await llm.resume_generation()
 
+    async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from yieldloop_server.common.lora import WEIGHTS_FILE
+
+        if not self.engine_options.get("enable_lora"):
+            await super().load_adapter(name, folder, version)
+        request = None
+        if (pathlib.Path(folder) / WEIGHTS_FILE).is_file():
+            # A new id per version: requests already running keep the adapter they started with.
+            request = LoRARequest(f"{name}@{version}", next(self._lora_ids), str(folder))
+            try:
+                await self._llm.add_lora(request)
+            except Exception as exc:
+                raise FailedPreconditionError(f"vLLM refused adapter {name}: {exc}", reason="CHECKPOINT_CORRUPT") from exc
+        old = self._loras.get(name)
+        self._loras[name] = (request, version)
+        if old is not None and old[0] is not None:
+            await self._llm.remove_lora(old[0].lora_int_id)
+
+    async def unload_adapter(self, name: str) -> None:
+        old = self._loras.pop(name, None)
+        if old is not None and old[0] is not None and self._llm is not None:
+            await self._llm.remove_lora(old[0].lora_int_id)
+
+    def adapter_version(self, name: str) -> str:
+        return self._loras[name][1] if name in self._loras else ""
+
     def num_unfinished(self) -> int:
         return 0 if self._llm is None else self._llm.output_processor.get_num_unfinished_requests()
 
@@ -178,16 +219,24 @@ class VllmEngine(Engine):
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> AsyncIterator[TokenDelta]:
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
+    ) -> AsyncIterator[TokenDelta]:
         from vllm.inputs import TokensPrompt
 
         self.validate_prompt(prompt_ids)
         sampling.validate()
+        lora_request, adapter_version = None, ""
+        if adapter:
+            if adapter not in self._loras:
+                raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
+            lora_request, adapter_version = self._loras[adapter]
         llm = self._llm
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         request_id = uuid.uuid4().hex
         outputs = llm.generate(
-            TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling_params(sampling, budget), request_id
+            TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling_params(sampling, budget), request_id,
+            lora_request=lora_request,
         )
         produced = 0
         finished = False
@@ -202,7 +251,8 @@ class VllmEngine(Engine):
                 completion = output.outputs[0]
                 finished = output.finished
                 reason = self._stop_reason(completion, sampling, budget, produced) if finished else ""
-                spans = self._version_starts(request_id, completion)
+                # An adapter's base weights never reload: its tokens are all the adapter version's.
+                spans = [(adapter_version, 0)] if adapter else self._version_starts(request_id, completion)
                 pieces = _split_by_version(produced, list(completion.token_ids), _logprobs(completion), spans)
                 produced += len(completion.token_ids)
                 if not pieces and finished:

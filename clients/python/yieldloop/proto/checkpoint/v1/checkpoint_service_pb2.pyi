@@ -47,7 +47,7 @@ class RecordPromotionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time", "architecture", "num_parameters", "dtype", "has_chat_template", "source", "size_bytes")
+    __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time", "architecture", "num_parameters", "dtype", "has_chat_template", "source", "size_bytes", "lora", "adapter_base_model", "adapter_base_checkpoint_id")
     SLUG_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,9 @@ class ModelInfo(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_BASE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     slug: str
     base: str
     parent: str
@@ -72,7 +75,20 @@ class ModelInfo(_message.Message):
     has_chat_template: bool
     source: str
     size_bytes: int
-    def __init__(self, slug: _Optional[str] = ..., base: _Optional[str] = ..., parent: _Optional[str] = ..., owner: _Optional[str] = ..., trainable: _Optional[bool] = ..., created_time: _Optional[float] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., source: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    lora: LoraConfig
+    adapter_base_model: str
+    adapter_base_checkpoint_id: str
+    def __init__(self, slug: _Optional[str] = ..., base: _Optional[str] = ..., parent: _Optional[str] = ..., owner: _Optional[str] = ..., trainable: _Optional[bool] = ..., created_time: _Optional[float] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., source: _Optional[str] = ..., size_bytes: _Optional[int] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., adapter_base_model: _Optional[str] = ..., adapter_base_checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class LoraConfig(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ObjectInfo(_message.Message):
     __slots__ = ("name", "size", "sha256", "key")
@@ -127,14 +143,28 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ForkModelRequest(_message.Message):
-    __slots__ = ("source", "name", "owner")
+    __slots__ = ("source", "name", "owner", "lora")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     source: str
     name: str
     owner: str
-    def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    lora: LoraConfig
+    def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetModelResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ForkModelResponse(_message.Message):
     __slots__ = ("model", "head")

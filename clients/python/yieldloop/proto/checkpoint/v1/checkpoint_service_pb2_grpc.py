@@ -40,6 +40,11 @@ class CheckpointServiceStub:
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/GetModel',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.GetModelResponse.FromString,
+                _registered_method=True)
         self.ForkModel = channel.unary_unary(
                 '/yieldloop.checkpoint.v1.CheckpointService/ForkModel',
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.SerializeToString,
@@ -99,11 +104,19 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModel(self, request, context):
+        """One model's record. NOT_FOUND (MODEL_NOT_FOUND) when there is none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForkModel(self, request, context):
-        """Creates a model slug starting from a source model's head, or from `source@checkpoint` (objects are
-        shared, not copied).
+        """Creates a model slug starting from a source model's head, or from `source@checkpoint`. A full fork shares
+        the source's objects until its first step; a LoRA fork (`lora` set) starts from a fresh adapter (B = 0, so
+        it samples exactly like its base at first) over those frozen weights.
         Returns: OK; NOT_FOUND (MODEL_NOT_FOUND, CHECKPOINT_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
-        INVALID_ARGUMENT (INVALID_FIELD) for a malformed slug.
+        INVALID_ARGUMENT (INVALID_FIELD) for a malformed slug or LoRA config. Nothing is written on error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +209,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListModelsRequest.FromString,
                     response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListModelsResponse.SerializeToString,
             ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.GetModelRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.GetModelResponse.SerializeToString,
+            ),
             'ForkModel': grpc.unary_unary_rpc_method_handler(
                     servicer.ForkModel,
                     request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.FromString,
@@ -270,6 +288,33 @@ class CheckpointService:
             '/yieldloop.checkpoint.v1.CheckpointService/ListModels',
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListModelsRequest.SerializeToString,
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/GetModel',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.GetModelRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.GetModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

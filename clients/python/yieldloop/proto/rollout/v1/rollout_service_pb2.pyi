@@ -118,20 +118,24 @@ class GetServingInfoRequest(_message.Message):
     def __init__(self, wait_for_checkpoint_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetServingInfoResponse(_message.Message):
-    __slots__ = ("model", "weight_version", "head_sequence", "engine", "last_reload_error", "openai_base_url")
+    __slots__ = ("model", "weight_version", "head_sequence", "engine", "last_reload_error", "openai_base_url", "adapter_base", "engine_weight_loads")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEAD_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LAST_RELOAD_ERROR_FIELD_NUMBER: _ClassVar[int]
     OPENAI_BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_BASE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
     model: str
     weight_version: str
     head_sequence: int
     engine: str
     last_reload_error: str
     openai_base_url: str
-    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ...) -> None: ...
+    adapter_base: str
+    engine_weight_loads: int
+    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ..., adapter_base: _Optional[str] = ..., engine_weight_loads: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "model", "name", "group_size", "created_time", "num_runs", "metadata_json")
