@@ -234,3 +234,34 @@ async def test_engines_apply_adapters_per_request(kind: str, tiny_model_dir: pat
         assert engine.weight_loads == 1
     finally:
         await engine.close()
+
+
+def test_a_lora_fork_in_the_registry(any_store) -> None:
+    """A LoRA fork records its adapter config and frozen base; its first checkpoint is a fresh adapter's config;
+    retention never deletes a checkpoint a LoRA fork's adapter applies to, even one that was never head."""
+    import json
+
+    from test_checkpoints import _commit
+    from yieldloop.types import Manifest, ModelInfo, ObjectInfo
+    from yieldloop_server.checkpoint.registry import CheckpointRegistry
+
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="src", base="src"))
+    _commit(registry, "src", "c1", b"one")
+    key = "models/src/checkpoints/c2/model.safetensors"
+    any_store.put_bytes(key, b"two")
+    obj = ObjectInfo("model.safetensors", 3, hashlib.sha256(b"two").hexdigest(), key)
+    registry.commit(Manifest(model="src", checkpoint_id="c2", objects=[obj], parent_checkpoint_id="c1"))  # not head
+    _commit(registry, "src", "c3", b"three", parent_checkpoint_id="c1")
+
+    info, head = registry.fork_model("src@c2", "ad", owner="team", lora=LoraConfig(8, 0.0, ("q_proj", "v_proj")))
+    assert head.checkpoint_id == "adapter-init"
+    assert registry.get_model("ad") == info
+    assert (info.lora, info.adapter_base_model, info.adapter_base_checkpoint_id, info.kind) == \
+        (LoraConfig(8, 16.0, ("q_proj", "v_proj")), "src", "c2", "lora r=8")
+    [config] = registry.get_manifest("ad", "adapter-init").objects
+    written = json.loads(any_store.get_bytes(config.key)[0])
+    assert (written["peft_type"], written["r"], written["lora_alpha"], written["target_modules"]) == \
+        ("LORA", 8, 16.0, ["q_proj", "v_proj"])
+    assert registry.apply_retention("src", keep_last=1) == []  # c1 was head, c3 is last, c2 holds "ad"'s base
+    assert registry.get_manifest("src", "c2").objects == [obj]

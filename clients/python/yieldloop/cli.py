@@ -338,7 +338,7 @@ async def _models(args: argparse.Namespace) -> None:
             forked = await client.fork_model(args.source, args.name, args.owner, lora=lora)
             kind = f"LoRA r={forked.model.lora.rank} over {forked.model.adapter_base_model}@" \
                    f"{forked.model.adapter_base_checkpoint_id}" if forked.model.HasField("lora") else "full"
-            console.print(f"forked {args.source} -> {forked.model.slug} ({kind}) at {forked.head.checkpoint_id}",
+            console.print(f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id} ({kind})",
                           markup=False)
         elif args.models_command == "checkpoints":
             table = Table("", "checkpoint", "parent", "step", "promotion")
