@@ -105,7 +105,8 @@ class CheckpointServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModel(self, request, context):
-        """One model's record. NOT_FOUND (MODEL_NOT_FOUND) when there is none.
+        """One model's record (a LoRA fork's size is its adapter's at its head).
+        Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD) for a malformed slug.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
