@@ -3,9 +3,10 @@ and trainer step time. Everything is measured in this run, on one locally built 
 ``--hidden``/``--layers``; default ~25M parameters, 100 MB in fp32).
 
 1. ``serve``: per engine (torch; vLLM when installed), the base alone (an engine holding no adapter) against
-   8 LoRA forks (r=8, every linear layer of the blocks, random B) served by one engine of that base: resident
-   memory of the engine's processes, and tokens/s at 64 streams of ``--max-tokens`` tokens each (``ignore_eos``,
-   spread evenly over the 8 adapters). For comparison, 8 full forks would hold 8 copies of the weights.
+   8 LoRA forks (r=8, every linear layer of the blocks, random B) served by one engine of that base (for vLLM
+   also its LoRA mode with base requests only), each in a fresh process: resident memory the engine's
+   processes added once loaded and while serving, and tokens/s at 64 streams of ``--max-tokens`` tokens each
+   (``ignore_eos``, spread evenly over the 8 adapters). 8 full forks would hold 8 copies of the weights.
 2. ``commit``: a full fork and a LoRA fork of that model in an in-process stack (torch engine): the checkpoint
    each optimizer step writes (bytes), the step with its commit (``OptimStep``), and commit -> the first token
    sampled by the new weights (the rollout's download, verification and reload, then one token).
@@ -101,27 +102,30 @@ async def serve_one(kind: str, lora: bool, base: pathlib.Path, adapters: list[pa
     try:
         await engine.load_weights(base, "base")
         prompt = engine.render_chat([{"role": "user", "content": "Write the letter a over and over."}])
-        names = []
-        if lora:
-            for i, folder in enumerate(adapters):
-                await engine.load_adapter(f"fork-{i}", folder, f"v{i}")
-            names = [f"fork-{i}" for i in range(len(adapters))]
+        for i, folder in enumerate(adapters):
+            await engine.load_adapter(f"fork-{i}", folder, f"v{i}")
+        names = [f"fork-{i}" for i in range(len(adapters))]
+        loaded = rss_mb() - before
         await _throughput(engine, prompt, names, 4)  # warm up
         tok_s = await _throughput(engine, prompt, names, max_tokens)
-        rss = rss_mb() - before
+        serving = rss_mb() - before
     finally:
         await engine.close()
-    label = f"{len(names)} LoRA forks, one engine" if lora else "base alone"
+    label = (f"{len(names)} LoRA forks, one engine" if names else
+             "LoRA-enabled, base requests" if lora else "base alone")
     return {"part": "serve", "engine": kind, "config": label, "streams": STREAMS, "max_tokens": max_tokens,
-            "tok_s": round(tok_s, 1), "engine_rss_mb": round(rss, 1)}
+            "tok_s": round(tok_s, 1), "rss_loaded_mb": round(loaded, 1), "rss_serving_mb": round(serving, 1)}
 
 
 def bench_serve(kind: str, base: pathlib.Path, adapters: list[pathlib.Path], max_tokens: int) -> list[dict]:
     import subprocess
 
     rows = []
-    for lora in (False, True):
-        spec = json.dumps({"kind": kind, "lora": lora, "base": str(base), "adapters": [str(a) for a in adapters],
+    configs = [(False, []), (True, adapters)]
+    if kind == "vllm":  # vLLM's LoRA mode costs something even for requests without an adapter
+        configs.insert(1, (True, []))
+    for lora, loaded in configs:
+        spec = json.dumps({"kind": kind, "lora": lora, "base": str(base), "adapters": [str(a) for a in loaded],
                            "max_tokens": max_tokens})
         done = subprocess.run([sys.executable, __file__, "--serve-one", spec], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -129,8 +133,8 @@ def bench_serve(kind: str, base: pathlib.Path, adapters: list[pathlib.Path], max
             raise RuntimeError(f"serve {kind} lora={lora} failed:\n{done.stderr[-3000:]}")
         row = json.loads(lines[-1])
         rows.append(row)
-        print(f"serve  {kind:5} {row['config']:28} {row['tok_s']:8.1f} tok/s at {STREAMS} streams   "
-              f"engine RSS {row['engine_rss_mb']:7.1f} MB", flush=True)
+        print(f"serve  {kind:5} {row['config']:28} {row['tok_s']:8.1f} tok/s at {STREAMS} streams   RSS of the "
+              f"engine loaded {row['rss_loaded_mb']:7.1f} MB, serving {row['rss_serving_mb']:7.1f} MB", flush=True)
     return rows
 
 
@@ -146,7 +150,7 @@ async def bench_commit(base: pathlib.Path, data_dir: pathlib.Path, repeats: int)
     try:
         async with Client(**stack.addresses, timeout=600) as client:
             slug = stack.config.model
-            vocab = (await client.get_trainer_info(model=slug)).vocab_size
+            vocab = json.loads((base / "config.json").read_text())["vocab_size"]
             datums = make_batch(8, 64, vocab)
             for name, lora in (("full", None), ("lora r=8", LoraConfig(8))):
                 fork = "bench-" + name.split()[0]

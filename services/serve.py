@@ -60,7 +60,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             opts.model, store, opts.checkpoint_address, opts.env_address, work_dir, opts.rollout.engine,
             opts.host, opts.port, None if opts.rollout.http_port < 0 else opts.rollout.http_port, transport=opts.transport,
             max_models=opts.rollout.max_models, memory_budget_bytes=opts.rollout.memory_budget_mb * 1_000_000,
-            device=opts.device,
+            lora_engine="" if opts.rollout.lora_engine == "same" else opts.rollout.lora_engine, device=opts.device,
         )
         return server.start, server.stop
     raise ValueError(f"unknown service {opts.service!r}")

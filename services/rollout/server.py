@@ -36,6 +36,7 @@ class RolloutServer:
         transport: Limits and interceptors of the gRPC server, the HTTP endpoint and the internal clients.
         max_models: Engines loaded at once (the least recently used idle one is unloaded beyond it).
         memory_budget_bytes: Bytes of weights loaded at once (0: only ``max_models`` limits).
+        lora_engine: Engine kind for LoRA forks' base engines ("": ``engine``).
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class RolloutServer:
         transport: TransportConfig = DEFAULT_TRANSPORT,
         max_models: int = 2,
         memory_budget_bytes: int = 0,
+        lora_engine: str = "",
         **engine_options: object,
     ) -> None:
         self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport)
@@ -63,7 +65,7 @@ class RolloutServer:
 
         self.models = ServedModels(
             model,
-            lambda lora: create_engine(engine, lora=lora, **engine_options),
+            lambda lora: create_engine((lora_engine or engine) if lora else engine, lora=lora, **engine_options),
             lambda: create_engine("torch", device=device),
             store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
             memory_budget_bytes=memory_budget_bytes,

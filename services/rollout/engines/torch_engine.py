@@ -42,8 +42,9 @@ class _Weights:
 @dataclasses.dataclass
 class _Adapter:
     version: str
-    layers: dict[str, tuple[Any, Any, float]]
-    """Module name -> (A (r, in), B (out, r), scaling); empty for a fresh adapter (B = 0: the base's output)."""
+    layers: dict[str, tuple[Any, Any]]
+    """Module name -> (A^T (in, r), scaling * B^T (r, out)); empty for a fresh adapter (B = 0: the base's
+    output)."""
 
 
 @dataclasses.dataclass
@@ -133,8 +134,8 @@ class TorchEngine(Engine):
         self._adapters: dict[str, _Adapter] = {}
         """LoRA adapters by name (changed by the worker thread between batches only)."""
         self._adapter_swaps: list[tuple[str, _Adapter | None, asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._active: list[tuple[dict[str, tuple[Any, Any, float]], Any]] = []
-        """The batch being decoded: (adapter layers, row indices) of each adapter in it."""
+        self._active: list[tuple[dict[str, tuple[Any, Any]], int, int]] = []
+        """The batch being decoded: (adapter layers, first row, end row) of each adapter in it."""
         self._swap_lock = threading.Lock()
         self._pending: queue.Queue = queue.Queue()
         self._stopping = False
@@ -171,7 +172,8 @@ class TorchEngine(Engine):
 
         layers = await asyncio.to_thread(read_adapter, folder, self.device, self.dtype)
         self._check_adapter(name, layers)
-        await self._swap_adapter(name, _Adapter(version, layers))
+        prepared = {m: (a.T.contiguous(), (b * scaling).T.contiguous()) for m, (a, b, scaling) in layers.items()}
+        await self._swap_adapter(name, _Adapter(version, prepared))
 
     async def unload_adapter(self, name: str) -> None:
         await self._swap_adapter(name, None)
@@ -260,17 +262,17 @@ class TorchEngine(Engine):
 
     def _install_lora_hooks(self, weights: _Weights) -> None:
         """Adds each adapter's ``scaling * B @ A @ x`` to the output of its target linear layers, for the rows
-        of the batch that use that adapter (peft's LoRA forward, per request)."""
+        of the batch that use that adapter (peft's LoRA forward, per request; a batch is ordered by adapter, so
+        each adapter's rows are one slice)."""
         import torch
 
         def hook_for(name: str) -> Any:
             def hook(module: Any, args: tuple[Any, ...], output: Any) -> Any:
-                for layers, rows in self._active:
+                for layers, start, end in self._active:
                     entry = layers.get(name)
                     if entry is not None:
-                        a, b, scaling = entry
-                        x = args[0].index_select(0, rows)
-                        output.index_add_(0, rows, (x @ a.T) @ b.T, alpha=scaling)
+                        a_t, b_t = entry
+                        output[start:end] += (args[0][start:end] @ a_t) @ b_t
                 return output
 
             return hook
@@ -299,6 +301,7 @@ class TorchEngine(Engine):
                 batch.remove(request)
             if not batch:
                 continue
+            batch.sort(key=lambda r: r.adapter)  # each adapter's rows in one slice
             try:
                 self._decode(batch)
             except Exception as exc:  # deliberate degrade: fail this batch (retryably), keep serving
@@ -322,7 +325,7 @@ class TorchEngine(Engine):
         for i, request in enumerate(batch):
             if request.adapter and self._adapters[request.adapter].layers:
                 rows.setdefault(request.adapter, []).append(i)
-        self._active = [(self._adapters[name].layers, torch.tensor(ix, device=self.device)) for name, ix in rows.items()]
+        self._active = [(self._adapters[name].layers, ix[0], ix[-1] + 1) for name, ix in rows.items()]
         pad = weights.tokenizer.pad_token_id or 0
         num_seqs = len(batch)
         max_len = max(len(r.prompt_ids) for r in batch)
