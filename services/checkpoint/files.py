@@ -49,7 +49,24 @@ def download_verified(store: ObjectStore, manifest: Manifest, folder: pathlib.Pa
                     f"checkpoint {manifest.model}/{manifest.checkpoint_id}: object {obj.name} fails its checksum",
                     reason="CHECKPOINT_CORRUPT",
                 )
+        check_finite(staging, f"checkpoint {manifest.model}/{manifest.checkpoint_id}")
         staging.rename(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def check_finite(folder: pathlib.Path, what: str) -> None:
+    """FAILED_PRECONDITION/NON_FINITE when a floating-point tensor of the folder's safetensors holds NaN or inf
+    (nothing non-finite is ever served or trained from)."""
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                tensor = weights.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise FailedPreconditionError(
+                        f"{what}: tensor {name} of {path.name} holds NaN or inf; refused", reason="NON_FINITE"
+                    )

@@ -173,36 +173,97 @@ class CheckpointRegistry:
         return sorted(manifests, key=lambda m: (m.created_time, m.step, m.checkpoint_id))
 
     def commit(self, manifest: Manifest, *, set_head: bool = False, expected_head: str = "") -> tuple[Manifest, Head | None]:
-        """Verifies the objects, writes the manifest last, and optionally moves HEAD."""
+        """Verifies the objects, writes the manifest last, and optionally moves HEAD.
+
+        With ``expected_head`` the commit is compare-and-swap: when HEAD is not that checkpoint (checked before
+        the manifest is written, and again when HEAD moves) it is ABORTED/HEAD_CONFLICT and nothing stays
+        committed. Committing a manifest identical to one already committed (a retry) returns it.
+        """
         self.get_model(manifest.model)
         check_name(manifest.checkpoint_id, "manifest.checkpoint_id")
         if not manifest.objects:
             raise invalid_field("manifest.objects", "a checkpoint needs at least one object")
         if manifest.parent_checkpoint_id:
             self.get_manifest(manifest.model, manifest.parent_checkpoint_id)
+        if set_head and expected_head:
+            self._check_head(manifest.model, expected_head)
+        self._check_keys(manifest)
         for obj in manifest.objects:
-            check_name(obj.name, "manifest.objects.name")
             if self.store.size(obj.key) != obj.size or self.store.sha256(obj.key) != obj.sha256:
                 raise FailedPreconditionError(
                     f"object {obj.key!r} is missing or differs from its declared size/sha256",
                     reason="CHECKPOINT_CORRUPT",
                 )
         manifest.created_time = manifest.created_time or time.time()
+        key = checkpoint_prefix(manifest.model, manifest.checkpoint_id) + MANIFEST
         try:
-            self.store.put_bytes(
-                checkpoint_prefix(manifest.model, manifest.checkpoint_id) + MANIFEST,
-                manifest.to_json(),
-                if_none_match=True,
-            )
+            self.store.put_bytes(key, manifest.to_json(), if_none_match=True)
         except PreconditionFailed:
+            existing = self.get_manifest(manifest.model, manifest.checkpoint_id)
+            if _same_checkpoint(existing, manifest):  # a retry of a commit that went through
+                head = self.find_head(manifest.model)
+                if set_head and (head is None or head.checkpoint_id != existing.checkpoint_id):
+                    head = self.set_head(manifest.model, existing.checkpoint_id, expected_head)
+                return existing, head if set_head else None
             raise AlreadyExistsError(
                 f"checkpoint {manifest.checkpoint_id!r} exists", reason="CHECKPOINT_ALREADY_EXISTS"
             ) from None
-        head = self.set_head(manifest.model, manifest.checkpoint_id, expected_head) if set_head else None
+        head = None
+        if set_head:
+            try:
+                head = self.set_head(manifest.model, manifest.checkpoint_id, expected_head)
+            except AbortedError:
+                self.store.delete(key)  # lost the race after all: the checkpoint is not committed
+                raise
         if self.keep_last:
             self.apply_retention(manifest.model, self.keep_last)
             self.collect_orphans(manifest.model)
         return manifest, head
+
+    def lineage(self, model: str) -> list[str]:
+        """The model and the models it descends from (its parent, the parent's parent, ...)."""
+        chain = [model]
+        parent = self.get_model(model).parent
+        while parent and parent not in chain:
+            chain.append(parent)
+            parent = self.get_model(parent).parent if self._exists(parent) else ""
+        return chain
+
+    def _exists(self, model: str) -> bool:
+        return self.store.stat(model_prefix(model) + "model.json") is not None
+
+    def _check_keys(self, manifest: Manifest) -> None:
+        """A checkpoint's objects are checkpoint files of its own model or of a model it descends from (a fork
+        shares its source's objects): never another model's metadata, never a manifest, never a path outside."""
+        names = set()
+        lineage = None
+        for obj in manifest.objects:
+            check_name(obj.name, "manifest.objects.name")
+            if obj.name in names or obj.name == MANIFEST:
+                raise invalid_field("manifest.objects.name", f"object name {obj.name!r} is repeated or reserved")
+            names.add(obj.name)
+            parts = obj.key.split("/")
+            if (len(parts) != 5 or parts[0] != "models" or parts[2] != "checkpoints" or parts[4] == MANIFEST
+                    or any(not part or part in (".", "..") or "\0" in part for part in parts)):
+                raise invalid_field("manifest.objects.key",
+                                    f"object key {obj.key[:200]!r} is not models/<model>/checkpoints/<id>/<file>")
+            if parts[1] != manifest.model:
+                lineage = lineage or self.lineage(manifest.model)
+                if parts[1] not in lineage:
+                    raise invalid_field(
+                        "manifest.objects.key",
+                        f"object key {obj.key[:200]!r} belongs to {parts[1]!r}, which {manifest.model!r} does not "
+                        f"descend from",
+                    )
+
+    def _check_head(self, model: str, expected: str) -> None:
+        current = self.find_head(model)
+        actual = current.checkpoint_id if current else ""
+        if actual != expected:
+            raise AbortedError(
+                f"head of {model!r} is {actual!r} (sequence {current.sequence if current else 0}), not the "
+                f"expected {expected!r}", reason="HEAD_CONFLICT",
+            )
 
     def collect_orphans(self, model: str, grace_s: float = 3600.0) -> list[str]:
         """Deletes objects of checkpoints that never got a manifest (crashed uploads).
@@ -265,7 +326,7 @@ class CheckpointRegistry:
             }
             for manifest in doomed:
                 for obj in manifest.objects:
-                    if obj.key not in referenced:
+                    if obj.key not in referenced and "/checkpoints/" in obj.key:  # never a model's metadata
                         self.store.delete(obj.key)
         return [m.checkpoint_id for m in doomed]
 
@@ -337,3 +398,8 @@ class CheckpointRegistry:
                 await asyncio.wait_for(event.wait(), self.poll_interval)
             except TimeoutError:
                 pass
+
+
+def _same_checkpoint(a: Manifest, b: Manifest) -> bool:
+    """Whether two manifests describe the same checkpoint (all but the commit time)."""
+    return dataclasses.replace(a, created_time=0.0) == dataclasses.replace(b, created_time=0.0)

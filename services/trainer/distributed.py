@@ -19,7 +19,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from yieldloop.errors import FailedPreconditionError, invalid_field
+from yieldloop.errors import FailedPreconditionError, YieldloopError, invalid_field
 from yieldloop_server.trainer import losses
 from yieldloop.types import Datum
 from yieldloop_server.trainer.trainer import (
@@ -70,7 +70,9 @@ def _forward_backward(trainer: Trainer, groups: _Groups, datums: list[Datum], lo
     totals = trainer.forward_backward_totals(shard, loss_fn, config) if shard else zero_totals()
     gathered: list[Any] = [None] * groups.world_size
     dist.all_gather_object(gathered, totals, group=groups.control)
-    return {key: sum(t[key] for t in gathered) for key in totals}
+    summed = {key: sum(t[key] for t in gathered) for key in totals}
+    trainer.end_call(summed)  # every rank keeps, or every rank discards (and raises NON_FINITE)
+    return summed
 
 
 def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig) -> float:
@@ -103,12 +105,19 @@ def worker_main(
         command: list[Any] = [None]
         dist.broadcast_object_list(command, src=0, group=groups.control)
         op, *args = command[0]
-        if op == "forward_backward":
-            _forward_backward(trainer, groups, *args)
-        elif op == "optim_step":
-            _optim_step(trainer, groups, *args)
-        elif op == "stop":
+        if op == "stop":
             break
+        try:  # a refused call (NON_FINITE) is refused on every rank alike; rank 0 tells the client
+            if op == "forward_backward":
+                _forward_backward(trainer, groups, *args)
+            elif op == "optim_step":
+                _optim_step(trainer, groups, *args)
+            elif op == "finish_step":
+                trainer.finish_step(*args)
+            elif op == "drop_gradients":
+                trainer.drop_gradients()
+        except YieldloopError:
+            pass
     dist.destroy_process_group()
 
 
@@ -181,14 +190,26 @@ class DistributedTrainer:
         self.num_pending_datums += len(datums)
         return metrics_from_totals(totals)
 
-    def optim_step(self, adam: AdamConfig) -> float:
+    def optim_step(self, adam: AdamConfig, revocable: bool = False) -> float:
         adam.validate()
         if self.num_pending_datums == 0:
             raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
         self._broadcast("optim_step", adam)
         grad_norm = _optim_step(self.local, self._groups, adam)
-        self.num_pending_datums = 0
+        if not revocable:
+            self.finish_step(True)
         return grad_norm
+
+    def finish_step(self, committed: bool) -> None:
+        self._broadcast("finish_step", committed)
+        self.local.finish_step(committed)
+        if committed:
+            self.num_pending_datums = 0
+
+    def drop_gradients(self) -> None:
+        self._broadcast("drop_gradients")
+        self.local.drop_gradients()
+        self.num_pending_datums = 0
 
     def close(self) -> None:
         import torch.distributed as dist

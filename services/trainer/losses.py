@@ -13,6 +13,7 @@ Legend: ``lp_N`` learner logprob, ``q_N`` sampler logprob, ``A_N`` advantage,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -110,4 +111,12 @@ def resolve(name: str, config: dict[str, float]) -> tuple[LossSpec, dict[str, fl
             reason="INVALID_FIELD",
             field="config.loss_fn_config",
         )
-    return spec, {**spec.knobs, **config}
+    knobs = {**spec.knobs, **config}
+    for knob, value in knobs.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise InvalidArgumentError(f"loss knob {knob} must be a finite number >= 0, got {value!r}",
+                                       reason="INVALID_FIELD", field=f"config.loss_fn_config.{knob}")
+    if knobs.get("clip_low_threshold", 0.0) > knobs.get("clip_high_threshold", math.inf):
+        raise InvalidArgumentError("clip_low_threshold must not exceed clip_high_threshold",
+                                   reason="INVALID_FIELD", field="config.loss_fn_config.clip_low_threshold")
+    return spec, knobs

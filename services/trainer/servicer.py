@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -128,10 +129,19 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             weight_decay=adam.weight_decay,
             max_grad_norm=adam.max_grad_norm,
         )
+        if request.metadata_json:
+            try:
+                if not isinstance(json.loads(request.metadata_json), dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as err:
+                raise invalid_field("metadata_json", f"metadata_json must be a JSON object: {err}") from None
+        if len(request.idempotency_key) > 128:
+            raise invalid_field("idempotency_key", "an idempotency key has at most 128 characters")
         async with self.sessions.use(request.model) as session:
             outcome = await session.optim_step(
-                config, skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
-                metadata_json=request.metadata_json,
+                config.validate(), skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
+                metadata_json=request.metadata_json, idempotency_key=request.idempotency_key,
+                drop_gradients_if_refused=request.drop_gradients_if_refused,
             )
         if not outcome.checkpoint_id:
             return pb.OptimStepResponse(step=outcome.step, grad_norm=outcome.grad_norm)

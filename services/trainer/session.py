@@ -9,6 +9,7 @@ committing each optimizer step. Plain Python over the client library: no grpc, n
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from yieldloop.client import Client
-from yieldloop.errors import invalid_field
+from yieldloop.errors import YieldloopError, invalid_field
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, Run, RunStatus
 from yieldloop_server.checkpoint.files import download_verified, upload_folder
@@ -87,6 +88,8 @@ class TrainingSession:
         self.nproc = nproc
         self.trainer: Trainer | Any | None = None
         self.checkpoint_id = ""
+        self._outcomes: collections.OrderedDict[str, StepOutcome] = collections.OrderedDict()
+        """Recent optimizer steps by idempotency key."""
         # One thread owns the weights, so calls apply in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
 
@@ -194,33 +197,84 @@ class TrainingSession:
         return int(metrics["num_action_tokens"])
 
     async def optim_step(
-        self, adam: AdamConfig, *, skip_checkpoint: bool = False, set_head: bool = True, metadata_json: str = ""
+        self, adam: AdamConfig, *, skip_checkpoint: bool = False, set_head: bool = True, metadata_json: str = "",
+        idempotency_key: str = "", drop_gradients_if_refused: bool = False,
     ) -> StepOutcome:
         """Applies the accumulated gradient; unless ``skip_checkpoint``, saves, uploads and commits the step
-        as a checkpoint whose parent is the one the weights came from (moving HEAD when ``set_head``)."""
+        as a checkpoint whose parent is the one the weights came from, moving HEAD (when ``set_head``) only if
+        it still points there (ABORTED/HEAD_CONFLICT otherwise: another trainer or a rollback moved it).
+
+        All or nothing: a step refused for non-finite values, or whose commit fails, leaves the session
+        exactly as before it (weights, optimizer state, accumulated gradients), unless
+        ``drop_gradients_if_refused``. A retry with the same ``idempotency_key`` returns the first outcome,
+        also from a new trainer process (the key is recorded in the checkpoint's metadata).
+        """
         assert self.trainer is not None
-        grad_norm = await self._run(self.trainer.optim_step, adam)
+        if idempotency_key:
+            earlier = self._outcomes.get(idempotency_key)
+            if earlier is None and (earlier := await self._committed_with_key(idempotency_key)) is not None:
+                # Committed, though its caller heard an error (the answer was lost, or this trainer restarted):
+                # the gradients it applied are in that checkpoint; continue from there.
+                if self.checkpoint_id != earlier.checkpoint_id:
+                    await self._run(self.trainer.drop_gradients)
+                    await self.close_trainer()
+                    await self.load_head()
+            if earlier is not None:
+                return earlier
+        try:
+            grad_norm = await self._run(self.trainer.optim_step, adam, True)
+        except YieldloopError as err:
+            if drop_gradients_if_refused and err.reason == "NON_FINITE":
+                await self._run(self.trainer.drop_gradients)
+            raise
         step = self.trainer.step
         if skip_checkpoint:
-            return StepOutcome(step, grad_norm)
+            await self._run(self.trainer.finish_step, True)
+            return self._remember(idempotency_key, StepOutcome(step, grad_norm))
         checkpoint_id = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
+        metadata = json.loads(metadata_json) if metadata_json else {"grad_norm": grad_norm}
+        if idempotency_key:
+            metadata["idempotency_key"] = idempotency_key
+        manifest = Manifest(
+            model=self.model, checkpoint_id=checkpoint_id, objects=[], parent_checkpoint_id=self.checkpoint_id, step=step,
+            metadata_json=json.dumps(metadata),
+        )
         scratch = pathlib.Path(tempfile.mkdtemp(dir=self.work_dir, prefix=".save-"))
         try:
             folder = await self._run(self.trainer.save, scratch / checkpoint_id)
-            objects = await asyncio.to_thread(upload_folder, self.store, self.model, checkpoint_id, folder)
+            manifest.objects = await asyncio.to_thread(upload_folder, self.store, self.model, checkpoint_id, folder)
+            _, head = await self.checkpoints.commit_checkpoint(
+                manifest, set_head=set_head, expected_head_checkpoint_id=self.checkpoint_id if set_head else "",
+            )
+        except BaseException:
+            await self._run(self.trainer.finish_step, False)  # exactly as before the step, gradients included
+            raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        manifest = Manifest(
-            model=self.model,
-            checkpoint_id=checkpoint_id,
-            objects=objects,
-            parent_checkpoint_id=self.checkpoint_id,
-            step=step,
-            metadata_json=metadata_json or json.dumps({"grad_norm": grad_norm}),
-        )
-        _, head = await self.checkpoints.commit_checkpoint(manifest, set_head=set_head)
+        await self._run(self.trainer.finish_step, True)
         self.checkpoint_id = checkpoint_id
-        return StepOutcome(step, grad_norm, checkpoint_id, head)
+        return self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head))
+
+    def _remember(self, key: str, outcome: StepOutcome) -> StepOutcome:
+        if key:
+            self._outcomes[key] = outcome
+            while len(self._outcomes) > 256:
+                self._outcomes.popitem(last=False)
+        return outcome
+
+    async def _committed_with_key(self, key: str) -> StepOutcome | None:
+        """The step committed with ``key`` by an earlier trainer process, when it is the head (what a retry after
+        the trainer died mid-answer finds)."""
+        head = await self.checkpoints.get_head(self.model)
+        manifest = await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id)
+        try:
+            metadata = json.loads(manifest.metadata_json or "{}")
+        except ValueError:
+            return None
+        if not isinstance(metadata, dict) or metadata.get("idempotency_key") != key:
+            return None
+        return self._remember(key, StepOutcome(manifest.step, float(metadata.get("grad_norm", 0.0)),
+                                               manifest.checkpoint_id, head))
 
 
 class TrainingSessions:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from yieldloop.errors import FailedPreconditionError, invalid_field
+from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, invalid_field
 from yieldloop_server.trainer import losses
 from yieldloop.types import Datum
 
+MAX_LEARNING_RATE = 10.0
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 
@@ -43,14 +45,20 @@ class AdamConfig:
     """0 disables clipping."""
 
     def validate(self) -> AdamConfig:
-        if not self.learning_rate > 0:
-            raise invalid_field("adam.learning_rate", f"learning_rate must be > 0, got {self.learning_rate}")
+        """INVALID_ARGUMENT naming the field for any NaN, infinite or out-of-range value."""
+        if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= MAX_LEARNING_RATE):
+            raise invalid_field("adam.learning_rate",
+                                f"learning_rate must be in (0, {MAX_LEARNING_RATE}], got {self.learning_rate}")
         for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise invalid_field(f"adam.{name}", f"{name} must be in [0, 1)")
-        for name in ("eps", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise invalid_field(f"adam.{name}", f"{name} must be >= 0")
+            if not 0 <= getattr(self, name) < 1:  # False for NaN
+                raise invalid_field(f"adam.{name}", f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not (math.isfinite(self.eps) and 0 < self.eps <= 1):
+            raise invalid_field("adam.eps", f"eps must be in (0, 1], got {self.eps}")
+        if not 0 <= self.weight_decay <= 1:
+            raise invalid_field("adam.weight_decay", f"weight_decay must be in [0, 1], got {self.weight_decay}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise invalid_field("adam.max_grad_norm", f"max_grad_norm must be finite and >= 0 (0: no clipping), "
+                                                      f"got {self.max_grad_norm}")
         return self
 
 
@@ -132,6 +140,10 @@ class Trainer:
         if (folder / OPTIMIZER_FILE).exists():
             self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=config.device))
         self.num_pending_datums = 0
+        self._stash: list[Any] | None = None
+        """The gradients accumulated before the call in progress (kept apart until it is known finite)."""
+        self._before_step: tuple[list[Any], dict, int] | None = None
+        """Weights, optimizer state and step before the last step, until :meth:`finish_step`."""
 
     @property
     def num_trainable_parameters(self) -> int:
@@ -178,20 +190,58 @@ class Trainer:
         return out
 
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]) -> dict[str, float]:
-        """Accumulates the gradient of the summed loss over ``datums``; returns metrics."""
+        """Accumulates the gradient of the summed loss over ``datums``; returns metrics.
+
+        Raises:
+            InvalidArgumentError: NON_FINITE when the loss or a gradient of this call is NaN or infinite: the
+                call's gradients are discarded and those accumulated before it are kept as they were.
+        """
         if not datums:
             raise invalid_field("items", "the batch is empty")
         totals = self.forward_backward_totals(datums, loss_fn, loss_config)
+        self.end_call(totals)
         self.num_pending_datums += len(datums)
         return metrics_from_totals(totals)
+
+    def _trainable(self) -> list[Any]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def end_call(self, totals: dict[str, float]) -> None:
+        """Adds this call's gradients to those accumulated before it, or, when ``totals`` say the call was not
+        finite (on any rank), discards them and raises NON_FINITE."""
+        stash, self._stash = self._stash, None
+        finite = not totals.get("nonfinite")
+        for param, before in zip(self._trainable(), stash, strict=True) if stash is not None else ():
+            if not finite:
+                param.grad = before
+            elif before is not None:
+                param.grad = before if param.grad is None else param.grad.add_(before)
+        if not finite:
+            raise InvalidArgumentError(
+                "the loss or a gradient of this batch is NaN or infinite (e.g. "
+                "sampling logprobs far below the learner's, or huge advantages or weights): nothing was "
+                "accumulated, earlier gradients are kept", reason="NON_FINITE", field="items",
+            )
 
     def forward_backward_totals(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
     ) -> dict[str, float]:
-        """Accumulates gradients; returns additive totals (so shards on several ranks can be summed)."""
+        """Computes this call's gradients apart from the accumulated ones; returns additive totals (so shards on
+        several ranks can be summed), with ``nonfinite`` > 0 when a loss or gradient was not finite. Follow with
+        :meth:`end_call` on the summed totals (every rank), which keeps or discards them."""
+        spec, knobs = losses.resolve(loss_fn, loss_config)
+        self._stash = [p.grad for p in self._trainable()]
+        for param in self._trainable():
+            param.grad = None
+        try:
+            return self._accumulate(datums, loss_fn, spec, knobs)
+        except BaseException:
+            self.end_call({"nonfinite": 1.0})  # restores the earlier gradients (and raises NON_FINITE)
+            raise
+
+    def _accumulate(self, datums: Sequence[Datum], loss_fn: str, spec: Any, knobs: dict[str, float]) -> dict[str, float]:
         import torch
 
-        spec, knobs = losses.resolve(loss_fn, loss_config)
         device = self.config.device
         totals = zero_totals()
         for batch in micro_batches(datums, self.config.micro_batch_tokens):
@@ -203,6 +253,9 @@ class Trainer:
 
             q_N, A_N, w_N = flat("sampling_logprobs"), flat("advantages"), flat("weights")
             loss = spec.fn(lp_N, q_N, A_N, w_N, **knobs)
+            if not bool(torch.isfinite(loss)):
+                totals["nonfinite"] = 1.0
+                return totals
             loss.backward()
             with torch.no_grad():
                 action_N = (w_N != 0) if loss_fn == "cross_entropy" else (A_N != 0)
@@ -215,29 +268,87 @@ class Trainer:
                 if "clip_low_threshold" in knobs:
                     outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
                     totals["clipped"] += float(outside.sum())
+        grads = [p.grad for p in self._trainable() if p.grad is not None]
+        if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+            totals["nonfinite"] = 1.0
         return totals
 
-    def optim_step(self, adam: AdamConfig) -> float:
-        """Applies the accumulated gradients; returns the global grad norm (before clipping)."""
+    def optim_step(self, adam: AdamConfig, revocable: bool = False) -> float:
+        """Applies the accumulated gradients; returns the global grad norm (before clipping). A ``revocable``
+        step stays open until :meth:`finish_step` keeps or reverts it (a commit that may fail)."""
         adam.validate()
         if self.num_pending_datums == 0:
             raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
-        return self.apply_step(adam)
+        grad_norm = self.apply_step(adam)
+        if not revocable:
+            self.finish_step(committed=True)
+        return grad_norm
 
     def apply_step(self, adam: AdamConfig) -> float:
-        """The AdamW step itself (no precondition checks; data-parallel ranks call it in lockstep)."""
+        """The AdamW step itself (no precondition checks; data-parallel ranks call it in lockstep).
+
+        Refused with FAILED_PRECONDITION/NON_FINITE, nothing changed, when the gradient norm is not finite, or
+        reverted when an updated weight is not finite. What the step replaced (weights, gradients, optimizer
+        state, step) is kept until :meth:`finish_step` commits or reverts it.
+        """
         import torch
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = adam.max_grad_norm if adam.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        params = [p for p in self._trainable() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        if not math.isfinite(grad_norm):
+            raise FailedPreconditionError(
+                "the accumulated gradient's norm is NaN or infinite: the step was not applied (the gradients are "
+                "kept; drop them with drop_gradients)", reason="NON_FINITE")
+        self._before_step = self._snapshot()
+        if adam.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, adam.max_grad_norm, torch.tensor(grad_norm))
         for group in self.optimizer.param_groups:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
         self.optimizer.step()
+        self.step += 1
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            self.finish_step(committed=False)
+            raise FailedPreconditionError(
+                "the step made weights NaN or infinite: it was reverted (weights, optimizer state and gradients "
+                "are as before it)", reason="NON_FINITE")
+        return grad_norm
+
+    def finish_step(self, committed: bool) -> None:
+        """Ends the last :meth:`apply_step`: committed, its gradients are cleared; otherwise the trainer goes back
+        to exactly the state before it (weights, optimizer state, step and the accumulated gradients)."""
+        before, self._before_step = self._before_step, None
+        if committed:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.num_pending_datums = 0
+            return
+        if before is None:
+            return
+        weights, grads, optimizer_state, step = before
+        for param, weight, grad in zip(self._trainable(), weights, grads, strict=True):
+            param.data.copy_(weight)
+            param.grad = None if grad is None else grad.to(param.device)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.step = step
+
+    def drop_gradients(self) -> None:
+        """Forgets the accumulated gradients."""
         self.optimizer.zero_grad(set_to_none=True)
         self.num_pending_datums = 0
-        self.step += 1
-        return grad_norm
+
+    def _snapshot(self) -> tuple[list[Any], list[Any], dict, int]:
+        """Host copies of the trainable weights, their gradients and the optimizer state (3-4x the trainable
+        parameters' bytes while a step is open: small for LoRA, large for full fine-tuning)."""
+        import torch
+
+        def host(t: Any) -> Any:
+            return t.detach().to("cpu", copy=True) if torch.is_tensor(t) else t
+
+        params = self._trainable()
+        state = self.optimizer.state_dict()
+        state = {"state": {k: {n: host(v) for n, v in s.items()} for k, s in state["state"].items()},
+                 "param_groups": [dict(g) for g in state["param_groups"]]}
+        return ([host(p) for p in params], [None if p.grad is None else host(p.grad) for p in params], state,
+                self.step)
 
     def save(self, folder: pathlib.Path) -> pathlib.Path:
         """Writes an HF checkpoint (safetensors, config, tokenizer), or for a LoRA fork peft's adapter files
@@ -269,4 +380,6 @@ def metrics_from_totals(totals: dict[str, float]) -> dict[str, float]:
 
 
 def zero_totals() -> dict[str, float]:
-    return dict.fromkeys(("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "clipped", "entropy_sum"), 0.0)
+    return dict.fromkeys(
+        ("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "clipped", "entropy_sum", "nonfinite"), 0.0
+    )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -454,15 +455,23 @@ class Client:
         metadata_json: str = "",
         skip_checkpoint: bool = False,
         model: str = "",
+        idempotency_key: str = "",
+        drop_gradients_if_refused: bool = False,
         **adam: float,
     ) -> trainer_pb.OptimStepResponse:
-        """AdamW step (beta1, beta2, eps, weight_decay, max_grad_norm as keywords) and checkpoint commit."""
+        """AdamW step (beta1, beta2, eps, weight_decay, max_grad_norm as keywords) and checkpoint commit.
+
+        All or nothing (a refused or failed step leaves the trainer as before it); ``idempotency_key`` (a fresh
+        one per call by default) makes a retried request return the first outcome.
+        """
         request = trainer_pb.OptimStepRequest(
             adam=trainer_pb.AdamParams(learning_rate=learning_rate, **adam),
             set_head=set_head,
             metadata_json=metadata_json,
             skip_checkpoint=skip_checkpoint,
             model=model,
+            idempotency_key=idempotency_key or uuid.uuid4().hex,
+            drop_gradients_if_refused=drop_gradients_if_refused,
         )
         return await _unary(self.trainer_stub.OptimStep, request, self.timeout)
 

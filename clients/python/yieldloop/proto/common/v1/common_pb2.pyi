@@ -81,6 +81,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_CHAT_TEMPLATE: _ClassVar[ErrorReason]
     TOO_MANY_MODELS: _ClassVar[ErrorReason]
     MODEL_TOO_LARGE: _ClassVar[ErrorReason]
+    NON_FINITE: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -141,6 +142,7 @@ MODEL_SOURCE_INVALID: ErrorReason
 NO_CHAT_TEMPLATE: ErrorReason
 TOO_MANY_MODELS: ErrorReason
 MODEL_TOO_LARGE: ErrorReason
+NON_FINITE: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

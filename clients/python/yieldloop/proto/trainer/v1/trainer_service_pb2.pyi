@@ -126,18 +126,22 @@ class AdamParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("adam", "set_head", "metadata_json", "skip_checkpoint", "model")
+    __slots__ = ("adam", "set_head", "metadata_json", "skip_checkpoint", "model", "idempotency_key", "drop_gradients_if_refused")
     ADAM_FIELD_NUMBER: _ClassVar[int]
     SET_HEAD_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     SKIP_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    DROP_GRADIENTS_IF_REFUSED_FIELD_NUMBER: _ClassVar[int]
     adam: AdamParams
     set_head: bool
     metadata_json: str
     skip_checkpoint: bool
     model: str
-    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ..., skip_checkpoint: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    idempotency_key: str
+    drop_gradients_if_refused: bool
+    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ..., skip_checkpoint: _Optional[bool] = ..., model: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., drop_gradients_if_refused: _Optional[bool] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "checkpoint", "grad_norm", "head_sequence")

@@ -84,7 +84,8 @@ class TrainerServiceServicer:
         are turned into datums with GRPO group-centred advantages.
         Returns: OK with metrics; INVALID_ARGUMENT (DATUM_INVALID, LOSS_UNKNOWN,
         TOKEN_OUT_OF_VOCAB, INVALID_FIELD: the first message is not a config, a
-        knob is unknown, the batch is empty; GROUP_INCOMPLETE); NOT_FOUND (TRACE_NOT_FOUND)
+        knob is unknown or not finite, the batch is empty; GROUP_INCOMPLETE; NON_FINITE: the loss or a gradient
+        of this batch is NaN or infinite, nothing of it was accumulated); NOT_FOUND (TRACE_NOT_FOUND)
         for a trace id the trace store does not hold.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -107,7 +108,7 @@ class TrainerServiceServicer:
         -d loss / d logprob (from the client's autograd over Forward's logprobs);
         accumulates the gradient of -(weights * logprob).sum(), which equals the
         custom loss's gradient. Returns: OK; INVALID_ARGUMENT (DATUM_INVALID,
-        TOKEN_OUT_OF_VOCAB, INVALID_FIELD for an empty batch).
+        TOKEN_OUT_OF_VOCAB, INVALID_FIELD for an empty batch, NON_FINITE as ForwardBackward).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,9 +117,13 @@ class TrainerServiceServicer:
     def OptimStep(self, request, context):
         """Applies accumulated gradients with AdamW, writes a Hugging Face checkpoint
         (safetensors, config, tokenizer, optimizer state) to the object store and
-        commits it through CheckpointService.
-        Returns: OK; FAILED_PRECONDITION (NO_GRADIENTS); INVALID_ARGUMENT (INVALID_FIELD);
-        ABORTED (HEAD_CONFLICT) when the head moved under the trainer; UNAVAILABLE
+        commits it through CheckpointService, moving the head only if it still points at the checkpoint the
+        weights came from. All or nothing: when the step is refused or its commit fails, the trainer is exactly as
+        before it (weights, optimizer state, accumulated gradients). A retry with the same idempotency_key
+        returns the first outcome.
+        Returns: OK; FAILED_PRECONDITION (NO_GRADIENTS; NON_FINITE: the gradient norm or an updated weight is NaN
+        or infinite); INVALID_ARGUMENT (INVALID_FIELD: a hyperparameter is NaN, infinite or out of range);
+        ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback); UNAVAILABLE
         when CheckpointService cannot be reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

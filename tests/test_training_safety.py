@@ -1,0 +1,214 @@
+"""Training safety: nothing non-finite is trained on, committed or served; a step is all or nothing, compare-
+and-swap on the head, and idempotent under retries (issue 14)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import pytest
+import pytest_asyncio
+
+from yieldloop import errors
+from yieldloop.client import Client
+from yieldloop.transport import TransportConfig
+from yieldloop.types import Datum
+
+
+class Faults:
+    """A server interceptor failing chosen calls: before the handler runs, or after it ran (the answer lost)."""
+
+    def __init__(self) -> None:
+        self.plan: dict[str, list[str]] = {}
+
+    def inject(self, method: str, *modes: str) -> None:
+        self.plan.setdefault(method, []).extend(modes)
+
+    @contextlib.asynccontextmanager
+    async def intercept(self, call):
+        queue = self.plan.get(call.method.rsplit("/", 1)[-1])
+        mode = queue.pop(0) if queue else ""
+        if mode == "before":
+            raise errors.UnavailableError("injected failure before the call ran", reason="INTERNAL")
+        yield
+        if mode == "after":
+            raise errors.UnavailableError("injected failure: the call ran, its answer was lost", reason="INTERNAL")
+
+
+@pytest.fixture(scope="module")
+def faults() -> Faults:
+    return Faults()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def safety_stack(tmp_path_factory, faults):
+    from yieldloop_server.config import StackConfig, TrainerOptions
+    from yieldloop_server.stack import InProcessStack
+
+    config = StackConfig(data_dir=tmp_path_factory.mktemp("safety"), trainer=TrainerOptions(max_models=8),
+                         transport=TransportConfig(server_interceptors=(faults,)))
+    stack = InProcessStack(config)
+    await stack.start()
+    yield stack
+    await stack.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def sc(safety_stack):
+    async with Client(**safety_stack.addresses, timeout=120) as client:
+        yield client
+
+
+def good_batch(seed: int = 0, vocab: int = 300) -> list[Datum]:
+    rng = random.Random(seed)
+    datums = []
+    for length in (9, 12):
+        tokens = [rng.randrange(1, vocab) for _ in range(length + 1)]
+        datums.append(Datum(tokens[:-1], tokens[1:], [-rng.uniform(4, 7) for _ in range(length)],
+                            [0.0] * 3 + [rng.uniform(-1, 1) for _ in range(length - 3)], [0.0] * length))
+    return datums
+
+
+async def fingerprint(client: Client, model: str) -> list[list[float]]:
+    """The learner's logprobs on a fixed batch: equal before and after only if the weights are."""
+    return await client.forward(datums=good_batch(99), model=model)
+
+
+async def weights_sha(client: Client, model: str, checkpoint_id: str) -> str:
+    manifest = await client.get_checkpoint(model, checkpoint_id)
+    return next(o.sha256 for o in manifest.objects if o.name == "model.safetensors")
+
+
+@pytest.mark.parametrize("adam", [
+    {"learning_rate": math.inf}, {"learning_rate": math.nan}, {"learning_rate": -1.0},
+    {"learning_rate": 1e-3, "eps": math.nan}, {"learning_rate": 1e-3, "weight_decay": math.nan},
+    {"learning_rate": 1e-3, "weight_decay": math.inf}, {"learning_rate": 1e-3, "max_grad_norm": math.nan},
+    {"learning_rate": 1e-3, "max_grad_norm": math.inf}, {"learning_rate": 1e-3, "beta1": math.nan},
+    {"learning_rate": 1e-3, "beta2": 1.0},
+])
+async def test_bad_hyperparameters_are_invalid_and_change_nothing(sc: Client, adam) -> None:
+    await sc.forward_backward(datums=good_batch(), loss_fn="cross_entropy")
+    head, before = await sc.get_head("tiny"), await fingerprint(sc, "tiny")
+    pending = (await sc.get_trainer_info()).num_pending_datums
+    with pytest.raises(errors.InvalidArgumentError) as err:
+        await sc.optim_step(**adam)
+    assert err.value.reason == "INVALID_FIELD" and err.value.field.startswith("adam."), err.value
+    assert (await sc.get_head("tiny")) == head and await fingerprint(sc, "tiny") == before
+    assert (await sc.get_trainer_info()).num_pending_datums == pending
+
+
+@pytest.mark.parametrize("loss_fn, knobs", [
+    ("dro", {"beta": math.inf}), ("dro", {"beta": math.nan}), ("ppo", {"clip_low_threshold": math.nan}),
+    ("ppo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0}), ("cispo", {"clip_high_threshold": -1.0}),
+])
+async def test_bad_loss_knobs_are_invalid(sc: Client, loss_fn, knobs) -> None:
+    with pytest.raises(errors.InvalidArgumentError) as err:
+        await sc.forward_backward(datums=good_batch(), loss_fn=loss_fn, loss_fn_config=knobs)
+    assert err.value.reason == "INVALID_FIELD" and "loss_fn_config" in err.value.field
+
+
+async def test_poisoned_batches_are_refused_and_leave_the_gradients_as_they_were(sc: Client) -> None:
+    """A good batch, then poisoned ones (refused, NON_FINITE), then the step: its checkpoint is byte for byte the
+    one a twin fork commits from the good batch alone."""
+    for name in ("poisoned", "twin"):
+        await sc.fork_model("tiny", name)
+    for name in ("poisoned", "twin"):
+        await sc.forward_backward(datums=good_batch(1), model=name)
+    extreme = good_batch(2)
+    extreme[0].sampling_logprobs = [-1e4] * len(extreme[0].sampling_logprobs)  # finite, but exp(lp - q) = inf
+    huge = good_batch(3)
+    huge[1].weights = [3e38] * len(huge[1].weights)
+    poisons = [
+        sc.forward_backward(datums=extreme, model="poisoned"),
+        sc.forward_backward(datums=extreme, model="poisoned", loss_fn="ppo"),
+        sc.backward(huge, model="poisoned"),
+    ]
+    for poison in poisons:
+        with pytest.raises(errors.InvalidArgumentError) as err:
+            await poison
+        assert err.value.reason == "NON_FINITE", err.value
+    assert (await sc.get_trainer_info(model="poisoned")).num_pending_datums == 2
+    steps = {name: (await sc.optim_step(1e-2, model=name)).checkpoint.checkpoint_id for name in ("poisoned", "twin")}
+    assert await weights_sha(sc, "poisoned", steps["poisoned"]) == await weights_sha(sc, "twin", steps["twin"])
+    served = await sc.get_serving_info(wait_for_checkpoint_id=steps["poisoned"], model="poisoned")
+    assert not served.last_reload_error
+
+
+async def test_a_failed_commit_leaves_the_trainer_as_before_and_a_retry_commits_once(sc: Client, faults) -> None:
+    await sc.fork_model("tiny", "flaky")
+    await sc.forward_backward(datums=good_batch(4), model="flaky")
+    head, before = await sc.get_head("flaky"), await fingerprint(sc, "flaky")
+
+    faults.inject("CommitCheckpoint", "before")  # the checkpoint service refuses: nothing committed
+    with pytest.raises(errors.UnavailableError):
+        await sc.optim_step(1e-2, model="flaky", idempotency_key="step-A")
+    assert await sc.get_head("flaky") == head and await fingerprint(sc, "flaky") == before
+    info = await sc.get_trainer_info(model="flaky")
+    assert (info.num_pending_datums, info.step) == (2, 0)  # gradients and step as before
+
+    faults.inject("CommitCheckpoint", "after")  # committed, but the trainer hears an error
+    with pytest.raises(errors.UnavailableError):
+        await sc.optim_step(1e-2, model="flaky", idempotency_key="step-A")
+    retried = await sc.optim_step(1e-2, model="flaky", idempotency_key="step-A")
+    again = await sc.optim_step(1e-2, model="flaky", idempotency_key="step-A")
+    assert retried.checkpoint.checkpoint_id == again.checkpoint.checkpoint_id
+    tree = (await sc.list_checkpoints("flaky")).checkpoints
+    assert [c.step for c in tree] == [0, 1] and tree[-1].checkpoint_id == retried.checkpoint.checkpoint_id
+    assert (await sc.get_trainer_info(model="flaky")).num_pending_datums == 0  # applied once, in that step
+    assert await fingerprint(sc, "flaky") != before
+
+
+async def test_two_trainers_racing_on_one_model_one_step_per_parent(sc: Client) -> None:
+    """An operator's rollback (or another trainer's step) between ForwardBackward and OptimStep: the step is
+    ABORTED/HEAD_CONFLICT, not a silent sibling head; the loser's gradients are intact."""
+    await sc.fork_model("tiny", "raced")
+    await sc.forward_backward(datums=good_batch(5), model="raced")
+    first = (await sc.optim_step(1e-2, model="raced")).checkpoint.checkpoint_id
+    await sc.forward_backward(datums=good_batch(6), model="raced")
+    await sc.set_head("raced", "base")  # moved under the trainer while gradients are pending
+    with pytest.raises(errors.AbortedError) as err:
+        await sc.optim_step(1e-2, model="raced")
+    assert err.value.reason == "HEAD_CONFLICT"
+    assert (await sc.get_head("raced")).checkpoint_id == "base"
+    assert [c.checkpoint_id for c in (await sc.list_checkpoints("raced")).checkpoints] == ["base", first]
+    info = await sc.get_trainer_info(model="raced")
+    assert (info.num_pending_datums, info.step) == (2, 1)
+
+
+async def test_the_rollout_refuses_non_finite_weights(sc: Client, safety_stack, tmp_path) -> None:
+    """A checkpoint with a NaN weight (committed by hand, checksums correct) is never served: the previous
+    weights keep serving, the refusal shows in GetServingInfo and the weights health."""
+    from safetensors.torch import load_file, save_file
+
+    from yieldloop.types import Manifest
+    from yieldloop_server.checkpoint.files import download_verified, upload_folder
+    from yieldloop_server.store import open_store
+
+    await sc.fork_model("tiny", "nan-model")
+    await sc.get_serving_info(wait_for_checkpoint_id="base", model="nan-model")  # served before the bad step
+    store = open_store(safety_stack.config.store_url)
+    base = await sc.get_checkpoint("nan-model", "base")
+    folder = download_verified(store, base, tmp_path / "base")
+    weights = load_file(folder / "model.safetensors")
+    name = next(iter(weights))
+    weights[name][0] = float("nan")
+    poisoned = tmp_path / "poisoned"
+    poisoned.mkdir()
+    for path in folder.iterdir():
+        (poisoned / path.name).write_bytes(path.read_bytes())
+    save_file(weights, poisoned / "model.safetensors", metadata={"format": "pt"})
+    objects = upload_folder(store, "nan-model", "nan-step", poisoned)
+    await sc.commit_checkpoint(Manifest("nan-model", "nan-step", objects, parent_checkpoint_id="base"), set_head=True)
+
+    with pytest.raises(errors.FailedPreconditionError) as err:
+        await sc.get_serving_info(wait_for_checkpoint_id="nan-step", model="nan-model")
+    assert "NaN" in str(err.value)
+    info = await sc.get_serving_info(model="nan-model")
+    assert info.weight_version == "base" and "NaN or inf" in info.last_reload_error
+    done = await sc.generate([1, 40, 41], model="nan-model")
+    assert done.weight_version == "base" and all(math.isfinite(x) for x in done.logprobs)
+    # The trainer refuses to load it too.
+    with pytest.raises(errors.FailedPreconditionError) as trained:
+        await sc.forward_backward(datums=good_batch(), model="nan-model")
+    assert trained.value.reason == "NON_FINITE"
