@@ -71,10 +71,14 @@ def test_commit_protocol_and_heads(any_store) -> None:
 def test_download_verifies_checksums(any_store, tmp_path: pathlib.Path) -> None:
     registry = CheckpointRegistry(any_store)
     registry.create_model(ModelInfo(slug="m", base="m"))
-    manifest = _commit(registry, "m", "c1", b"weights")
+    import torch
+    from safetensors.torch import save
+
+    weights = save({"w": torch.ones(4)})
+    manifest = _commit(registry, "m", "c1", weights)
     folder = download_verified(registry.store, manifest, tmp_path / "cache" / "c1")
-    assert (folder / "model.safetensors").read_bytes() == b"weights"
-    registry.store.put_bytes(manifest.objects[0].key, b"weightz")  # a flipped byte
+    assert (folder / "model.safetensors").read_bytes() == weights
+    registry.store.put_bytes(manifest.objects[0].key, weights[:-1] + b"\x00")  # a flipped byte
     with pytest.raises(errors.FailedPreconditionError) as err:
         download_verified(registry.store, manifest, tmp_path / "cache" / "c1-again")
     assert err.value.reason == "CHECKPOINT_CORRUPT"

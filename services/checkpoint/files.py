@@ -62,11 +62,17 @@ def check_finite(folder: pathlib.Path, what: str) -> None:
     import torch
     from safetensors import safe_open
 
+    from safetensors import SafetensorError
+
     for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as weights:
-            for name in weights.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                tensor = weights.get_tensor(name)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise FailedPreconditionError(
-                        f"{what}: tensor {name} of {path.name} holds NaN or inf; refused", reason="NON_FINITE"
-                    )
+        try:
+            with safe_open(str(path), framework="pt") as weights:
+                for name in weights.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    tensor = weights.get_tensor(name)
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        raise FailedPreconditionError(
+                            f"{what}: tensor {name} of {path.name} holds NaN or inf; refused", reason="NON_FINITE"
+                        )
+        except SafetensorError as err:
+            raise FailedPreconditionError(f"{what}: {path.name} is not a safetensors file: {err}",
+                                          reason="CHECKPOINT_CORRUPT") from None
