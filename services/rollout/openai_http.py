@@ -48,25 +48,51 @@ def _error(err: YieldloopError) -> Any:
     return web.json_response(body, status=status)
 
 
+def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any) -> Any:
+    """``body[name]`` when it has one of ``kinds`` (never coerced; booleans are not numbers), else INVALID."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise invalid_field(name, f"{name} must be {what}, got {json.dumps(value)[:40]}")
+    return value
+
+
 def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingConfig:
-    max_tokens = next((body[k] for k in max_tokens_keys if body.get(k) is not None), 256)
-    stop = body.get("stop") or ()
-    for name, kind in (("max_tokens", int), ("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int)):
-        if body.get(name) is not None and not isinstance(body[name], kind):
-            raise invalid_field(name, f"{name} must be a number")
-    if not isinstance(max_tokens, int):
-        raise invalid_field("max_tokens", "max_tokens must be an integer")
-    if not isinstance(body.get("ignore_eos", False), bool):
-        raise invalid_field("ignore_eos", "ignore_eos must be a boolean")
-    return SamplingConfig(
-        max_tokens=max_tokens,
-        temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
-        top_p=float(body.get("top_p") or 1.0),
-        top_k=max(0, int(body.get("top_k") or 0)),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        seed=int(body.get("seed") or 0),
-        ignore_eos=body.get("ignore_eos", False),
-    ).validate()
+    key = next((k for k in max_tokens_keys if body.get(k) is not None), max_tokens_keys[-1])
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise invalid_field("stop", "stop must be a string or a list of strings")
+    top_k = _typed(body, "top_k", (int,), "an integer", 0)
+    config = SamplingConfig(
+        max_tokens=_typed(body, key, (int,), "an integer", 256),
+        temperature=float(_typed(body, "temperature", (int, float), "a number", 1.0)),
+        top_p=float(_typed(body, "top_p", (int, float), "a number", 1.0)),
+        top_k=0 if top_k == -1 else top_k,  # vLLM's "-1: off"
+        stop=stop,
+        seed=_typed(body, "seed", (int,), "an integer", 0),
+        ignore_eos=_typed(body, "ignore_eos", (bool,), "a boolean", False),
+    )
+    try:
+        return config.validate()
+    except InvalidArgumentError as err:  # name the body's field, not the internal one
+        field = err.field.removeprefix("sampling.")
+        raise invalid_field(key if field == "max_tokens" else field, err.message) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str) -> Any:
+    """JSON without NaN/Infinity literals (Python's json accepts them; no OpenAI client sends them)."""
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def _message_text(message: dict[str, Any]) -> str:
@@ -159,8 +185,8 @@ class OpenAIEndpoint:
 
     async def _handle(self, request: Any, chat: bool) -> Any:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = await request.json(loads=_strict_json)
+        except (ValueError, UnicodeDecodeError):
             return _error(InvalidArgumentError("the request body is not JSON", reason="INVALID_JSON"))
         try:
             if not isinstance(body, dict):
@@ -168,8 +194,10 @@ class OpenAIEndpoint:
             model = body.get("model") or ""
             if not isinstance(model, str):
                 raise invalid_field("model", "model must be a model slug")
-            n = body.get("n") or 1
-            if not isinstance(n, int) or not 1 <= n <= 64:
+            n = body.get("n", 1)
+            if n is None:
+                n = 1
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
                 raise invalid_field("n", "n must be an integer in [1, 64]")
             sampling = _sampling(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
             async with self.models.use(model) as served:  # NOT_FOUND (MODEL_NOT_FOUND) for a missing slug

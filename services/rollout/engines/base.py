@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import pathlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -31,15 +32,39 @@ class SamplingConfig:
     """Sample past the end-of-sequence token (only max_tokens, the context and stop strings end it)."""
 
     def validate(self) -> SamplingConfig:
-        if self.max_tokens <= 0:
-            raise invalid_field("sampling.max_tokens", f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise invalid_field("sampling.temperature", f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise invalid_field("sampling.top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise invalid_field("sampling.top_k", f"top_k must be >= 0, got {self.top_k}")
+        """INVALID_ARGUMENT naming the field for a value no engine can sample with (checked before a request
+        reaches an engine, so one bad request never fails the batch it would have joined)."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or \
+                not 0 < self.max_tokens <= MAX_TOKENS:
+            raise invalid_field("sampling.max_tokens", f"max_tokens must be an integer in [1, {MAX_TOKENS}], "
+                                                       f"got {self.max_tokens!r}")
+        if not _finite_number(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
+            raise invalid_field("sampling.temperature", f"temperature must be 0 (greedy) or a finite number >= "
+                                                        f"{MIN_TEMPERATURE}, got {self.temperature!r}")
+        if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise invalid_field("sampling.top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise invalid_field("sampling.top_k", f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise invalid_field("sampling.seed", f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise invalid_field("sampling.ignore_eos", "ignore_eos must be a boolean")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop):
+            raise invalid_field("sampling.stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at "
+                                                 f"most {MAX_STOP_LENGTH} characters")
         return self
+
+
+MAX_TOKENS = 1 << 20
+MIN_TEMPERATURE = 1e-5
+"""Below this (and above 0) softmax(logits / temperature) overflows; 0 samples greedily."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import pathlib
 import queue
 import threading
@@ -359,9 +360,18 @@ class TorchEngine(Engine):
                     if done[i]:
                         step_tokens.append(pad)
                         continue
-                    token, logprob = sample_token(logits_BV[i], request.sampling, request.generator)
-                    generated[i].append(token)
-                    reason = self._stop_reason(weights, request, generated[i], budgets[i])
+                    try:
+                        token, logprob = sample_token(logits_BV[i], request.sampling, request.generator)
+                        if not math.isfinite(logprob):
+                            raise ValueError(f"the sampled token's logprob is {logprob}")
+                        generated[i].append(token)
+                        reason = self._stop_reason(weights, request, generated[i], budgets[i])
+                    except Exception as exc:  # deliberate degrade: this request fails, the batch goes on
+                        log.exception("sampling failed for one request")
+                        done[i] = True
+                        request.emit(UnavailableError(f"torch engine error: {exc}", reason="ENGINE_ERROR"))
+                        step_tokens.append(pad)
+                        continue
                     done[i] = bool(reason)
                     request.emit(TokenDelta([token], [logprob], versions[i], finished=done[i], stop_reason=reason))
                     step_tokens.append(token)
