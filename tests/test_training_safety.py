@@ -3,6 +3,7 @@ and-swap on the head, and idempotent under retries (issue 14)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import random
@@ -30,7 +31,7 @@ class Faults:
         queue = self.plan.get(call.method.rsplit("/", 1)[-1])
         mode = queue.pop(0) if queue else ""
         if mode == "before":
-            raise errors.UnavailableError("injected failure before the call ran", reason="INTERNAL")
+            raise errors.InternalError("injected failure before the call ran")
         yield
         if mode == "after":
             raise errors.UnavailableError("injected failure: the call ran, its answer was lost", reason="INTERNAL")
@@ -212,3 +213,40 @@ async def test_the_rollout_refuses_non_finite_weights(sc: Client, safety_stack, 
     with pytest.raises(errors.FailedPreconditionError) as trained:
         await sc.forward_backward(datums=good_batch(), model="nan-model")
     assert trained.value.reason == "NON_FINITE"
+
+
+@pytest.mark.parametrize("outage", [OSError("injected: disk unreadable"), TimeoutError("injected: store timeout"),
+                                    PermissionError("injected: access denied")])
+async def test_the_rollout_keeps_following_the_head_through_store_errors(sc: Client, monkeypatch, outage) -> None:
+    """The store fails reads of the model's HEAD for two seconds (the WatchHead stream and GetHead answer errors
+    other than UNAVAILABLE): the rollout shows it is not following, retries with backoff, and then serves the
+    head that moved during the outage."""
+    import time
+
+    from yieldloop_server.store.fs import FsStore
+
+    slug = f"followed-{type(outage).__name__.lower()}"
+    await sc.fork_model("tiny", slug)
+    await sc.get_serving_info(wait_for_checkpoint_id="base", model=slug)
+    assert (await sc.get_serving_info(model=slug)).following
+    await sc.forward_backward(datums=good_batch(7), model=slug)
+    real = FsStore.get_bytes
+    until = time.monotonic() + 2.0
+
+    def failing(self, key: str):
+        if key == f"models/{slug}/HEAD" and time.monotonic() < until:
+            raise outage
+        return real(self, key)
+
+    monkeypatch.setattr(FsStore, "get_bytes", failing)
+    for _ in range(150):
+        info = await sc.get_serving_info(model=slug)
+        if not info.following:
+            break
+        await asyncio.sleep(0.02)
+    assert not info.following and info.follow_error, info
+    while time.monotonic() < until:
+        await asyncio.sleep(0.05)
+    moved = (await sc.optim_step(1e-2, model=slug)).checkpoint.checkpoint_id
+    info = await sc.get_serving_info(wait_for_checkpoint_id=moved, model=slug, timeout=60)
+    assert info.weight_version == moved and info.following and not info.follow_error

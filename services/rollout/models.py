@@ -222,6 +222,8 @@ class FixedWeights:
 
     head_sequence = 1
     last_error = ""
+    following = True
+    follow_error = ""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

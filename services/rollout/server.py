@@ -98,6 +98,8 @@ class RolloutServer:
 class _NoFollower:
     head_sequence = 0
     last_error = ""
+    following = True
+    follow_error = ""
 
     async def wait_for(self, checkpoint_id: str) -> None:
         return None

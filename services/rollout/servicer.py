@@ -139,6 +139,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 openai_base_url=self.openai_base_url,
                 adapter_base=served.adapter_base,
                 engine_weight_loads=served.engine.weight_loads,
+                following=served.follower.following,
+                follow_error=served.follower.follow_error,
             )
 
     @rpc

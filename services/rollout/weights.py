@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from yieldloop.client import Client
-from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError
+from yieldloop.errors import FailedPreconditionError, NotFoundError, UnavailableError, YieldloopError
+from yieldloop.retry import Backoff
 from yieldloop.types import Head
 from yieldloop_server.checkpoint.files import download_verified
 from yieldloop_server.rollout.engines import Engine
@@ -47,19 +48,48 @@ class WeightFollower:
         self.last_error = ""
         self.refused: dict[str, str] = {}
         """Checkpoint id -> why it was refused."""
+        self.following = False
+        """Whether the head is being watched now (False after an error, until a retry succeeds)."""
+        self.follow_error = ""
+        """Why the head is not being followed (empty while it is)."""
         self.on_reload: Any = None
         """Optional ``async (ok: bool) -> None`` called after each head was handled (health reporting)."""
         self._changed = asyncio.Condition()
 
-    async def run(self, retry_s: float = 1.0) -> None:
-        """Watches the head forever, reconnecting when CheckpointService is unavailable."""
+    async def run(self, backoff: Backoff = Backoff()) -> None:
+        """Follows the head forever: after any error (the checkpoint service unreachable, a store error, a
+        stream cut) it retries with backoff, and shows the gap (``following``, ``follow_error``, the health
+        callback) until it follows again. Before the first head, a model that does not exist ends it."""
+        attempt = 0
         while True:
             try:
+                head = await self.checkpoints.get_head(self.model)
+                self._followed(True)
+                attempt = 0
+                if head.sequence > self.head_sequence:
+                    await self.load(head)
                 async for head in self.checkpoints.watch_head(self.model, self.head_sequence):
                     await self.load(head)
-            except UnavailableError as err:
-                log.warning("checkpoint service unavailable (%s); retrying", err)
-            await asyncio.sleep(retry_s)
+                raise UnavailableError("the head stream ended", reason="INTERNAL")
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # deliberate degrade: keep serving the weights we have, retry
+                if self.head_sequence == 0 and isinstance(err, NotFoundError):
+                    raise  # the model does not exist: fail the request that asked for it
+                self.follow_error = str(err)
+                if self.following:
+                    log.warning("not following the head of %s (%s); retrying with backoff", self.model, err)
+                self._followed(False)
+                if self.on_reload is not None:
+                    await self.on_reload(False)
+            await asyncio.sleep(backoff.delay(attempt))
+            attempt += 1
+
+    def _followed(self, following: bool) -> None:
+        if following and not self.following:
+            log.info("following the head of %s again", self.model)
+            self.follow_error = ""
+        self.following = following
 
     async def fetch(self, checkpoint_id: str) -> pathlib.Path:
         """Downloads one checkpoint of the model and verifies every object; returns its local folder."""
@@ -78,7 +108,7 @@ class WeightFollower:
             self.last_error = self.refused[head.checkpoint_id] = str(err)
         self.head_sequence = head.sequence
         if self.on_reload is not None:
-            await self.on_reload(not self.last_error)
+            await self.on_reload(not self.last_error and self.following)
         async with self._changed:
             self._changed.notify_all()
 

@@ -118,7 +118,7 @@ class GetServingInfoRequest(_message.Message):
     def __init__(self, wait_for_checkpoint_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetServingInfoResponse(_message.Message):
-    __slots__ = ("model", "weight_version", "head_sequence", "engine", "last_reload_error", "openai_base_url", "adapter_base", "engine_weight_loads")
+    __slots__ = ("model", "weight_version", "head_sequence", "engine", "last_reload_error", "openai_base_url", "adapter_base", "engine_weight_loads", "following", "follow_error")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEAD_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class GetServingInfoResponse(_message.Message):
     OPENAI_BASE_URL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_BASE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWING_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_ERROR_FIELD_NUMBER: _ClassVar[int]
     model: str
     weight_version: str
     head_sequence: int
@@ -135,7 +137,9 @@ class GetServingInfoResponse(_message.Message):
     openai_base_url: str
     adapter_base: str
     engine_weight_loads: int
-    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ..., adapter_base: _Optional[str] = ..., engine_weight_loads: _Optional[int] = ...) -> None: ...
+    following: bool
+    follow_error: str
+    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ..., adapter_base: _Optional[str] = ..., engine_weight_loads: _Optional[int] = ..., following: _Optional[bool] = ..., follow_error: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "model", "name", "group_size", "created_time", "num_runs", "metadata_json")
