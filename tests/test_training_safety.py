@@ -31,7 +31,7 @@ class Faults:
         queue = self.plan.get(call.method.rsplit("/", 1)[-1])
         mode = queue.pop(0) if queue else ""
         if mode == "before":
-            raise errors.InternalError("injected failure before the call ran")
+            raise errors.UnavailableError("injected failure before the call ran", reason="INTERNAL")
         yield
         if mode == "after":
             raise errors.UnavailableError("injected failure: the call ran, its answer was lost", reason="INTERNAL")
