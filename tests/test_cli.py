@@ -261,3 +261,14 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
 
     asyncio.run(sample())
     assert "wf-base head: base" in run(up, "models", "head", "wf-base").stdout
+
+
+def test_delete_model_through_the_cli(up: pathlib.Path) -> None:
+    assert run(up, "models", "fork", "tiny", "--name", "doomed").returncode == 0
+    assert run(up, "models", "fork", "doomed", "--name", "doomed-child").returncode == 0
+    refused = run(up, "models", "delete", "doomed")
+    assert refused.returncode == 1 and "MODEL_IN_USE" in refused.stderr
+    assert run(up, "models", "delete", "doomed-child").returncode == 0
+    deleted = run(up, "models", "delete", "doomed")
+    assert deleted.returncode == 0 and "deleted doomed" in deleted.stdout
+    assert "doomed" not in run(up, "models", "list").stdout

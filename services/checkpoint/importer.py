@@ -48,7 +48,7 @@ def resolve_source(source: str) -> pathlib.Path | None:
     path = pathlib.Path(source).expanduser()
     if path.is_dir():
         return path.resolve()
-    if not _HUB_ID.match(source):
+    if not _HUB_ID.fullmatch(source):
         return None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

@@ -119,11 +119,11 @@ class CheckpointRegistry:
         # The fork inherits what the weights are (architecture, size, chat template) from its source.
         info = dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0)
         if lora is None or src.lora is not None:
-            self.create_model(info)
+            self._create_or_resume(info)
             forked = dataclasses.replace(manifest, model=name, created_time=time.time())
             self.store.put_bytes(checkpoint_prefix(name, forked.checkpoint_id) + MANIFEST, forked.to_json())
             return info, self.set_head(name, forked.checkpoint_id)
-        info = self.create_model(dataclasses.replace(
+        info = self._create_or_resume(dataclasses.replace(
             info, lora=lora, adapter_base_model=source, adapter_base_checkpoint_id=manifest.checkpoint_id,
         ))
         checkpoint_id = "adapter-init"
@@ -135,8 +135,54 @@ class CheckpointRegistry:
             objects=[ObjectInfo(lora_files.CONFIG_FILE, len(config), hashlib.sha256(config).hexdigest(), key)],
             metadata_json=json.dumps({"adapter_of": f"{source}@{manifest.checkpoint_id}"}),
         )
-        self.commit(first)
+        with contextlib.suppress(AlreadyExistsError):  # resuming: an identical first checkpoint is already there
+            self.commit(first)
         return info, self.set_head(name, checkpoint_id)
+
+    def _create_or_resume(self, info: ModelInfo) -> ModelInfo:
+        """Creates the model, or resumes a fork interrupted before its head was written (the same record, no
+        head): a failed fork can be retried instead of leaving an unusable slug."""
+        try:
+            return self.create_model(info)
+        except AlreadyExistsError:
+            existing = self.get_model(info.slug)
+            same = dataclasses.replace(existing, created_time=0.0) == dataclasses.replace(info, created_time=0.0)
+            if not same or self.find_head(info.slug) is not None:
+                raise
+            return existing
+
+    def delete_model(self, slug: str, force: bool = False) -> None:
+        """Deletes a model: HEAD first (the slug stops being usable), then its checkpoints' manifests,
+        promotions and head history, the objects no other model's checkpoint references, and ``model.json``
+        last, so an interrupted delete is finished by calling it again.
+
+        Refused (FAILED_PRECONDITION/MODEL_IN_USE) while models forked from it exist, unless ``force`` (full forks
+        keep working: the objects they reference stay); never while a LoRA fork's adapter runs on its weights.
+        """
+        self.get_model(slug)
+        others = [m for m in self.list_models() if m.slug != slug]
+        adapters = sorted(m.slug for m in others if m.lora and m.adapter_base_model == slug)
+        forks = sorted(m.slug for m in others if m.parent == slug)
+        if adapters or (forks and not force):
+            names = adapters or forks
+            raise FailedPreconditionError(
+                f"model {slug!r} is in use by {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}: "
+                + ("LoRA forks run on its weights; delete them first" if adapters
+                   else "delete its forks first, or delete with force (forks keep the objects they use)"),
+                reason="MODEL_IN_USE",
+            )
+        prefix = model_prefix(slug)
+        self.store.delete(prefix + "HEAD")
+        self._wake(slug)
+        own = {obj.key for m in self.list_checkpoints(slug) for obj in m.objects}  # also a source's, for a fork
+        referenced = {obj.key for info in others for m in self.list_checkpoints(info.slug) for obj in m.objects}
+        keys = set(self.store.list(prefix))
+        manifests = {key for key in keys if key.endswith("/" + MANIFEST)}
+        for key in sorted((own | keys) - manifests - referenced - {prefix + "model.json"}):
+            self.store.delete(key)  # objects first: while the manifests exist, a retry still knows them
+        for key in sorted(manifests):
+            self.store.delete(key)
+        self.store.delete(prefix + "model.json")
 
     def describe_model(self, slug: str) -> ModelInfo:
         """The model's record, with a LoRA fork's size the adapter's at its head."""

@@ -43,6 +43,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return pb.ForkModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc
+    async def DeleteModel(self, request: pb.DeleteModelRequest, context: grpc.aio.ServicerContext) -> pb.DeleteModelResponse:
+        await asyncio.to_thread(self.registry.delete_model, request.model, request.force)
+        return pb.DeleteModelResponse()
+
+    @rpc
     async def ImportModel(self, request: pb.ImportModelRequest, context: grpc.aio.ServicerContext) -> pb.ImportModelResponse:
         info, head = await asyncio.to_thread(import_model, self.registry, request.source, request.name, request.owner)
         return pb.ImportModelResponse(model=model_to_pb(info), head=head_to_pb(head))

@@ -40,15 +40,15 @@ class ObjectStat:
 def check_name(value: str, field: str) -> str:
     """Validates a name used as one key part (model slug, checkpoint id, trace id): no separators,
     no ``..``, 1-128 characters; INVALID_ARGUMENT naming ``field`` otherwise."""
-    if not _NAME.match(value) or ".." in value:
-        raise invalid_field(field, f"{field} {value!r} must match {_NAME.pattern} and not contain '..'")
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
+        raise invalid_field(field, f"{field} {value!r:.80} must match {_NAME.pattern} and not contain '..'")
     return value
 
 
 def check_key(key: str) -> str:
     """Validates an object key: relative, no empty, ``.`` or ``..`` parts."""
     parts = key.split("/")
-    if not key or any(p in ("", ".", "..") or not _KEY_PART.match(p) for p in parts):
+    if not key or any(p in ("", ".", "..") or not _KEY_PART.fullmatch(p) for p in parts):
         raise ValueError(f"invalid object key {key!r}")
     return key
 

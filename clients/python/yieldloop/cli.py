@@ -78,6 +78,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
                       help="LoRA alpha: the update is scaled by A / R (default 2 R)")
     fork.add_argument("--lora-targets", nargs="+", default=[], metavar="MODULE",
                       help="module names to adapt, e.g. q_proj v_proj (default: every linear layer of the blocks)")
+    delete = model_commands.add_parser(
+        "delete", help="delete a model: its head, checkpoints and the objects no other model uses (refused while "
+                       "forks depend on it, unless --force)")
+    delete.add_argument("model")
+    delete.add_argument("--force", action="store_true", help="delete even though forks exist (they keep working)")
     checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first (> = HEAD)")
     checkpoints.add_argument("model")
     head = model_commands.add_parser("head", help="show a model's head, or move it with --set (rollback, branch)")
@@ -340,6 +345,9 @@ async def _models(args: argparse.Namespace) -> None:
                    f"{forked.model.adapter_base_checkpoint_id}" if forked.model.HasField("lora") else "full"
             console.print(f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id} ({kind})",
                           markup=False)
+        elif args.models_command == "delete":
+            await client.delete_model(args.model, force=args.force)
+            console.print(f"deleted {args.model}", markup=False)
         elif args.models_command == "checkpoints":
             table = Table("", "checkpoint", "parent", "step", "promotion")
             for c in (await client.list_checkpoints(args.model)).checkpoints:

@@ -516,6 +516,11 @@ class Client:
     async def list_models(self) -> ckpt_pb.ListModelsResponse:
         return await _unary(self.checkpoint_stub.ListModels, ckpt_pb.ListModelsRequest(), self.timeout)
 
+    async def delete_model(self, model: str, force: bool = False) -> None:
+        """Deletes a model (FAILED_PRECONDITION/MODEL_IN_USE while forks depend on it, unless ``force``)."""
+        request = ckpt_pb.DeleteModelRequest(model=model, force=force)
+        await _unary(self.checkpoint_stub.DeleteModel, request, self.timeout)
+
     async def get_model(self, model: str) -> ModelInfo:
         """One model's record (NOT_FOUND/MODEL_NOT_FOUND when there is none)."""
         response = await _unary(self.checkpoint_stub.GetModel, ckpt_pb.GetModelRequest(model=model), self.timeout)

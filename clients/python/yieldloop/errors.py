@@ -13,6 +13,14 @@ This module imports nothing heavy (no grpc), so domain code can use it freely.
 from __future__ import annotations
 
 ERROR_DOMAIN = "yieldloop.dev"
+MAX_MESSAGE = 1024
+"""An error's message is cut to this many characters: a message that echoes a huge input must not turn into
+a different error (gRPC's trailing metadata is limited to a few kilobytes)."""
+MAX_FIELD = 256
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 class YieldloopError(Exception):
@@ -30,6 +38,7 @@ class YieldloopError(Exception):
     http_status = 500
 
     def __init__(self, message: str, *, reason: str = "INTERNAL", field: str = "") -> None:
+        message, field = _clip(str(message), MAX_MESSAGE), _clip(str(field), MAX_FIELD)
         super().__init__(message)
         self.message = message
         self.reason = reason

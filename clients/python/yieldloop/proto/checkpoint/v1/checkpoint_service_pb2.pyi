@@ -154,6 +154,18 @@ class ForkModelRequest(_message.Message):
     lora: LoraConfig
     def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ...) -> None: ...
 
+class DeleteModelRequest(_message.Message):
+    __slots__ = ("model", "force")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    force: bool
+    def __init__(self, model: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DeleteModelResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetModelRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class CheckpointServiceStub:
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelResponse.FromString,
                 _registered_method=True)
+        self.DeleteModel = channel.unary_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/DeleteModel',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.DeleteModelRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.DeleteModelResponse.FromString,
+                _registered_method=True)
         self.ImportModel = channel.unary_unary(
                 '/yieldloop.checkpoint.v1.CheckpointService/ImportModel',
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelRequest.SerializeToString,
@@ -118,6 +123,17 @@ class CheckpointServiceServicer:
         it samples exactly like its base at first) over those frozen weights.
         Returns: OK; NOT_FOUND (MODEL_NOT_FOUND, CHECKPOINT_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
         INVALID_ARGUMENT (INVALID_FIELD) for a malformed slug or LoRA config. Nothing is written on error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteModel(self, request, context):
+        """Deletes a model: its head first (the slug stops being usable), then its checkpoints and the objects no
+        other model references, its record last; an interrupted delete is finished by calling it again.
+        Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); FAILED_PRECONDITION (MODEL_IN_USE) while forks exist (unless
+        force: full forks keep the objects they use) or LoRA forks run on its weights; INVALID_ARGUMENT
+        (INVALID_FIELD).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,6 +235,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.ForkModel,
                     request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.FromString,
                     response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelResponse.SerializeToString,
+            ),
+            'DeleteModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteModel,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.DeleteModelRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.DeleteModelResponse.SerializeToString,
             ),
             'ImportModel': grpc.unary_unary_rpc_method_handler(
                     servicer.ImportModel,
@@ -343,6 +364,33 @@ class CheckpointService:
             '/yieldloop.checkpoint.v1.CheckpointService/ForkModel',
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelRequest.SerializeToString,
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ForkModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/DeleteModel',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.DeleteModelRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.DeleteModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
