@@ -76,6 +76,10 @@ class RolloutOptions:
     """Engines the rollout service keeps loaded at once, one per model slug (least recently used unloaded)."""
     memory_budget_mb: int = dataclasses.field(default=0, metadata={"flag": "--rollout-memory-mb"})
     """Megabytes of model weights the rollout service keeps loaded at once (0: only the engine count limits)."""
+    max_runs: int = dataclasses.field(default=8192, metadata={"flag": "--rollout-max-runs"})
+    """Episodes (tasks x group size) one StreamRollouts request may ask for."""
+    max_episodes: int = dataclasses.field(default=1024, metadata={"flag": "--rollout-max-episodes"})
+    """Episodes the rollout service runs at once over all requests (more wait their turn)."""
     lora_engine: Literal["same", "torch", "vllm"] = dataclasses.field(
         default="same", metadata={"flag": "--rollout-lora-engine"})
     """Engine serving LoRA forks (one per frozen base, adapters applied per request): the rollout engine's kind

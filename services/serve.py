@@ -54,6 +54,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
         return server.start, stop
     if opts.service == "rollout":
+        from yieldloop_server.rollout.rollouts import RolloutLimits
         from yieldloop_server.rollout.server import RolloutServer
 
         server = RolloutServer(
@@ -61,6 +62,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             opts.host, opts.port, None if opts.rollout.http_port < 0 else opts.rollout.http_port, transport=opts.transport,
             max_models=opts.rollout.max_models, memory_budget_bytes=opts.rollout.memory_budget_mb * 1_000_000,
             lora_engine="" if opts.rollout.lora_engine == "same" else opts.rollout.lora_engine, device=opts.device,
+            limits=RolloutLimits(max_runs=opts.rollout.max_runs, max_episodes=opts.rollout.max_episodes),
         )
         return server.start, server.stop
     raise ValueError(f"unknown service {opts.service!r}")

@@ -250,3 +250,37 @@ async def test_the_rollout_keeps_following_the_head_through_store_errors(sc: Cli
     moved = (await sc.optim_step(1e-2, model=slug)).checkpoint.checkpoint_id
     info = await sc.get_serving_info(wait_for_checkpoint_id=moved, model=slug, timeout=60)
     assert info.weight_version == moved and info.following and not info.follow_error
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"group_size": 2**31 - 1}, "group_size"), ({"group_size": 5000}, "group_size"),
+    ({"max_attempts": 1_000_000}, "max_attempts"), ({"max_steps": 100_000}, "max_steps"),
+])
+async def test_fan_out_is_bounded(sc: Client, options, field) -> None:
+    from yieldloop.envs.letters import tasks
+
+    with pytest.raises(errors.InvalidArgumentError) as err:
+        [run async for run in sc.stream_rollouts(tasks("ab"), **{"group_size": 1, **options})]
+    assert err.value.field == field and "at most" in err.value.message, err.value
+
+
+async def test_infrastructure_retries_back_off_within_a_budget(sc: Client, faults) -> None:
+    """EnvService refuses the first episodes: they are retried after a backoff and complete. When it refuses
+    everything, the request's retry budget bounds the extra load, and every run says INFRA_ERROR."""
+    import time
+
+    from yieldloop.envs.letters import tasks
+    from yieldloop.types import RunStatus
+
+    faults.inject("StreamEpisode", "before", "before")  # a short outage: two refusals
+    start = time.monotonic()
+    runs = [run async for run in sc.stream_rollouts(tasks("a"), group_size=1)]
+    assert runs[0].status == RunStatus.GRADED and runs[0].attempts == 3
+    assert time.monotonic() - start >= 0.2 * 0.5 + 0.4 * 0.5  # two backoffs (jitter at most halves each)
+
+    faults.inject("StreamEpisode", *["before"] * 500)  # down for good
+    runs = [run async for run in sc.stream_rollouts(tasks("abcd"), group_size=8, max_attempts=10)]
+    faults.plan["StreamEpisode"].clear()
+    assert len(runs) == 32 and {run.status for run in runs} == {RunStatus.INFRA_ERROR}
+    assert sum(run.attempts for run in runs) <= 32 + 8  # one attempt each plus the budget of 8 retries
+    assert any("retry budget" in run.error for run in runs)

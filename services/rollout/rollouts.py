@@ -14,6 +14,7 @@ a bad task (unknown scenario, arguments that do not bind) fails the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,6 +37,7 @@ from yieldloop_server.rollout.agent import (
     strip_tool_calls,
     tools_for_template,
 )
+from yieldloop.retry import Backoff
 from yieldloop.types import AgentStopReason, PromptFormat, Run, RunStatus, StopReason, TaskRef, Turn
 from yieldloop_server.rollout.engines import Engine, SamplingConfig
 
@@ -56,8 +58,37 @@ class AgentConfig:
     """Model turns at most."""
     episode_timeout_s: float = 0.0
     """Wall-clock budget of an episode (0: none beyond the environment's own)."""
-    max_attempts: int = 3
-    """Attempts per episode when infrastructure fails."""
+    max_attempts: int = 4
+    """Attempts per episode when infrastructure fails (waits of about 0.2, 0.4, 0.8 s between them: a service
+    restarting within a second loses no episode)."""
+    backoff: Backoff = Backoff(initial_s=0.2, max_s=5.0)
+    """Wait between attempts (exponential, with jitter)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLimits:
+    """Server-side bounds on what one StreamRollouts request may ask (errors name them)."""
+
+    max_runs: int = 8192
+    """Episodes (tasks x group size) per request."""
+    max_episodes: int = 1024
+    """Episodes running at once on this rollout service, over all requests (a request's default concurrency)."""
+    max_attempts: int = 10
+    max_steps: int = 256
+
+
+class RetryBudget:
+    """Retries a request may still spend: infrastructure failures are retried while it lasts (an outage does not
+    multiply a batch's load), then recorded as they are."""
+
+    def __init__(self, retries: int) -> None:
+        self.left = retries
+
+    def take(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
 
 
 def seeded(sampling: SamplingConfig, *path: int) -> SamplingConfig:
@@ -152,16 +183,22 @@ async def run_episode(
     sampling: SamplingConfig,
     model: str,
     config: AgentConfig = AgentConfig(),
+    budget: RetryBudget | None = None,
 ) -> Run:
     """One episode: start, the agent loop, submit; a graded (or failed) Run.
 
-    An infrastructure failure is tried again, ``config.max_attempts`` times at most (``Run.attempts``).
+    An infrastructure failure is tried again, ``config.max_attempts`` times at most (``Run.attempts``), after a
+    backoff, while the request's retry ``budget`` lasts.
     """
     for attempt in range(1, config.max_attempts + 1):
         run = Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt)
         await _attempt(engine, env, run, sampling, config)
-        if run.status != RunStatus.INFRA_ERROR:
+        if run.status != RunStatus.INFRA_ERROR or attempt == config.max_attempts:
             break
+        if budget is not None and not budget.take():
+            run.error += " (the request's retry budget is spent)"
+            break
+        await asyncio.sleep(config.backoff.delay(attempt - 1))
     return run
 
 
@@ -197,16 +234,22 @@ async def stream_rollouts(
     sampling: SamplingConfig,
     model: str,
     config: AgentConfig = AgentConfig(),
+    shared_limit: asyncio.Semaphore | None = None,
 ) -> AsyncIterator[Run]:
-    """Runs every task ``group_size`` times, at most ``max_concurrent`` at once; yields Runs as they finish."""
+    """Runs every task ``group_size`` times, at most ``max_concurrent`` at once (0: no bound of its own) and
+    within ``shared_limit`` (the service's episodes over all requests); yields Runs as they finish. Retries
+    after infrastructure failures share a budget of a tenth of the runs (at least 8)."""
     limit = asyncio.Semaphore(max_concurrent or len(tasks) * group_size)
+    shared = shared_limit or contextlib.nullcontext()
+    budget = RetryBudget(max(8, len(tasks) * group_size // 10))
     finished: asyncio.Queue = asyncio.Queue()
     nonce = uuid.uuid4().hex[:8]
 
     async def one(task: TaskRef, group_id: str, episode_sampling: SamplingConfig) -> None:
-        async with limit:
+        async with limit, shared:
             try:
-                await finished.put(await run_episode(engine, env, task, group_id, episode_sampling, model, config))
+                await finished.put(
+                    await run_episode(engine, env, task, group_id, episode_sampling, model, config, budget))
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await finished.put(exc)
 

@@ -11,6 +11,7 @@ from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.rollout.engines import create_engine
 from yieldloop_server.rollout.openai_http import OpenAIEndpoint
+from yieldloop_server.rollout.rollouts import RolloutLimits
 from yieldloop_server.rollout.servicer import RolloutServicer
 from yieldloop_server.rollout.models import ServedModels
 from yieldloop_server.store import ObjectStore
@@ -37,6 +38,7 @@ class RolloutServer:
         max_models: Engines loaded at once (the least recently used idle one is unloaded beyond it).
         memory_budget_bytes: Bytes of weights loaded at once (0: only ``max_models`` limits).
         lora_engine: Engine kind for LoRA forks' base engines ("": ``engine``).
+        limits: Bounds on StreamRollouts requests (episodes per request, at once, attempts, steps).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class RolloutServer:
         max_models: int = 2,
         memory_budget_bytes: int = 0,
         lora_engine: str = "",
+        limits: RolloutLimits = RolloutLimits(),
         **engine_options: object,
     ) -> None:
         self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport)
@@ -72,7 +75,9 @@ class RolloutServer:
         )
         self.http = None if http_port is None else OpenAIEndpoint(self.models, host, http_port, transport)
         self.grpc = GrpcServer(host, port, transport)
-        self.servicer = RolloutServicer(self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes))
+        self.servicer = RolloutServicer(
+            self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), limits
+        )
         self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
 
     async def start(self) -> str:

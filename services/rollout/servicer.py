@@ -19,7 +19,7 @@ from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.rollout.engines import SamplingConfig
 from yieldloop_server.rollout.models import ServedModels
-from yieldloop_server.rollout.rollouts import STOP_REASONS, AgentConfig, stream_rollouts
+from yieldloop_server.rollout.rollouts import STOP_REASONS, AgentConfig, RolloutLimits, stream_rollouts
 from yieldloop_server.store.traces import TraceStore
 
 
@@ -38,10 +38,15 @@ def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
     """Serves every model by slug (``models``); episodes run against EnvService through ``env``."""
 
-    def __init__(self, models: ServedModels, env: Client, traces: TraceStore | None) -> None:
+    def __init__(
+        self, models: ServedModels, env: Client, traces: TraceStore | None, limits: RolloutLimits = RolloutLimits()
+    ) -> None:
         self.models = models
         self.env = env
         self.traces = traces
+        self.limits = limits
+        self.episodes = asyncio.Semaphore(limits.max_episodes)
+        """Episodes running at once over every StreamRollouts request."""
         self.openai_base_url = ""
 
     @rpc
@@ -78,15 +83,23 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def StreamRollouts(
         self, request: pb.StreamRolloutsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamRolloutsResponse]:
+        limits = self.limits
         if request.group_size < 1:
             raise invalid_field("group_size", f"group_size must be >= 1, got {request.group_size}")
         if not request.tasks:
             raise invalid_field("tasks", "no tasks given")
+        runs = len(request.tasks) * request.group_size
+        if runs > limits.max_runs:
+            raise invalid_field("group_size", f"{len(request.tasks)} tasks x group_size {request.group_size} = {runs} "
+                                              f"episodes; this service runs at most {limits.max_runs} per request")
         if request.max_concurrent < 0:
             raise invalid_field("max_concurrent", "max_concurrent must be >= 0")
         for name in ("max_steps", "max_attempts", "episode_timeout_s"):
             if getattr(request, name) < 0 or not math.isfinite(getattr(request, name)):
                 raise invalid_field(name, f"{name} must be >= 0")
+        for name, most in (("max_attempts", limits.max_attempts), ("max_steps", limits.max_steps)):
+            if getattr(request, name) > most:
+                raise invalid_field(name, f"{name} is at most {most} on this service, got {getattr(request, name)}")
         config = AgentConfig(
             max_steps=request.max_steps or AgentConfig.max_steps,
             episode_timeout_s=request.episode_timeout_s,
@@ -113,6 +126,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 sampling=sampling,
                 model=served.slug,
                 config=config,
+                shared_limit=self.episodes,
             ):
                 # Persisted before it is streamed: a run the client saw always has its trace.
                 await asyncio.to_thread(self.traces.put, run, job_id)
