@@ -45,9 +45,14 @@ def hub_cache_dir() -> pathlib.Path:
 
 def resolve_source(source: str) -> pathlib.Path | None:
     """The folder ``source`` names (a directory, or a hub id's snapshot in the local cache), or None."""
+    if not source or len(source) > 4096 or "\0" in source:
+        return None
     path = pathlib.Path(source).expanduser()
-    if path.is_dir():
-        return path.resolve()
+    try:
+        if path.is_dir():
+            return path.resolve()
+    except OSError:  # a name too long for the filesystem, a permission problem: not a readable folder
+        return None
     if not _HUB_ID.fullmatch(source):
         return None
     from huggingface_hub import snapshot_download

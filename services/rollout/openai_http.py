@@ -91,21 +91,43 @@ def _reject_constant(name: str) -> Any:
 
 
 def _strict_json(text: str) -> Any:
-    """JSON without NaN/Infinity literals (Python's json accepts them; no OpenAI client sends them)."""
-    return json.loads(text, parse_constant=_reject_constant)
+    """JSON without NaN/Infinity literals (Python's json accepts them; no OpenAI client sends them) and not
+    nested past Python's recursion limit."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
 
 
-def _message_text(message: dict[str, Any]) -> str:
-    """A message's text; an assistant turn's ``tool_calls`` become the Hermes markup the template shows."""
+def _message_text(message: dict[str, Any], index: int = 0) -> str:
+    """A message's text; an assistant turn's ``tool_calls`` become the Hermes markup the template shows.
+    INVALID_ARGUMENT naming the field for content or tool calls of the wrong shape (never coerced)."""
+    field = f"messages[{index}]"
     content = message.get("content") or ""
     if isinstance(content, list):  # content parts: only text parts exist for these models
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if not all(isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content):
+            raise invalid_field(f"{field}.content", "content parts must be objects with a text string")
+        content = "".join(part.get("text", "") for part in content)
+    elif not isinstance(content, str):
+        raise invalid_field(f"{field}.content", "content must be a string or a list of content parts")
+    if not isinstance(message.get("role", "user"), str):
+        raise invalid_field(f"{field}.role", "role must be a string")
     parts = [content] if content else []
-    for call in message.get("tool_calls") or ():
-        function = call.get("function", {})
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise invalid_field(f"{field}.tool_calls", "tool_calls must be a list")
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid_field(f"{field}.tool_calls", "each tool call needs a function with a name")
         arguments = function.get("arguments", "{}")
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        parts.append(f'<tool_call>\n{json.dumps({"name": function.get("name"), "arguments": arguments})}\n</tool_call>')
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise invalid_field(f"{field}.tool_calls", "a tool call's arguments must be a JSON object") from None
+        if not isinstance(arguments, dict):
+            raise invalid_field(f"{field}.tool_calls", "a tool call's arguments must be a JSON object")
+        parts.append(f'<tool_call>\n{json.dumps({"name": function["name"], "arguments": arguments})}\n</tool_call>')
     return "\n".join(parts)
 
 
@@ -230,10 +252,12 @@ class OpenAIEndpoint:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise invalid_field("messages", "messages must be a non-empty list of message objects")
-        rendered = [{"role": str(m.get("role", "user")), "content": _message_text(m)} for m in messages]
+        rendered = [{"role": m.get("role", "user"), "content": _message_text(m, i)} for i, m in enumerate(messages)]
         tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise invalid_field("tools", "tools must be a list")
+        if tools is not None and (not isinstance(tools, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) for t in tools)):
+            raise invalid_field("tools", "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}")
         return served.engine.render_chat(rendered, tools)
 
     async def _collect(
@@ -345,6 +369,8 @@ class OpenAIEndpoint:
             async for delta in deltas:
                 await send(delta)
             await response.write(b"data: [DONE]\n\n")
+        except ConnectionError:  # the client went away mid-stream: not an error; the generation is cancelled
+            log.info("%s: the client closed the stream", request.path)
         finally:
             await deltas.aclose()
         return response

@@ -143,6 +143,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.GetServingInfoResponse:
         async with self.models.use(request.model) as served:
             if request.wait_for_checkpoint_id:
+                if self.models.checkpoints is not None:  # NOT_FOUND now, rather than waiting for the deadline
+                    await self.models.checkpoints.get_checkpoint(served.slug, request.wait_for_checkpoint_id)
                 await served.follower.wait_for(request.wait_for_checkpoint_id)  # bounded by the call deadline
             return pb.GetServingInfoResponse(
                 model=served.slug,

@@ -161,6 +161,8 @@ class Engine(abc.ABC):
         Raises:
             InvalidArgumentError: NO_CHAT_TEMPLATE when the model's tokenizer has none.
         """
+        if not messages:
+            raise invalid_field("messages", "a chat needs at least one message")
         if not self.has_chat_template:
             raise InvalidArgumentError("this model's tokenizer has no chat template: send raw text or token ids",
                                        reason="NO_CHAT_TEMPLATE", field="messages")
