@@ -13,6 +13,7 @@ Plain Python: no grpc here; errors are :mod:`yieldloop.errors` classes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -34,6 +35,9 @@ from yieldloop_server.store import ObjectNotFound, ObjectStore, PreconditionFail
 from yieldloop_server.store.base import check_name
 
 MANIFEST = "manifest.json"
+LIST_THREADS = 2
+"""Manifests read at once by one listing: enough to hide S3's round trips, few enough that the threads' share
+of the GIL never stalls the service's event loop."""
 
 
 def model_prefix(slug: str) -> str:
@@ -211,11 +215,20 @@ class CheckpointRegistry:
         return Manifest.from_json(data)
 
     def list_checkpoints(self, model: str) -> list[Manifest]:
-        """Committed checkpoints (those with a manifest), oldest first."""
+        """Committed checkpoints (those with a manifest), oldest first (manifests read a few at a time: on S3
+        each is a round trip)."""
         self.get_model(model)
         prefix = f"models/{model}/checkpoints/"
-        ids = [key[len(prefix):].split("/")[0] for key in self.store.list(prefix) if key.endswith("/" + MANIFEST)]
-        manifests = [self.get_manifest(model, cid) for cid in ids]
+        keys = [key for key in self.store.list(prefix) if key.endswith("/" + MANIFEST)]
+
+        def read(key: str) -> Manifest | None:
+            try:
+                return Manifest.from_json(self.store.get_bytes(key)[0])
+            except ObjectNotFound:  # deleted meanwhile (retention)
+                return None
+
+        with concurrent.futures.ThreadPoolExecutor(min(LIST_THREADS, max(1, len(keys)))) as pool:
+            manifests = [m for m in pool.map(read, keys) if m is not None]
         return sorted(manifests, key=lambda m: (m.created_time, m.step, m.checkpoint_id))
 
     def commit(self, manifest: Manifest, *, set_head: bool = False, expected_head: str = "") -> tuple[Manifest, Head | None]:
@@ -234,7 +247,11 @@ class CheckpointRegistry:
         if set_head and expected_head:
             self._check_head(manifest.model, expected_head)
         self._check_keys(manifest)
+        verified: set[tuple[str, int, str]] = set()
         for obj in manifest.objects:
+            if (obj.key, obj.size, obj.sha256) in verified:
+                continue  # each distinct object is hashed once, however often it is listed
+            verified.add((obj.key, obj.size, obj.sha256))
             if self.store.size(obj.key) != obj.size or self.store.sha256(obj.key) != obj.sha256:
                 raise FailedPreconditionError(
                     f"object {obj.key!r} is missing or differs from its declared size/sha256",

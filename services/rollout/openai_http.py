@@ -223,7 +223,7 @@ class OpenAIEndpoint:
                 raise invalid_field("n", "n must be an integer in [1, 64]")
             sampling = _sampling(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
             async with self.models.use(model) as served:  # NOT_FOUND (MODEL_NOT_FOUND) for a missing slug
-                prompt_ids = self._chat_prompt(served, body) if chat else self._completion_prompt(served, body)
+                prompt_ids = await (self._chat_prompt(served, body) if chat else self._completion_prompt(served, body))
                 if body.get("stream"):
                     if n != 1:
                         raise invalid_field("n", "streaming supports n = 1")
@@ -238,17 +238,17 @@ class OpenAIEndpoint:
 
         return web.json_response(response)
 
-    def _completion_prompt(self, served: ServedModel, body: dict[str, Any]) -> list[int]:
+    async def _completion_prompt(self, served: ServedModel, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            return served.engine.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return await served.engine.encode_async(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
         raise invalid_field("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
 
-    def _chat_prompt(self, served: ServedModel, body: dict[str, Any]) -> list[int]:
+    async def _chat_prompt(self, served: ServedModel, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise invalid_field("messages", "messages must be a non-empty list of message objects")
@@ -258,7 +258,7 @@ class OpenAIEndpoint:
                 isinstance(t, dict) and isinstance(t.get("function"), dict)
                 and isinstance(t["function"].get("name"), str) for t in tools)):
             raise invalid_field("tools", "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}")
-        return served.engine.render_chat(rendered, tools)
+        return await served.engine.render_chat_async(rendered, tools)
 
     async def _collect(
         self, served: ServedModel, prompt_ids: list[int], sampling: SamplingConfig, index: int

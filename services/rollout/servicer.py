@@ -62,7 +62,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if kind == "chat":
                 if not engine.weight_version:
                     engine.validate_prompt([])  # raises ENGINE_NOT_READY
-                prompt_ids = engine.render_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+                prompt_ids = await engine.render_chat_async(
+                    [{"role": m.role, "content": m.content} for m in request.chat.messages])
             else:
                 prompt_ids = list(request.prompt_token_ids.token_ids)
             first = True
