@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import collections
 import copy
-import itertools
 import math
 from typing import Any
 
 import grpc
-import pytest
 import pytest_asyncio
 from google.protobuf import descriptor, json_format
 
@@ -220,7 +218,6 @@ def test_the_generator_covers_every_rpc() -> None:
             for method in svc.methods:
                 if method.name != "WatchHead":  # a stream that never ends: tested in test_checkpoints
                     assert (service, method.name) in methods, f"no bad-input case for {svc.name}.{method.name}"
-    assert itertools  # imported for callers' convenience
 
 
 HTTP_BASELINES = {

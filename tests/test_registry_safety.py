@@ -102,3 +102,42 @@ async def test_names_and_huge_inputs_over_grpc(client: Client) -> None:
         await client.get_head("z" * 100)
     assert "evil" not in {m.slug.strip() for m in (await client.list_models()).models}
 
+
+
+async def test_watchers_of_a_model_share_one_head_poller(tmp_path) -> None:
+    """150 WatchHead streams on one model read HEAD from the store once per poll interval between them (not
+    once each), and every one sees a move at once."""
+    import asyncio
+
+    from yieldloop_server.store.fs import FsStore
+
+    class Counting(FsStore):
+        reads = 0
+
+        def get_bytes(self, key: str):
+            if key.endswith("/HEAD"):
+                Counting.reads += 1
+            return super().get_bytes(key)
+
+    registry = CheckpointRegistry(Counting(tmp_path / "store"), poll_interval=0.2)
+    registry.create_model(ModelInfo(slug="m", base="m"))
+    _commit(registry, "m", "c1", b"1")
+    seen: list[list[str]] = [[] for _ in range(150)]
+
+    async def watch(i: int) -> None:
+        async for head in registry.watch_head("m"):
+            seen[i].append(head.checkpoint_id)
+
+    watchers = [asyncio.create_task(watch(i)) for i in range(150)]
+    await asyncio.sleep(0.3)
+    Counting.reads = 0
+    await asyncio.sleep(1.0)
+    idle_reads = Counting.reads
+    await asyncio.to_thread(_commit, registry, "m", "c2", b"2")
+    await asyncio.sleep(0.1)
+    for task in watchers:
+        task.cancel()
+    await asyncio.gather(*watchers, return_exceptions=True)
+    assert idle_reads <= 8, idle_reads  # ~5 polls in a second, not 150 x 5
+    assert all(s == ["c1", "c2"] for s in seen)
+    assert not registry._pollers  # the last watcher gone, the poller stops

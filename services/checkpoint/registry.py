@@ -69,6 +69,7 @@ class CheckpointRegistry:
         # Per model: the event current watchers wait on, and the loop it belongs to
         # (commit may run in a worker thread, so waking goes through the loop).
         self._head_moved: dict[str, tuple[asyncio.Event, asyncio.AbstractEventLoop]] = {}
+        self._pollers: dict[str, _HeadPoller] = {}
 
     # Models -----------------------------------------------------------------
 
@@ -448,17 +449,61 @@ class CheckpointRegistry:
             loop.call_soon_threadsafe(event.set)
 
     async def watch_head(self, model: str, after_sequence: int = 0) -> AsyncIterator[Head]:
-        """Yields the head whenever its sequence passes ``after_sequence``, forever (store reads in a thread)."""
+        """Yields the head whenever its sequence passes ``after_sequence``, forever. All watchers of a model share
+        one poller (one store read per poll interval, whatever their number); a store error ends each watch
+        with that error (the watcher retries)."""
         await asyncio.to_thread(self.get_model, model)
+        poller = self._pollers.get(model)
+        if poller is None:
+            poller = self._pollers[model] = _HeadPoller(self, model)
+        poller.watchers += 1
+        try:
+            seen = -1
+            while True:
+                async with poller.changed:
+                    await poller.changed.wait_for(lambda: poller.version != seen)
+                    seen, head, error = poller.version, poller.head, poller.error
+                if error is not None:
+                    raise error
+                if head is not None and head.sequence > after_sequence:
+                    after_sequence = head.sequence
+                    yield head
+        finally:
+            poller.watchers -= 1
+            if poller.watchers == 0 and self._pollers.get(model) is poller:
+                del self._pollers[model]
+                poller.task.cancel()
+
+
+class _HeadPoller:
+    """Reads one model's HEAD for all its watchers: at once when this registry moved it, else every poll
+    interval (moves made by other processes)."""
+
+    def __init__(self, registry: CheckpointRegistry, model: str) -> None:
+        self.registry, self.model = registry, model
+        self.head: Head | None = None
+        self.error: Exception | None = None
+        self.version = 0
+        """Bumped whenever the head or the error changes (watchers wait for it to move)."""
+        self.watchers = 0
+        self.changed = asyncio.Condition()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            event, _ = self._head_moved.setdefault(model, (asyncio.Event(), asyncio.get_running_loop()))
-            head, _ = await asyncio.to_thread(self._read_head, model)
-            if head is not None and head.sequence > after_sequence:
-                after_sequence = head.sequence
-                yield head
-                continue
+            event, _ = self.registry._head_moved.setdefault(self.model, (asyncio.Event(), loop))
             try:
-                await asyncio.wait_for(event.wait(), self.poll_interval)
+                head, error = (await asyncio.to_thread(self.registry._read_head, self.model))[0], None
+            except Exception as err:  # handed to the watchers, which end with it; polling goes on
+                head, error = self.head, err
+            if head != self.head or error is not None or self.error is not None:
+                async with self.changed:
+                    self.head, self.error = head, error
+                    self.version += 1
+                    self.changed.notify_all()
+            try:
+                await asyncio.wait_for(event.wait(), self.registry.poll_interval)
             except TimeoutError:
                 pass
 
