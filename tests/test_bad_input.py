@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import grpc
+import pytest
 import pytest_asyncio
 from google.protobuf import descriptor, json_format
 
@@ -266,3 +267,30 @@ async def test_every_http_route_answers_bad_input_with_an_openai_error(fuzz_clie
             assert response.status == 200
     print(f"HTTP: {dict(statuses)}")
     assert not bad, f"{len(bad)} bad answers:\n" + "\n".join(bad[:40])
+
+
+async def test_undecodable_messages_are_invalid_argument(fuzz_client: Client, caplog) -> None:
+    """Bytes that are not the request message: INVALID_ARGUMENT on every kind of RPC, no traceback logged."""
+    import logging
+
+    addresses = {**fuzz_client._addresses, "env": fuzz_client._env_addresses[0]}
+    garbage = b"\xff\xff\xff\x01"
+    calls = [("checkpoint", "/yieldloop.checkpoint.v1.CheckpointService/GetHead", "unary_unary"),
+             ("rollout", "/yieldloop.rollout.v1.RolloutService/Generate", "unary_stream"),
+             ("trainer", "/yieldloop.trainer.v1.TrainerService/Forward", "stream_unary"),
+             ("env", "/yieldloop.env.v1.EnvService/StreamEpisode", "stream_stream")]
+    with caplog.at_level(logging.WARNING):
+        for service, method, kind in calls:
+            async with grpc.aio.insecure_channel(addresses[service]) as channel:
+                rpc = getattr(channel, kind)(method)
+                request = garbage if kind.startswith("unary_") else iter([garbage])
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    call = rpc(request, timeout=30)
+                    if kind.endswith("_stream"):
+                        async for _ in call:
+                            pass
+                    else:
+                        await call
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value)
+    assert not [r for r in caplog.records if r.exc_info and "deserializ" in r.getMessage().lower() + "parse"]
+    await fuzz_client.list_models()

@@ -21,7 +21,7 @@ import tempfile
 from yieldloop.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from yieldloop.types import Head, Manifest, ModelInfo
 from yieldloop_server.checkpoint.files import upload_folder
-from yieldloop_server.checkpoint.registry import CheckpointRegistry
+from yieldloop_server.checkpoint.registry import CheckpointRegistry, check_owner
 from yieldloop_server.store.base import check_name
 
 BASE_CHECKPOINT = "base"
@@ -209,6 +209,7 @@ def import_model(
         AlreadyExistsError: MODEL_ALREADY_EXISTS.
     """
     check_name(name, "name")
+    check_owner(owner)
     try:
         registry.get_model(name)
         raise AlreadyExistsError(f"model {name!r} already exists", reason="MODEL_ALREADY_EXISTS")

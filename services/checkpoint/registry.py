@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -38,6 +39,13 @@ MANIFEST = "manifest.json"
 LIST_THREADS = 2
 """Manifests read at once by one listing: enough to hide S3's round trips, few enough that the threads' share
 of the GIL never stalls the service's event loop."""
+
+
+def check_owner(owner: str) -> str:
+    """An owner is empty or a name like a slug (a team)."""
+    if owner:
+        check_name(owner, "owner")
+    return owner
 
 
 def model_prefix(slug: str) -> str:
@@ -111,6 +119,7 @@ class CheckpointRegistry:
         its source's adapter; it cannot change the adapter's config.
         """
         check_name(name, "name")
+        check_owner(owner)
         source, _, checkpoint_id = source.partition("@")
         src = self.get_model(source)
         manifest = self.get_manifest(source, checkpoint_id or self.get_head(source).checkpoint_id)
@@ -241,6 +250,7 @@ class CheckpointRegistry:
         """
         self.get_model(manifest.model)
         check_name(manifest.checkpoint_id, "manifest.checkpoint_id")
+        manifest.validate()
         if not manifest.objects:
             raise invalid_field("manifest.objects", "a checkpoint needs at least one object")
         if manifest.parent_checkpoint_id:
@@ -355,6 +365,10 @@ class CheckpointRegistry:
     def record_promotion(self, model: str, checkpoint_id: str, promotion: dict) -> None:
         """Keeps the promotion gate's decision on a committed checkpoint (JSON object)."""
         self.get_manifest(model, checkpoint_id)  # NOT_FOUND for a missing model or checkpoint
+        for key in ("heldoutReward", "baselineReward", "decidedTime"):
+            value = promotion.get(key, 0.0)
+            if isinstance(value, str) or not math.isfinite(value):  # MessageToDict writes NaN as "NaN"
+                raise invalid_field(f"promotion.{key}", f"{key} must be a finite number, got {value}")
         self.store.put_bytes(promotion_key(model, checkpoint_id), json.dumps(promotion, sort_keys=True).encode())
 
     def promotions(self, model: str) -> dict[str, dict]:

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
 from yieldloop._status import to_rpc_status
-from yieldloop.errors import YieldloopError, as_yieldloop_error
+from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, ServerInterceptor, TransportConfig, intercepting
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,40 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     return unary_wrapper
 
 
+class Undecodable:
+    """A request message that did not parse (handed to the handler wrapper, which refuses the call)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def refusal(self) -> InvalidArgumentError:
+        return InvalidArgumentError(f"the request message does not parse: {self.error}", reason="INVALID_FIELD",
+                                    field="request")
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as err:  # answered INVALID_ARGUMENT by the wrapper, not UNKNOWN with a traceback
+            return Undecodable(err)
+
+    return parse
+
+
+async def _checked(requests: Any) -> Any:
+    async for request in requests:
+        if isinstance(request, Undecodable):
+            raise request.refusal()
+        yield request
+
+
 class _Interceptors(grpc.aio.ServerInterceptor):
-    """Runs yieldloop :class:`ServerInterceptor` objects around every handler, whatever its kind.
+    """Runs yieldloop :class:`ServerInterceptor` objects around every handler, whatever its kind, and answers
+    a request message that does not parse as INVALID_ARGUMENT.
 
     grpc.aio's own interceptor pattern (wrap response streams in ``async for``) breaks handlers that
     write with ``context.write()`` and return None (StreamEpisode, Health.Watch): here a streaming
@@ -79,27 +111,34 @@ class _Interceptors(grpc.aio.ServerInterceptor):
             behavior = getattr(handler, kind)
             if behavior is not None:
                 return make(
-                    self._wrap(behavior, call),
-                    request_deserializer=handler.request_deserializer,
+                    self._wrap(behavior, call, streaming_requests=kind.startswith("stream_")),
+                    request_deserializer=_lenient(handler.request_deserializer),
                     response_serializer=handler.response_serializer,
                 )
         return handler
 
-    def _wrap(self, behavior: Callable[..., Any], call: CallInfo) -> Callable[..., Any]:
+    def _wrap(self, behavior: Callable[..., Any], call: CallInfo, streaming_requests: bool) -> Callable[..., Any]:
         interceptors = self.interceptors
+
+        def checked(request: Any) -> Any:
+            if streaming_requests:
+                return _checked(request)
+            if isinstance(request, Undecodable):
+                raise request.refusal()
+            return request
 
         if inspect.isasyncgenfunction(behavior):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 async with _refusals(context), intercepting(interceptors, call):
-                    async for item in behavior(request, context):
+                    async for item in behavior(checked(request), context):
                         yield item
 
             return stream
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with _refusals(context), intercepting(interceptors, call):
-                return await behavior(request, context)
+                return await behavior(checked(request), context)
 
         return unary
 
@@ -134,7 +173,7 @@ class GrpcServer:
         self.host = host
         self.port = port
         self.transport = transport
-        interceptors = [_Interceptors(transport.server_interceptors)] if transport.server_interceptors else None
+        interceptors = [_Interceptors(transport.server_interceptors)]  # also turns undecodable requests away
         self._server = grpc.aio.server(options=transport.server_options(), interceptors=interceptors)
         self._on_stop: list[Callable[[], Any]] = []
         self._health = health.aio.HealthServicer()

@@ -23,7 +23,7 @@ from yieldloop.environment import FinalCompletion, RawText
 from yieldloop.episode import protocol_error
 from yieldloop.types import StopReason
 from yieldloop.errors import DeadlineExceededError, InvalidArgumentError
-from yieldloop_server.common.grpc_server import rpc
+from yieldloop_server.common.grpc_server import Undecodable, rpc
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
 
 
@@ -154,6 +154,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         try:
             watch(me, deadline, "the episode", "EPISODE_DEADLINE")
             while (request := await read()) is not grpc.aio.EOF:
+                if type(request) is Undecodable:  # the reader API bypasses the request-iterator check
+                    raise request.refusal()
                 action = request.WhichOneof("action")
                 if action == "call_tool" and info is not None:
                     call = request.call_tool

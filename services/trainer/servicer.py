@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -46,13 +47,19 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 if item == "config":
                     raise invalid_field("config", "the config was sent twice")
                 if item == "datum":
-                    datums.append(datum_from_pb(request.datum).validate(session.vocab_size, f"datums[{len(datums)}]"))
+                    datums.append(datum_from_pb(request.datum).validate(
+                        session.vocab_size, f"datums[{len(datums)}]", session.max_tokens))
                 elif item == "run":
                     runs.append(run_from_pb(request.run))
                 elif item == "trace_id":
                     runs.append(await session.get_run(request.trace_id))
                 else:
                     raise invalid_field("item", "empty request")
+            if not math.isfinite(config.reward_scale) or config.reward_scale < 0:
+                raise invalid_field("config.reward_scale", f"reward_scale must be finite and >= 0 (0: 1), got "
+                                                           f"{config.reward_scale}")
+            if config.group_size < 0:
+                raise invalid_field("config.group_size", f"group_size must be >= 0, got {config.group_size}")
             options = LossOptions(
                 loss_fn=config.loss_fn,
                 loss_fn_config=dict(config.loss_fn_config),
@@ -113,7 +120,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             while request is not None:
                 datum = datum_from_pb(request.datum)
                 datum.sampling_logprobs, datum.advantages = [], []  # only the weights count here
-                datums.append(datum.validate(session.vocab_size, f"datums[{len(datums)}]"))
+                datums.append(datum.validate(session.vocab_size, f"datums[{len(datums)}]", session.max_tokens))
                 request = await anext(requests, None)
             num_tokens = await session.backward(datums)
         return pb.BackwardResponse(num_datums=len(datums), num_tokens=num_tokens)

@@ -89,6 +89,8 @@ class TrainingSession:
         self.trainer: Trainer | Any | None = None
         self.checkpoint_id = ""
         self._outcomes: collections.OrderedDict[str, StepOutcome] = collections.OrderedDict()
+        self._in_flight = 0
+        """Gradient computations running now (a head-following reload waits for them)."""
         """Recent optimizer steps by idempotency key."""
         # One thread owns the weights, so calls apply in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
@@ -101,12 +103,18 @@ class TrainingSession:
         assert self.trainer is not None
         return self.trainer.vocab_size
 
+    @property
+    def max_tokens(self) -> int:
+        """The model's context (datums longer are refused)."""
+        assert self.trainer is not None
+        return int(getattr(self.trainer.model.config, "max_position_embeddings", 0) or 0)
+
     async def follow_head(self) -> None:
         """Reloads from the head when it moved away from our last checkpoint (a rollback or a branch point),
         so the next commit extends the tree from there. Only between steps: pending gradients pin the weights."""
         assert self.trainer is not None
-        if self.trainer.num_pending_datums:
-            return
+        if self.trainer.num_pending_datums or self._in_flight:
+            return  # gradients pending or being computed: they pin the weights
         head = await self.checkpoints.get_head(self.model)
         if head.checkpoint_id != self.checkpoint_id:
             await self.close_trainer()
@@ -169,12 +177,16 @@ class TrainingSession:
             allow_incomplete_groups=options.allow_incomplete_groups,
         )
         for i, datum in enumerate(run_datums):
-            datum.validate(self.vocab_size, f"runs[{i}]")
+            datum.validate(self.vocab_size, f"runs[{i}]", self.max_tokens)
         all_datums = [*datums, *run_datums]
         if not all_datums:
             raise invalid_field("items", "the batch is empty (no datums, or every group was dropped)")
-        metrics = await self._run(self.trainer.forward_backward, all_datums, options.loss_fn,
-                                  dict(options.loss_fn_config))
+        self._in_flight += 1
+        try:
+            metrics = await self._run(self.trainer.forward_backward, all_datums, options.loss_fn,
+                                      dict(options.loss_fn_config))
+        finally:
+            self._in_flight -= 1
         metrics["num_runs_ungraded"] = len(runs) - len(graded)
         return metrics, len(all_datums), stats
 
@@ -193,7 +205,11 @@ class TrainingSession:
         """Accumulates the gradient of -(weights * logprob).sum() (a custom loss's); returns the tokens counted."""
         assert self.trainer is not None
         # -(weights * lp).sum() is exactly the cross_entropy loss with these weights.
-        metrics = await self._run(self.trainer.forward_backward, list(datums), "cross_entropy", {})
+        self._in_flight += 1
+        try:
+            metrics = await self._run(self.trainer.forward_backward, list(datums), "cross_entropy", {})
+        finally:
+            self._in_flight -= 1
         return int(metrics["num_action_tokens"])
 
     async def optim_step(

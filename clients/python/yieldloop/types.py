@@ -121,6 +121,30 @@ class Manifest:
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True).encode()
 
+    def validate(self) -> Manifest:
+        """INVALID_ARGUMENT naming the field for values no checkpoint has (NaN or negative times, a negative step,
+        metadata that is not a JSON object, objects of negative size or a malformed sha256)."""
+        import math
+        import re
+
+        from yieldloop.errors import invalid_field
+
+        if not math.isfinite(self.created_time) or self.created_time < 0:
+            raise invalid_field("manifest.created_time", f"created_time must be finite and >= 0, got {self.created_time}")
+        if self.step < 0:
+            raise invalid_field("manifest.step", f"step must be >= 0, got {self.step}")
+        if self.metadata_json:
+            try:
+                if not isinstance(json.loads(self.metadata_json), dict):
+                    raise ValueError("not an object")
+            except (ValueError, RecursionError) as err:
+                raise invalid_field("manifest.metadata_json", f"metadata_json must be a JSON object: {err}") from None
+        for obj in self.objects:
+            if obj.size < 0 or not re.fullmatch(r"[0-9a-f]{64}", obj.sha256):
+                raise invalid_field("manifest.objects", f"object {obj.name[:80]!r} needs a size >= 0 and a sha256 of "
+                                                        "64 lower-case hex digits")
+        return self
+
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         raw = json.loads(data)
@@ -255,8 +279,9 @@ class Datum:
     advantages: list[float] = dataclasses.field(default_factory=list)
     weights: list[float] = dataclasses.field(default_factory=list)
 
-    def validate(self, vocab_size: int, field: str = "datum") -> Datum:
-        """Checks lengths, finiteness and token ids (filling omitted per-target lists with zeros).
+    def validate(self, vocab_size: int, field: str = "datum", max_tokens: int = 0) -> Datum:
+        """Checks lengths (at most ``max_tokens`` when given: the model's context), finiteness, that sampling
+        logprobs are <= 0, and token ids (filling omitted per-target lists with zeros).
 
         Raises:
             InvalidArgumentError: DATUM_INVALID or TOKEN_OUT_OF_VOCAB naming the field.
@@ -264,6 +289,9 @@ class Datum:
         num = len(self.input_tokens)
         if num == 0:
             raise datum_error("a datum needs at least one token", f"{field}.input_tokens")
+        if max_tokens and num > max_tokens:
+            raise datum_error(f"a datum of {num} tokens is longer than the model's {max_tokens}-token context",
+                              f"{field}.input_tokens")
         for name in ("target_tokens", "sampling_logprobs", "advantages", "weights"):
             values = getattr(self, name)
             if name != "target_tokens" and not values:
@@ -273,6 +301,8 @@ class Datum:
         for name in ("sampling_logprobs", "advantages", "weights"):
             if not all(math.isfinite(v) for v in getattr(self, name)):
                 raise datum_error(f"{name} holds NaN or inf", f"{field}.{name}")
+        if any(v > 1e-6 for v in self.sampling_logprobs):
+            raise datum_error("sampling_logprobs must be <= 0 (log-probabilities)", f"{field}.sampling_logprobs")
         for name in ("input_tokens", "target_tokens"):
             bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
             if bad:
