@@ -68,6 +68,32 @@ def moto_endpoint() -> str:
     server.wait(10)
 
 
+@contextlib.asynccontextmanager
+async def s3_stack(moto_endpoint: str, data_dir: pathlib.Path, timeout: float = 120):
+    """An in-process stack keeping everything in a fresh bucket of moto_server (configured as users configure
+    boto3: AWS_ENDPOINT_URL), and a client of it: ``(stack, client, bucket)``."""
+    import os
+    import uuid
+
+    import boto3
+
+    from yieldloop.client import Client
+    from yieldloop_server.config import EnvOptions, StackConfig
+    from yieldloop_server.stack import InProcessStack
+
+    os.environ["AWS_ENDPOINT_URL"] = moto_endpoint
+    bucket = f"yl-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    stack = InProcessStack(StackConfig(data_dir=data_dir, store=f"s3://{bucket}/yieldloop", env=EnvOptions(workers=0)))
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, timeout=timeout) as client:
+            yield stack, client, bucket
+    finally:
+        await stack.stop()
+        os.environ.pop("AWS_ENDPOINT_URL")
+
+
 @pytest.fixture
 def s3_store(moto_endpoint: str):
     """An S3Store on a fresh bucket of the session's moto_server."""

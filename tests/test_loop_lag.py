@@ -6,15 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
 import time
-import uuid
 
 import pytest
 import pytest_asyncio
 
 from yieldloop import errors
-from yieldloop.client import Client, sampling_params
+from yieldloop.client import sampling_params
 
 MAX_LAG_S = 0.1
 
@@ -45,26 +43,15 @@ class LagProbe:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def s3_stack(moto_endpoint, tmp_path_factory):
-    import boto3
+async def lag_stack(moto_endpoint, tmp_path_factory):
+    from conftest import s3_stack
 
-    from yieldloop_server.config import EnvOptions, StackConfig
-    from yieldloop_server.stack import InProcessStack
-
-    os.environ["AWS_ENDPOINT_URL"] = moto_endpoint
-    bucket = f"yl-lag-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(Bucket=bucket)
-    stack = InProcessStack(StackConfig(data_dir=tmp_path_factory.mktemp("lag"), store=f"s3://{bucket}/yl",
-                                       env=EnvOptions(workers=0)))
-    await stack.start()
-    async with Client(**stack.addresses, timeout=300) as client:
+    async with s3_stack(moto_endpoint, tmp_path_factory.mktemp("lag"), timeout=300) as (stack, client, _):
         yield stack, client
-    await stack.stop()
-    os.environ.pop("AWS_ENDPOINT_URL")
 
 
-async def test_no_stall_on_a_huge_prompt(s3_stack) -> None:
-    _, client = s3_stack
+async def test_no_stall_on_a_huge_prompt(lag_stack) -> None:
+    _, client = lag_stack
     probe = LagProbe()
     async with probe.measuring():
         # 4 MB: refused by its length alone; 120 KB: tokenized (in a worker thread), then refused.
@@ -76,11 +63,11 @@ async def test_no_stall_on_a_huge_prompt(s3_stack) -> None:
     assert probe.worst < MAX_LAG_S
 
 
-async def test_no_stall_listing_300_checkpoints_over_s3(s3_stack) -> None:
+async def test_no_stall_listing_300_checkpoints_over_s3(lag_stack) -> None:
     from yieldloop.types import Manifest, ObjectInfo
     from yieldloop_server.store import open_store
 
-    stack, client = s3_stack
+    stack, client = lag_stack
     await client.fork_model("tiny", "deep")
     store = open_store(stack.config.store_url)
 

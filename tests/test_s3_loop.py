@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 
 import pytest_asyncio
 
-from yieldloop.client import Client
 from yieldloop.envs.letters import tasks
 from yieldloop.loop import LoopConfig, closed_loop
-from yieldloop_server.config import EnvOptions, StackConfig
-from yieldloop_server.stack import InProcessStack
 
 
 @pytest_asyncio.fixture(scope="module")
 async def s3_client(moto_endpoint, tmp_path_factory):
-    import boto3
+    from conftest import s3_stack
 
-    os.environ["AWS_ENDPOINT_URL"] = moto_endpoint  # the usual AWS configuration, read by every boto3 client
-    bucket = f"yl-loop-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(Bucket=bucket)
-    stack = InProcessStack(
-        StackConfig(data_dir=tmp_path_factory.mktemp("s3-stack"), store=f"s3://{bucket}/yieldloop",
-                    env=EnvOptions(workers=0))
-    )
-    await stack.start()
-    async with Client(**stack.addresses, timeout=120) as client:
+    async with s3_stack(moto_endpoint, tmp_path_factory.mktemp("s3-stack")) as (_, client, bucket):
         yield client, bucket
-    await stack.stop()
-    os.environ.pop("AWS_ENDPOINT_URL")
 
 
 async def test_closed_loop_over_s3(s3_client) -> None:

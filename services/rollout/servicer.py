@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 from collections.abc import AsyncIterator
 
@@ -13,7 +12,7 @@ import grpc
 from yieldloop.client import Client
 from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
 from yieldloop.types import JobInfo
-from yieldloop.errors import invalid_field
+from yieldloop.errors import check_json_object, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop_server.common.grpc_server import rpc
@@ -167,12 +166,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await self.models.checkpoints.get_head(model)  # NOT_FOUND (MODEL_NOT_FOUND) for a missing slug
         if request.group_size < 0:
             raise invalid_field("group_size", "group_size must be >= 0")
-        if request.metadata_json:
-            try:
-                if not isinstance(json.loads(request.metadata_json), dict):
-                    raise ValueError("not an object")
-            except ValueError as err:
-                raise invalid_field("metadata_json", f"metadata_json must be a JSON object: {err}") from None
+        check_json_object(request.metadata_json, "metadata_json")
         job = JobInfo(model=model, name=request.name, group_size=request.group_size,
                       metadata_json=request.metadata_json)
         return pb.CreateJobResponse(job=job_to_pb(await asyncio.to_thread(self.traces.create_job, job)))

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import AsyncIterator
 
 import grpc
 
 from yieldloop.convert import datum_from_pb, datum_to_pb, run_from_pb
-from yieldloop.errors import invalid_field
+from yieldloop.errors import check_json_object, invalid_field
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
@@ -136,12 +135,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             weight_decay=adam.weight_decay,
             max_grad_norm=adam.max_grad_norm,
         )
-        if request.metadata_json:
-            try:
-                if not isinstance(json.loads(request.metadata_json), dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as err:
-                raise invalid_field("metadata_json", f"metadata_json must be a JSON object: {err}") from None
+        check_json_object(request.metadata_json, "metadata_json")
         if len(request.idempotency_key) > 128:
             raise invalid_field("idempotency_key", "an idempotency key has at most 128 characters")
         async with self.sessions.use(request.model) as session:

@@ -166,3 +166,16 @@ ERRORS_BY_CODE: dict[str, type[YieldloopError]] = {
 def invalid_field(field: str, message: str) -> InvalidArgumentError:
     """An INVALID_ARGUMENT error blaming one request field."""
     return InvalidArgumentError(message, reason="INVALID_FIELD", field=field)
+
+
+def check_json_object(text: str, field: str) -> str:
+    """``text`` when it is empty or a JSON object; INVALID_ARGUMENT naming ``field`` otherwise."""
+    import json
+
+    if text:
+        try:
+            if not isinstance(json.loads(text), dict):
+                raise ValueError("not an object")
+        except (ValueError, RecursionError) as err:
+            raise invalid_field(field, f"{field} must be a JSON object: {err}") from None
+    return text

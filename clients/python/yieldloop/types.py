@@ -127,18 +127,13 @@ class Manifest:
         import math
         import re
 
-        from yieldloop.errors import invalid_field
+        from yieldloop.errors import check_json_object, invalid_field
 
         if not math.isfinite(self.created_time) or self.created_time < 0:
             raise invalid_field("manifest.created_time", f"created_time must be finite and >= 0, got {self.created_time}")
         if self.step < 0:
             raise invalid_field("manifest.step", f"step must be >= 0, got {self.step}")
-        if self.metadata_json:
-            try:
-                if not isinstance(json.loads(self.metadata_json), dict):
-                    raise ValueError("not an object")
-            except (ValueError, RecursionError) as err:
-                raise invalid_field("manifest.metadata_json", f"metadata_json must be a JSON object: {err}") from None
+        check_json_object(self.metadata_json, "manifest.metadata_json")
         for obj in self.objects:
             if obj.size < 0 or not re.fullmatch(r"[0-9a-f]{64}", obj.sha256):
                 raise invalid_field("manifest.objects", f"object {obj.name[:80]!r} needs a size >= 0 and a sha256 of "
