@@ -284,3 +284,34 @@ async def test_infrastructure_retries_back_off_within_a_budget(sc: Client, fault
     assert len(runs) == 32 and {run.status for run in runs} == {RunStatus.INFRA_ERROR}
     assert sum(run.attempts for run in runs) <= 32 + 8  # one attempt each plus the budget of 8 retries
     assert any("retry budget" in run.error for run in runs)
+
+
+def test_a_step_that_makes_weights_non_finite_is_reverted(tiny_model_dir) -> None:
+    """The last line of defence, exercised by an optimizer that writes NaN: a revocable step (one that will be
+    committed) is reverted exactly; a step that commits nothing keeps no copy and marks the trainer spoiled
+    (its session reloads the last checkpoint)."""
+    import torch
+
+    from yieldloop_server.trainer.trainer import AdamConfig, Trainer
+
+    trainer = Trainer(tiny_model_dir)
+    trainer.forward_backward(good_batch(8, trainer.vocab_size), "importance_sampling", {})
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+    real_step = trainer.optimizer.step
+
+    def poisoned_step():
+        real_step()
+        next(iter(trainer.model.parameters())).data[0] = float("nan")
+
+    trainer.optimizer.step = poisoned_step
+    with pytest.raises(errors.FailedPreconditionError) as err:
+        trainer.optim_step(AdamConfig(1e-3), revocable=True)
+    assert err.value.reason == "NON_FINITE" and "reverted" in str(err.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, [p for p in trainer.model.parameters()
+                                                                if p.grad is not None], strict=True))
+    assert (trainer.step, trainer.num_pending_datums, trainer.spoiled) == (0, 2, False)
+    with pytest.raises(errors.FailedPreconditionError):
+        trainer.optim_step(AdamConfig(1e-3))
+    assert trainer.spoiled

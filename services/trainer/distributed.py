@@ -75,7 +75,7 @@ def _forward_backward(trainer: Trainer, groups: _Groups, datums: list[Datum], lo
     return summed
 
 
-def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig) -> float:
+def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig, keep: bool = True) -> float:
     import torch
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -89,7 +89,7 @@ def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig) -> float:
     dist.all_reduce(flat)
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(reduced)
-    return trainer.apply_step(adam)
+    return trainer.apply_step(adam, keep)
 
 
 def worker_main(
@@ -166,6 +166,10 @@ class DistributedTrainer:
         return self.local.model
 
     @property
+    def spoiled(self) -> bool:
+        return self.local.spoiled
+
+    @property
     def optimizer(self) -> Any:
         return self.local.optimizer
 
@@ -194,8 +198,8 @@ class DistributedTrainer:
         adam.validate()
         if self.num_pending_datums == 0:
             raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
-        self._broadcast("optim_step", adam)
-        grad_norm = _optim_step(self.local, self._groups, adam)
+        self._broadcast("optim_step", adam, revocable)
+        grad_norm = _optim_step(self.local, self._groups, adam, revocable)
         if not revocable:
             self.finish_step(True)
         return grad_norm

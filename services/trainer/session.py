@@ -238,9 +238,12 @@ class TrainingSession:
             if earlier is not None:
                 return earlier
         try:
-            grad_norm = await self._run(self.trainer.optim_step, adam, True)
+            grad_norm = await self._run(self.trainer.optim_step, adam, not skip_checkpoint)
         except YieldloopError as err:
-            if drop_gradients_if_refused and err.reason == "NON_FINITE":
+            if getattr(self.trainer, "spoiled", False):  # a step that committed nothing went non-finite
+                await self.close_trainer()
+                await self.load_head()
+            elif drop_gradients_if_refused and err.reason == "NON_FINITE":
                 await self._run(self.trainer.drop_gradients)
             raise
         step = self.trainer.step

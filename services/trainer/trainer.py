@@ -143,6 +143,8 @@ class Trainer:
         self._stash: list[Any] | None = None
         """The gradients accumulated before the call in progress (kept apart until it is known finite)."""
         self._before_step: tuple[list[Any], dict, int] | None = None
+        self.spoiled = False
+        """A step without a kept copy produced non-finite weights: reload from a checkpoint before any use."""
         """Weights, optimizer state and step before the last step, until :meth:`finish_step`."""
 
     @property
@@ -279,17 +281,20 @@ class Trainer:
         adam.validate()
         if self.num_pending_datums == 0:
             raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
-        grad_norm = self.apply_step(adam)
+        grad_norm = self.apply_step(adam, keep=revocable)
         if not revocable:
             self.finish_step(committed=True)
         return grad_norm
 
-    def apply_step(self, adam: AdamConfig) -> float:
+    def apply_step(self, adam: AdamConfig, keep: bool = True) -> float:
         """The AdamW step itself (no precondition checks; data-parallel ranks call it in lockstep).
 
-        Refused with FAILED_PRECONDITION/NON_FINITE, nothing changed, when the gradient norm is not finite, or
-        reverted when an updated weight is not finite. What the step replaced (weights, gradients, optimizer
-        state, step) is kept until :meth:`finish_step` commits or reverts it.
+        Refused with FAILED_PRECONDITION/NON_FINITE, nothing changed, when the gradient norm is not finite. With
+        ``keep``, what the step replaced (weights, gradients, optimizer state, step: a host copy) is kept until
+        :meth:`finish_step` commits or reverts it, and a step whose updated weights are not finite is reverted.
+        Without (steps that commit nothing: no copy, no cost), such a step marks the trainer ``spoiled``: its
+        owner reloads the last checkpoint (with finite gradients and checked hyperparameters AdamW cannot
+        produce one short of overflow: the check is a last line).
         """
         import torch
 
@@ -299,7 +304,7 @@ class Trainer:
             raise FailedPreconditionError(
                 "the accumulated gradient's norm is NaN or infinite: the step was not applied (the gradients are "
                 "kept; drop them with drop_gradients)", reason="NON_FINITE")
-        self._before_step = self._snapshot()
+        self._before_step = self._snapshot() if keep else None
         if adam.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, adam.max_grad_norm, torch.tensor(grad_norm))
         for group in self.optimizer.param_groups:
@@ -307,6 +312,11 @@ class Trainer:
         self.optimizer.step()
         self.step += 1
         if not all(bool(torch.isfinite(p).all()) for p in params):
+            if self._before_step is None:
+                self.spoiled = True
+                raise FailedPreconditionError(
+                    "the step made weights NaN or infinite: the trainer goes back to the model's last checkpoint "
+                    "(steps and gradients since it are lost)", reason="NON_FINITE")
             self.finish_step(committed=False)
             raise FailedPreconditionError(
                 "the step made weights NaN or infinite: it was reverted (weights, optimizer state and gradients "
