@@ -40,6 +40,7 @@ from yieldloop_server.rollout.agent import (
 from yieldloop.retry import Backoff
 from yieldloop.types import AgentStopReason, PromptFormat, Run, RunStatus, StopReason, TaskRef, Turn
 from yieldloop_server.rollout.engines import Engine, SamplingConfig
+from yieldloop_server.rollout.engines.base import chat_chars
 
 STOP_REASONS = {
     "eos": StopReason.EOS,
@@ -130,7 +131,12 @@ async def agent_loop(
     run.prompt_format = PromptFormat.RAW if raw else PromptFormat.CHAT
     tools = None if raw else tools_for_template(started.tools) or None
     messages = [{"role": m.role, "content": m.content} for m in started.messages]
-    prompt_ids = engine.render_raw(started.prompt) if raw else engine.render_chat(messages, tools)
+    chars = len(started.prompt) if raw else chat_chars(messages, tools)
+    if not engine.fits_text(chars):  # too long to fit whatever its tokens: not worth tokenizing
+        run.agent_stop_reason = AgentStopReason.CONTEXT
+        return ""
+    prompt_ids = await (engine.off_loop(chars, engine.render_raw, started.prompt) if raw
+                        else engine.off_loop(chars, engine.render_chat, messages, tools))
     answer = ""
     for step in range(1 if raw else config.max_steps):
         if len(prompt_ids) >= engine.max_model_len:
@@ -166,9 +172,14 @@ async def agent_loop(
             {"role": "tool", "content": (await episode.call_tool(c.name, json.dumps(c.arguments), errors_as_results=True)).content}
             for c in calls
         ]
+        added = sum(len(result["content"]) for result in results)
+        if not engine.fits_text(added):
+            run.agent_stop_reason = AgentStopReason.CONTEXT
+            return answer
         prompt_ids = [
             *turn.prompt_token_ids, *turn.completion_token_ids,
-            *continuation_ids(engine, messages, tools, turn.completion_token_ids, results),
+            *await engine.off_loop(added, continuation_ids, engine, messages, tools, turn.completion_token_ids,
+                                   results),
         ]
         messages += [{"role": "assistant", "content": text}, *results]
     run.agent_stop_reason = AgentStopReason.MAX_STEPS

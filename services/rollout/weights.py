@@ -64,10 +64,13 @@ class WeightFollower:
         while True:
             try:
                 head = await self.checkpoints.get_head(self.model)
+                recovered = bool(self.follow_error)
                 self._followed(True)
                 attempt = 0
                 if head.sequence > self.head_sequence:
                     await self.load(head)
+                elif recovered and self.on_reload is not None:  # back on the head it serves: healthy again
+                    await self.on_reload(not self.last_error)
                 async for head in self.checkpoints.watch_head(self.model, self.head_sequence):
                     await self.load(head)
                 raise UnavailableError("the head stream ended", reason="INTERNAL")
@@ -86,7 +89,7 @@ class WeightFollower:
             attempt += 1
 
     def _followed(self, following: bool) -> None:
-        if following and not self.following:
+        if following and self.follow_error:
             log.info("following the head of %s again", self.model)
             self.follow_error = ""
         self.following = following

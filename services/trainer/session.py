@@ -89,9 +89,11 @@ class TrainingSession:
         self.trainer: Trainer | Any | None = None
         self.checkpoint_id = ""
         self._outcomes: collections.OrderedDict[str, StepOutcome] = collections.OrderedDict()
+        """Recent optimizer steps by idempotency key."""
+        self._uncertain: set[str] = set()
+        """Keys of steps whose commit failed in a way that may have committed (the answer lost)."""
         self._in_flight = 0
         """Gradient computations running now (a head-following reload waits for them)."""
-        """Recent optimizer steps by idempotency key."""
         # One thread owns the weights, so calls apply in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
 
@@ -228,7 +230,10 @@ class TrainingSession:
         assert self.trainer is not None
         if idempotency_key:
             earlier = self._outcomes.get(idempotency_key)
-            if earlier is None and (earlier := await self._committed_with_key(idempotency_key)) is not None:
+            # The store is asked only when the step may have been committed unheard: its commit's answer was
+            # lost here, or this trainer was restarted (then no gradients are pending).
+            maybe = idempotency_key in self._uncertain or not self.trainer.num_pending_datums
+            if earlier is None and maybe and (earlier := await self._committed_with_key(idempotency_key)) is not None:
                 # Committed, though its caller heard an error (the answer was lost, or this trainer restarted):
                 # the gradients it applied are in that checkpoint; continue from there.
                 if self.checkpoint_id != earlier.checkpoint_id:
@@ -267,6 +272,8 @@ class TrainingSession:
             )
         except BaseException:
             await self._run(self.trainer.finish_step, False)  # exactly as before the step, gradients included
+            if idempotency_key:
+                self._uncertain.add(idempotency_key)
             raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -276,6 +283,7 @@ class TrainingSession:
 
     def _remember(self, key: str, outcome: StepOutcome) -> StepOutcome:
         if key:
+            self._uncertain.discard(key)
             self._outcomes[key] = outcome
             while len(self._outcomes) > 256:
                 self._outcomes.popitem(last=False)

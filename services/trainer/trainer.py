@@ -143,9 +143,9 @@ class Trainer:
         self._stash: list[Any] | None = None
         """The gradients accumulated before the call in progress (kept apart until it is known finite)."""
         self._before_step: tuple[list[Any], dict, int] | None = None
+        """Weights, optimizer state and step before the last step, until :meth:`finish_step`."""
         self.spoiled = False
         """A step without a kept copy produced non-finite weights: reload from a checkpoint before any use."""
-        """Weights, optimizer state and step before the last step, until :meth:`finish_step`."""
 
     @property
     def num_trainable_parameters(self) -> int:
@@ -211,19 +211,23 @@ class Trainer:
     def end_call(self, totals: dict[str, float]) -> None:
         """Adds this call's gradients to those accumulated before it, or, when ``totals`` say the call was not
         finite (on any rank), discards them and raises NON_FINITE."""
-        stash, self._stash = self._stash, None
         finite = not totals.get("nonfinite")
-        for param, before in zip(self._trainable(), stash, strict=True) if stash is not None else ():
-            if not finite:
-                param.grad = before
-            elif before is not None:
-                param.grad = before if param.grad is None else param.grad.add_(before)
+        self._settle(keep=finite)
         if not finite:
             raise InvalidArgumentError(
                 "the loss or a gradient of this batch is NaN or infinite (e.g. "
                 "sampling logprobs far below the learner's, or huge advantages or weights): nothing was "
                 "accumulated, earlier gradients are kept", reason="NON_FINITE", field="items",
             )
+
+    def _settle(self, keep: bool) -> None:
+        """Merges the call's gradients into the stashed earlier ones (``keep``), or puts the earlier ones back."""
+        stash, self._stash = self._stash, None
+        for param, before in zip(self._trainable(), stash, strict=True) if stash is not None else ():
+            if not keep:
+                param.grad = before
+            elif before is not None:
+                param.grad = before if param.grad is None else param.grad.add_(before)
 
     def forward_backward_totals(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
@@ -238,7 +242,7 @@ class Trainer:
         try:
             return self._accumulate(datums, loss_fn, spec, knobs)
         except BaseException:
-            self.end_call({"nonfinite": 1.0})  # restores the earlier gradients (and raises NON_FINITE)
+            self._settle(keep=False)  # the earlier gradients as they were; the error itself goes up
             raise
 
     def _accumulate(self, datums: Sequence[Datum], loss_fn: str, spec: Any, knobs: dict[str, float]) -> dict[str, float]:
@@ -328,8 +332,7 @@ class Trainer:
         to exactly the state before it (weights, optimizer state, step and the accumulated gradients)."""
         before, self._before_step = self._before_step, None
         if committed:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.num_pending_datums = 0
+            self.drop_gradients()
             return
         if before is None:
             return

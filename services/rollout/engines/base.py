@@ -69,7 +69,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024
 
 
-def _chat_chars(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:
+def chat_chars(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> int:
     return sum(len(str(m.get("content", ""))) for m in messages) + (len(json.dumps(list(tools))) if tools else 0)
 
 
@@ -158,36 +158,45 @@ class Engine(abc.ABC):
         """Whether the tokenizer has a chat template (a base model's often has none)."""
         return bool(getattr(self._require_tokenizer(), "chat_template", None))
 
+    def fits_text(self, chars: int) -> bool:
+        """Whether text of ``chars`` characters could fit the context (no tokenizer's token is longer than
+        MAX_CHARS_PER_TOKEN): longer text need not be tokenized to know it does not."""
+        return chars <= self.max_model_len * MAX_CHARS_PER_TOKEN
+
     def check_text(self, chars: int) -> None:
         """PROMPT_TOO_LONG, before any tokenizing, for text that cannot fit the context whatever its tokens."""
-        if chars > self.max_model_len * MAX_CHARS_PER_TOKEN:
+        if not self.fits_text(chars):
             raise InvalidArgumentError(
                 f"a prompt of {chars} characters cannot fit the {self.max_model_len}-token context",
                 reason="PROMPT_TOO_LONG", field="prompt",
             )
 
-    async def _off_loop(self, chars: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args)`` after the length check; in a worker thread when the text is long (tokenizing megabytes
-        takes seconds: the event loop serves every other call meanwhile)."""
-        self.check_text(chars)
-        if chars > OFFLOAD_CHARS:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        return fn(*args, **kwargs)
+    @staticmethod
+    async def off_loop(chars: int, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, in a worker thread when it works on ``chars`` >= OFFLOAD_CHARS characters (tokenizing
+        megabytes takes seconds: the event loop serves every other call meanwhile)."""
+        if chars >= OFFLOAD_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     async def render_chat_async(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return await self._off_loop(_chat_chars(messages, tools), self.render_chat, messages, tools)
+        """:meth:`render_chat` for a request: PROMPT_TOO_LONG first when the text cannot fit, off the loop."""
+        chars = chat_chars(messages, tools)
+        self.check_text(chars)
+        return await self.off_loop(chars, self.render_chat, messages, tools)
 
     async def render_raw_async(self, text: str) -> list[int]:
-        return await self._off_loop(len(text), self.render_raw, text)
+        self.check_text(len(text))
+        return await self.off_loop(len(text), self.render_raw, text)
 
     async def encode_async(self, text: str) -> list[int]:
-        return await self._off_loop(len(text), self.encode, text)
+        self.check_text(len(text))
+        return await self.off_loop(len(text), self.encode, text)
 
     def render_raw(self, text: str) -> list[int]:
         """Prompt ids for raw text, with the special tokens the tokenizer adds to a sequence (e.g. BOS)."""
-        self.check_text(len(text))
         return list(self._require_tokenizer()(text, add_special_tokens=True)["input_ids"])
 
     def render_chat(
@@ -201,7 +210,6 @@ class Engine(abc.ABC):
         """
         if not messages:
             raise invalid_field("messages", "a chat needs at least one message")
-        self.check_text(_chat_chars(messages, tools))
         if not self.has_chat_template:
             raise InvalidArgumentError("this model's tokenizer has no chat template: send raw text or token ids",
                                        reason="NO_CHAT_TEMPLATE", field="messages")
@@ -224,7 +232,6 @@ class Engine(abc.ABC):
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens added (special-token text is still matched)."""
-        self.check_text(len(text))
         return list(self._require_tokenizer().encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

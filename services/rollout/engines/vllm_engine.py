@@ -180,10 +180,9 @@ class VllmEngine(Engine):
                 await self._llm.add_lora(request)
             except Exception as exc:
                 raise FailedPreconditionError(f"vLLM refused adapter {name}: {exc}", reason="CHECKPOINT_CORRUPT") from exc
-        old = self._loras.get(name)
+        # The previous version is not removed: requests still running use it; vLLM's LRU cache of
+        # max_cpu_loras adapters lets old versions go.
         self._loras[name] = (request, version)
-        if old is not None and old[0] is not None:
-            await self._llm.remove_lora(old[0].lora_int_id)
 
     async def unload_adapter(self, name: str) -> None:
         old = self._loras.pop(name, None)
