@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from yieldloop.retry import Backoff
 from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.checkpoint.importer import BASE_CHECKPOINT, inspect_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest
@@ -125,37 +126,114 @@ class InProcessStack:
         self._stoppers.clear()
 
 
+class ServiceProcess:
+    """One ``yieldloop serve <service>`` process, restarted on the same address whenever it dies.
+
+    A service that crashes (kill -9, out of memory) comes back where its callers expect it, after a wait from
+    the one retry policy (:class:`yieldloop.retry.Backoff`); nothing it held is lost, because every service
+    keeps its durable state in the store (a trainer's uncommitted gradients are gone, and its callers hear
+    UNAVAILABLE; a retried OptimStep with its idempotency key finds a step that had committed).
+    """
+
+    def __init__(self, options: ServeOptions, logs_dir: pathlib.Path, ready_timeout_s: float = 300.0,
+                 backoff: Backoff = Backoff(initial_s=0.5, max_s=30.0)) -> None:
+        self.options = options
+        self.service = options.service
+        self.log_path = logs_dir / f"{options.service}.log"
+        self.ready_timeout_s = ready_timeout_s
+        self.backoff = backoff
+        self.address = ""
+        self.process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        """How many times the process was started again after it died."""
+        self._watcher: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def _spawn(self) -> None:
+        ready_file = self.options.ready_file
+        assert ready_file is not None
+        ready_file.unlink(missing_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self.process = process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "yieldloop.cli", *self.options.to_args(),
+                stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not ready_file.exists():
+            if process.returncode is not None:
+                raise RuntimeError(f"{self.service} exited with {process.returncode}; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.service} not ready after {self.ready_timeout_s}s")
+            await asyncio.sleep(0.1)
+        self.address = json.loads(ready_file.read_text())["address"]
+        # A restart binds the same port, so callers keep their address.
+        self.options = dataclasses.replace(self.options, port=int(self.address.rsplit(":", 1)[1]))
+
+    async def start(self) -> str:
+        """Starts the process and its supervision; returns its address once it serves."""
+        await self._spawn()
+        self._watcher = asyncio.create_task(self._supervise())
+        return self.address
+
+    async def _supervise(self) -> None:
+        attempt = 0
+        while not self._stopping:
+            assert self.process is not None
+            code = await self.process.wait()
+            while not self._stopping:
+                log.warning("%s exited with %s; starting it again on %s", self.service, code, self.address)
+                await asyncio.sleep(self.backoff.delay(attempt))
+                attempt += 1
+                if self._stopping:
+                    return
+                try:
+                    await self._spawn()
+                except (RuntimeError, TimeoutError, OSError) as err:
+                    log.warning("restarting %s failed: %s", self.service, err)
+                    continue
+                self.restarts += 1
+                attempt = 0
+                break
+
+    async def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (graceful stop), then SIGKILL if the process is still alive after ``timeout_s``."""
+        self._stopping = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        process = self.process
+        if process is None:
+            return
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+
+
 class ProcessStack:
-    """Each service in its own process (``yieldloop serve <service>``), as ``yieldloop up`` runs them."""
+    """Each service in its own process (``yieldloop serve <service>``), as ``yieldloop up`` runs them; a process
+    that dies is started again on the same address (:class:`ServiceProcess`)."""
 
     def __init__(self, config: StackConfig, ready_timeout_s: float = 300.0) -> None:
         self.config = config
         self.ready_timeout_s = ready_timeout_s
         self.addresses: dict[str, str] = {}
-        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.services: dict[str, ServiceProcess] = {}
 
     async def _spawn(self, service: str) -> None:
         run_dir = self.config.data_dir / "run"
-        logs_dir = self.config.data_dir / "logs"
         run_dir.mkdir(parents=True, exist_ok=True)
-        logs_dir.mkdir(parents=True, exist_ok=True)
         options = ServeOptions.of(self.config, service, self.addresses)
         options.ready_file = run_dir / f"{service}.json"
-        options.ready_file.unlink(missing_ok=True)
-        with open(logs_dir / f"{service}.log", "ab") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "yieldloop.cli", *options.to_args(),
-                stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
-            )
-        self.processes[service] = process
-        deadline = time.monotonic() + self.ready_timeout_s
-        while not options.ready_file.exists():
-            if process.returncode is not None:
-                raise RuntimeError(f"{service} exited with {process.returncode}; see {logs_dir / (service + '.log')}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{service} not ready after {self.ready_timeout_s}s")
-            await asyncio.sleep(0.1)
-        self.addresses[service] = json.loads(options.ready_file.read_text())["address"]
+        self.services[service] = process = ServiceProcess(options, self.config.data_dir / "logs", self.ready_timeout_s)
+        self.addresses[service] = await process.start()
 
     async def start(self) -> dict[str, str]:
         from yieldloop_server.store import open_store
@@ -171,16 +249,6 @@ class ProcessStack:
         return self.addresses
 
     async def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM (graceful stop), then SIGKILL for any process still alive after ``timeout_s``."""
-        for process in self.processes.values():
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                await asyncio.wait_for(process.wait(), timeout_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
-        self.processes.clear()
+        """Stops every process (SIGTERM, then SIGKILL after ``timeout_s``), last started first."""
+        await asyncio.gather(*(process.stop(timeout_s) for process in self.services.values()))
+        self.services.clear()

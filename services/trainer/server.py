@@ -34,7 +34,9 @@ async def build(
     (close them after the server stopped). ``nproc`` > 1 trains data-parallel, one model at a time (each
     session's ranks are processes of their own)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    checkpoints = Client(checkpoint=checkpoint_address, transport=transport)
+    # A failed commit goes back to the trainer's caller, who retries the step with its idempotency key: one
+    # place retries, not two nested ones.
+    checkpoints = Client(checkpoint=checkpoint_address, transport=transport, retry_within_s=0)
     traces = TraceStore(store, run_to_bytes, run_from_bytes)
     sessions = TrainingSessions(
         lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc),

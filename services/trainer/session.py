@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from yieldloop.client import Client
-from yieldloop.errors import YieldloopError, invalid_field
+from yieldloop.errors import FailedPreconditionError, YieldloopError, invalid_field
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, Run, RunStatus
 from yieldloop_server.checkpoint.files import download_verified, upload_folder
@@ -242,6 +242,12 @@ class TrainingSession:
                     await self.load_head()
             if earlier is not None:
                 return earlier
+            if not self.trainer.num_pending_datums:
+                raise FailedPreconditionError(
+                    "no gradients accumulated since the last step, and no committed step has this idempotency "
+                    "key: if this retries a step whose trainer restarted, that step was not committed and its "
+                    "gradients were lost with the trainer; run forward_backward again", reason="NO_GRADIENTS",
+                )
         try:
             grad_norm = await self._run(self.trainer.optim_step, adam, not skip_checkpoint)
         except YieldloopError as err:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
@@ -46,7 +47,8 @@ from yieldloop.convert import (
     run_to_pb,
 )
 from yieldloop.environment import Task
-from yieldloop.errors import FailedPreconditionError, YieldloopError, invalid_field
+from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError, invalid_field
+from yieldloop.retry import Backoff
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
@@ -54,6 +56,9 @@ from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig, open_channel
 from yieldloop.groups import split_whole_groups
 from yieldloop.types import Datum, Head, JobInfo, LoraConfig, Manifest, ModelInfo, Run
+
+RETRY = Backoff(initial_s=0.25, max_s=5.0)
+"""Between retries of a repeatable call while its service is unavailable (a restart takes seconds)."""
 SERVICES = ("checkpoint", "env", "trainer", "rollout")
 """The four services, in the order a stack starts them (each calls only those before it)."""
 
@@ -205,6 +210,9 @@ class Client:
             are spread across them in turn.
         timeout: Default deadline in seconds for unary calls (None: no deadline).
         transport: How channels are built (message limits, interceptors; see :mod:`yieldloop.transport`).
+        retry_within_s: How long calls that are safe to repeat (an OptimStep with its idempotency key, a
+            CommitCheckpoint of the same manifest) are retried while their service is UNAVAILABLE (restarting),
+            with backoff and jitter (:class:`yieldloop.retry.Backoff`); 0: never.
     """
 
     def __init__(
@@ -216,14 +224,28 @@ class Client:
         *,
         timeout: float | None = None,
         transport: TransportConfig = DEFAULT_TRANSPORT,
+        retry_within_s: float = 120.0,
     ) -> None:
         self.timeout = timeout
         self.transport = transport
+        self.retry_within_s = retry_within_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         envs = [env] if isinstance(env, str) else list(env or ())
         self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
         self._next_env = itertools.count()
         self._addresses = {"rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
+
+    async def _repeatable(self, method: Any, request: Any) -> Any:
+        """A unary call that is safe to repeat, retried while its service is UNAVAILABLE (see ``retry_within_s``)."""
+        deadline = time.monotonic() + self.retry_within_s
+        for attempt in itertools.count():
+            try:
+                return await _unary(method, request, self.timeout)
+            except UnavailableError:
+                wait = RETRY.delay(attempt)
+                if time.monotonic() + wait > deadline:
+                    raise
+                await asyncio.sleep(wait)
 
     def _channel(self, service: str, address: str | None = None) -> grpc.aio.Channel:
         address = address or self._addresses.get(service)
@@ -473,7 +495,7 @@ class Client:
             idempotency_key=idempotency_key or uuid.uuid4().hex,
             drop_gradients_if_refused=drop_gradients_if_refused,
         )
-        return await _unary(self.trainer_stub.OptimStep, request, self.timeout)
+        return await self._repeatable(self.trainer_stub.OptimStep, request)
 
     async def train_step(
         self,
@@ -557,7 +579,7 @@ class Client:
         request = ckpt_pb.CommitCheckpointRequest(
             manifest=manifest_to_pb(manifest), set_head=set_head, expected_head_checkpoint_id=expected_head_checkpoint_id
         )
-        response = await _unary(self.checkpoint_stub.CommitCheckpoint, request, self.timeout)
+        response = await self._repeatable(self.checkpoint_stub.CommitCheckpoint, request)
         return manifest_from_pb(response.manifest), head_from_pb(response.head) if response.HasField("head") else None
 
     async def get_head(self, model: str) -> Head:

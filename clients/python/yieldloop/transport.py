@@ -81,6 +81,10 @@ class TransportConfig:
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", 30_000),
+            # A restarted service is back within seconds: reconnect at that pace, not grpc's (up to 120 s).
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.lb_policy_name", "round_robin"),
