@@ -101,3 +101,41 @@ async def test_bad_input_is_an_openai_error(oai: openai.AsyncOpenAI, kwargs: dic
         await oai.completions.create(**kwargs)
     assert err.value.body["code"] and err.value.body["message"]
     assert (await oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)).choices[0].model_extra["token_ids"]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_slow_clients_hold_nothing() -> None:
+    """A header that never ends is dropped after the idle timeout; a body that never ends gets an
+    OpenAI-shaped 408 (reason request_timeout) after the body timeout, and its connection closes."""
+    import asyncio
+    import time
+
+    from yieldloop.transport import TransportConfig
+    from yieldloop_server.rollout.openai_http import OpenAIEndpoint
+
+    endpoint = OpenAIEndpoint(None, transport=TransportConfig(http_idle_timeout_s=0.5, http_body_timeout_s=0.5))
+    base = await endpoint.start()
+    host, port = base.removeprefix("http://").removesuffix("/v1").split(":")
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        start = time.monotonic()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing answered
+        assert 0.4 < time.monotonic() - start < 5
+        writer.close()
+
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        body = await reader.readexactly(length)
+        writer.close()
+        await writer.wait_closed()
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout" and "did not arrive" in error["message"]
+    finally:
+        await endpoint.stop()

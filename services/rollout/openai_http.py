@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
+from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
 from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
 from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta
@@ -35,14 +35,14 @@ from yieldloop_server.rollout.models import ServedModel, ServedModels
 log = logging.getLogger(__name__)
 _FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error"}
+                404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 429: "rate_limit_error"}
 
 
-def _error(err: YieldloopError) -> Any:
-    """The OpenAI-shaped answer for a typed error (its HTTP status, reason as ``code``)."""
+def _error(err: YieldloopError, status: int = 0) -> Any:
+    """The OpenAI-shaped answer for a typed error (its HTTP status unless ``status``, reason as ``code``)."""
     from aiohttp import web
 
-    status = err.http_status
+    status = status or err.http_status
     kind = _ERROR_TYPES.get(status, "server_error")
     body = {"error": {"message": err.message, "type": kind, "param": err.field or None, "code": err.reason.lower()}}
     return web.json_response(body, status=status)
@@ -155,7 +155,9 @@ class OpenAIEndpoint:
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
         ])
-        self._runner = web.AppRunner(app, access_log=None)
+        # aiohttp closes a connection idle for keepalive_timeout, counting from its start and from each answer;
+        # a header still incomplete counts as idle, so this is also the header timeout.
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.transport.http_idle_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -207,7 +209,14 @@ class OpenAIEndpoint:
 
     async def _handle(self, request: Any, chat: bool) -> Any:
         try:
-            body = await request.json(loads=_strict_json)
+            async with asyncio.timeout(self.transport.http_body_timeout_s):
+                body = await request.json(loads=_strict_json)
+        except TimeoutError:
+            err = DeadlineExceededError(f"the request body did not arrive within {self.transport.http_body_timeout_s:g} s",
+                                        reason="REQUEST_TIMEOUT")
+            response = _error(err, 408)
+            response.force_close()  # the connection closes after this answer: the rest of the body is not awaited
+            return response
         except (ValueError, UnicodeDecodeError):
             return _error(InvalidArgumentError("the request body is not JSON", reason="INVALID_JSON"))
         try:

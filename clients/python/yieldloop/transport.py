@@ -74,6 +74,11 @@ class TransportConfig:
         default=(), metadata={"cli": False}
     )
     """grpc.aio client interceptors on every channel built from this config."""
+    http_idle_timeout_s: float = 30.0
+    """An HTTP connection that sends no complete request header for this long is closed (a header that never
+    ends holds nothing), also between requests of a kept-alive connection."""
+    http_body_timeout_s: float = 60.0
+    """An HTTP request whose body has not fully arrived this long after its header is answered 408."""
 
     def channel_options(self) -> list[tuple[str, Any]]:
         """Channel options: large messages, keepalive, round-robin over DNS, a connection per channel."""

@@ -83,6 +83,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_TOO_LARGE: _ClassVar[ErrorReason]
     NON_FINITE: _ClassVar[ErrorReason]
     MODEL_IN_USE: _ClassVar[ErrorReason]
+    REQUEST_TIMEOUT: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -145,6 +146,7 @@ TOO_MANY_MODELS: ErrorReason
 MODEL_TOO_LARGE: ErrorReason
 NON_FINITE: ErrorReason
 MODEL_IN_USE: ErrorReason
+REQUEST_TIMEOUT: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
