@@ -228,3 +228,29 @@ async def test_the_grader_sees_the_stop_reason_and_the_token_ids(served_engine: 
     async with env_client.episode(task) as episode:  # an agent with text only
         graded = await episode.submit("63")
     assert graded.reward == 0.0 and json.loads(graded.info_json) == {"completion": None}
+
+
+async def test_text_too_long_for_the_context_ends_the_episode_not_the_request(
+    served_engine: ServedEngine, env_client: Client
+) -> None:
+    """A prompt or tool result too long for the model's context is a CONTEXT stop of that episode (graded),
+    whether it is too long to be worth tokenizing or is found so by tokenizing it."""
+    from yieldloop_server.rollout.engines.base import MAX_CHARS_PER_TOKEN
+
+    limit = served_engine.engine.max_model_len
+
+    def echo(word: str) -> common_pb.Task:
+        return common_pb.Task(env="sdk", scenario="echo", args_json=json.dumps({"word": word}))
+
+    for word in ("w" * (limit * MAX_CHARS_PER_TOKEN + 1), "ab " * limit):  # not tokenized; tokenized
+        engine = ScriptedEngine(served_engine.engine, ["never sampled"])
+        run = await run_episode(engine, env_client, echo(word), "g", SAMPLING, "tiny")
+        assert run.status == common_pb.RUN_STATUS_GRADED, run.error
+        assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_CONTEXT and not run.turns
+        assert run.reward == 0.0 and engine.prompts == []
+
+    for times in (limit * MAX_CHARS_PER_TOKEN + 1, limit):  # a tool result: not tokenized; tokenized
+        engine = ScriptedEngine(served_engine.engine, [call("repeat", text="ab ", times=times), "ab"])
+        run = await run_episode(engine, env_client, count_task(1), "g", SAMPLING, "tiny", AgentConfig(max_steps=4))
+        assert run.status == common_pb.RUN_STATUS_GRADED, run.error
+        assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_CONTEXT and len(run.turns) == 1

@@ -68,6 +68,12 @@ def busy(seconds: float) -> str:
 
 
 @env.tool()
+def repeat(text: str, times: int) -> str:
+    """Returns ``text`` repeated (a tool result as long as asked)."""
+    return text * times
+
+
+@env.tool()
 def fail(message: str) -> str:
     """Always raises."""
     raise RuntimeError(message)
