@@ -254,3 +254,25 @@ async def test_text_too_long_for_the_context_ends_the_episode_not_the_request(
         run = await run_episode(engine, env_client, count_task(1), "g", SAMPLING, "tiny", AgentConfig(max_steps=4))
         assert run.status == common_pb.RUN_STATUS_GRADED, run.error
         assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_CONTEXT and len(run.turns) == 1
+
+
+async def test_runs_are_recorded_in_batches_before_they_are_streamed(served_engine: ServedEngine,
+                                                                     env_client: Client) -> None:
+    """Group commit: every run that finished while a batch was being recorded goes into the next one, and no
+    run is yielded before the batch holding it was recorded."""
+    import asyncio
+
+    recorded: list[list[int]] = []
+
+    async def record(runs) -> None:
+        await asyncio.sleep(0.05)  # a slow store: runs finishing meanwhile queue up for the next batch
+        recorded.append([id(run) for run in runs])
+
+    engine = ScriptedEngine(served_engine.engine, ["2"])
+    seen = []
+    async for run in stream_rollouts(engine, env_client, [count_task(0, tag=str(i)) for i in range(6)],
+                                     group_size=4, max_concurrent=0, sampling=SAMPLING, model="tiny", record=record):
+        assert any(id(run) in batch for batch in recorded), "streamed before it was recorded"
+        seen.append(run)
+    assert len(seen) == 24 and sum(map(len, recorded)) == 24
+    assert len(recorded) < 12, f"runs recorded in {len(recorded)} batches"

@@ -136,3 +136,38 @@ async def test_kill_9_during_a_step_never_fails_a_committed_step(crashing) -> No
     step = await client.optim_step(1e-2, model="tiny")
     assert (await client.get_head("tiny")).checkpoint_id == step.checkpoint.checkpoint_id
     assert await fingerprint(client, "tiny") != before
+
+
+async def test_kill_9_of_the_rollout_loses_no_acknowledged_run(tmp_path) -> None:
+    """``yieldloop up``'s stack: the rollout service is killed while it streams a batch; every run the client
+    had received is in the trace store (a run is streamed only once its batch is durable), and the restarted
+    service serves them and samples again on the same address."""
+    from yieldloop.envs.letters import tasks
+    from yieldloop.types import RunStatus
+    from yieldloop_server.config import EnvOptions
+    from yieldloop_server.stack import ProcessStack
+
+    stack = ProcessStack(StackConfig(data_dir=tmp_path, env=EnvOptions(workers=0)))
+    addresses = await stack.start()
+    rollout = stack.services["rollout"]
+    try:
+        async with Client(**addresses, timeout=60) as client:
+            received = []
+            with pytest.raises(errors.UnavailableError):
+                async for run in client.stream_rollouts(tasks(), group_size=8, max_concurrent=16):
+                    received.append(run.trace_id)
+                    if len(received) == 40:
+                        os.kill(rollout.process.pid, signal.SIGKILL)
+            assert len(received) >= 40
+            while rollout.restarts == 0:
+                await asyncio.sleep(0.1)
+            for _ in range(100):
+                with contextlib.suppress(errors.UnavailableError):
+                    stored = await client.get_runs(received)
+                    break
+                await asyncio.sleep(0.1)
+            assert [run.trace_id for run in stored] == received
+            again = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2)]
+            assert {run.status for run in again} == {RunStatus.GRADED}
+    finally:
+        await stack.stop()

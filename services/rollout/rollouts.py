@@ -20,7 +20,8 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 from yieldloop.client import Client
 from yieldloop.errors import (
@@ -246,10 +247,15 @@ async def stream_rollouts(
     model: str,
     config: AgentConfig = AgentConfig(),
     shared_limit: asyncio.Semaphore | None = None,
+    record: Callable[[list[Run]], Awaitable[Any]] | None = None,
 ) -> AsyncIterator[Run]:
     """Runs every task ``group_size`` times, at most ``max_concurrent`` at once (0: no bound of its own) and
     within ``shared_limit`` (the service's episodes over all requests); yields Runs as they finish. Retries
-    after infrastructure failures share a budget of a tenth of the runs (at least 8)."""
+    after infrastructure failures share a budget of a tenth of the runs (at least 8).
+
+    With ``record``, runs are yielded only once ``record`` made them durable, in batches (group commit): every
+    run that finished while the previous batch was being recorded goes into the next one.
+    """
     limit = asyncio.Semaphore(max_concurrent or len(tasks) * group_size)
     shared = shared_limit or contextlib.nullcontext()
     budget = RetryBudget(max(8, len(tasks) * group_size // 10))
@@ -273,11 +279,20 @@ async def stream_rollouts(
         for member in range(group_size)
     ]
     try:
-        for _ in workers:
-            item = await finished.get()
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        remaining = len(workers)
+        while remaining:
+            batch = [await finished.get()]
+            while not finished.empty():
+                batch.append(finished.get_nowait())
+            remaining -= len(batch)
+            runs = [item for item in batch if not isinstance(item, Exception)]
+            if runs and record is not None:
+                await record(runs)
+            for run in runs:
+                yield run
+            for item in batch:
+                if isinstance(item, Exception):
+                    raise item
     finally:
         for worker in workers:
             worker.cancel()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 from collections.abc import AsyncIterator
 
@@ -127,14 +128,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 model=served.slug,
                 config=config,
                 shared_limit=self.episodes,
+                # Durable before it is streamed (a run the client saw always has its trace), in batches.
+                record=functools.partial(asyncio.to_thread, self.traces.put_many, job_id=job_id),
             ):
-                # Persisted before it is streamed: a run the client saw always has its trace.
-                await asyncio.to_thread(self.traces.put, run, job_id)
                 yield pb.StreamRolloutsResponse(run=run_to_pb(run))
 
     @rpc
     async def GetRuns(self, request: pb.GetRunsRequest, context: grpc.aio.ServicerContext) -> pb.GetRunsResponse:
-        runs = [await asyncio.to_thread(self.traces.get, trace_id) for trace_id in request.trace_ids]
+        runs = await asyncio.to_thread(lambda: [self.traces.get(trace_id) for trace_id in request.trace_ids])
         return pb.GetRunsResponse(runs=[run_to_pb(run) for run in runs])
 
     @rpc

@@ -1,11 +1,17 @@
 """The trace store: every Run a rollout produced, by trace id, and the jobs that group them.
 
-Layout in the object store:
+Runs are recorded in batches, one object per batch (a segment), so that making many runs durable costs one
+write, not one per run. Layout in the object store:
 
-- ``traces/<trace_id>.pb``: the serialized Run, written once;
+- ``traces/<segment>.seg``: a batch of serialized Runs, written once. ``<segment>`` is 16 hex digits; every
+  trace id of the batch starts with it (``<segment><16 hex>``), so a run is found with one read. The object is
+  a 4-byte big-endian header length, a JSON header ``{"runs": [[trace_id, length], ...]}``, then the runs;
 - ``jobs/<job_id>/job.json``: the job (model, name, group size, created time, metadata);
-- ``jobs/<job_id>/runs/<ns>-<trace_id>``: an empty marker per run, ``<ns>`` the
-  recording time, so listing them gives the job's runs in the order recorded.
+- ``jobs/<job_id>/runs/<ns>-<segment>-<count>``: an empty marker per segment, ``<ns>`` the recording time,
+  so listing them gives the job's runs in the order recorded (and how many, without reading them).
+
+Stores written before segments hold ``traces/<trace_id>.pb`` (one run) and ``jobs/<job_id>/runs/<ns>-<trace_id>``
+markers; both are still read.
 """
 
 from __future__ import annotations
@@ -13,13 +19,35 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import struct
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from yieldloop.errors import NotFoundError
 from yieldloop.types import JobInfo, Run
 from yieldloop_server.store.base import ObjectNotFound, ObjectStore, PreconditionFailed, check_name as _check
+
+SEGMENT_ID_CHARS = 16
+CACHE_BYTES = 64 << 20
+"""Recently read segments kept in memory (they never change): the runs of one batch are read together."""
+
+
+def encode_segment(runs: Sequence[tuple[str, bytes]]) -> bytes:
+    header = json.dumps({"runs": [[trace_id, len(data)] for trace_id, data in runs]}).encode()
+    return b"".join([struct.pack(">I", len(header)), header, *(data for _, data in runs)])
+
+
+def decode_segment(blob: bytes) -> dict[str, bytes]:
+    """trace id -> serialized run, in recording order."""
+    (size,) = struct.unpack_from(">I", blob)
+    offset = 4 + size
+    runs = {}
+    for trace_id, length in json.loads(blob[4:offset])["runs"]:
+        runs[trace_id] = blob[offset:offset + length]
+        offset += length
+    return runs
 
 
 def new_job_id() -> str:
@@ -40,6 +68,9 @@ class TraceStore:
         self.store = store
         self.encode = encode
         self.decode = decode
+        self._segments: collections.OrderedDict[str, tuple[dict[str, bytes], int]] = collections.OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
 
     def create_job(self, job: JobInfo) -> JobInfo:
         """Records a new job (a fresh id when ``job.job_id`` is empty) and returns it."""
@@ -67,7 +98,7 @@ class TraceStore:
 
     def get_job(self, job_id: str) -> JobInfo:
         job = self._read_job(job_id)
-        job.num_runs = len(self.job_runs(job_id))
+        job.num_runs = sum(count for _, count in self._markers(job_id))
         return job
 
     def list_jobs(self) -> list[JobInfo]:
@@ -79,7 +110,8 @@ class TraceStore:
             if rest == "job.json":
                 recorded.append(job_id)
             elif rest.startswith("runs/"):
-                runs[job_id] += 1
+                parts = rest[len("runs/"):].split("-")
+                runs[job_id] += int(parts[2]) if len(parts) == 3 else 1
         jobs = [self._read_job(job_id) for job_id in recorded]
         for job in jobs:
             job.num_runs = runs[job.job_id]
@@ -87,21 +119,68 @@ class TraceStore:
 
     def put(self, run: Run, job_id: str = "default") -> str:
         """Persists ``run`` under a new trace id (set on the run) and returns the id."""
+        return self.put_many([run], job_id)[0]
+
+    def put_many(self, runs: Sequence[Run], job_id: str = "default") -> list[str]:
+        """Persists ``runs`` as one segment (one write, then the job's marker) under new trace ids (set on the
+        runs); returns the ids. Once this returns, every one of them is durable."""
         _check(job_id, "job_id")
-        run.trace_id = uuid.uuid4().hex
-        self.store.put_bytes(f"traces/{run.trace_id}.pb", self.encode(run), if_none_match=True)
-        self.store.put_bytes(f"jobs/{job_id}/runs/{time.time_ns():020d}-{run.trace_id}", b"")
-        return run.trace_id
+        if not runs:
+            return []
+        segment = uuid.uuid4().hex[:SEGMENT_ID_CHARS]
+        for run in runs:
+            run.trace_id = segment + uuid.uuid4().hex[SEGMENT_ID_CHARS:]
+        self.store.put_bytes(f"traces/{segment}.seg", encode_segment([(r.trace_id, self.encode(r)) for r in runs]),
+                             if_none_match=True)
+        self.store.put_bytes(f"jobs/{job_id}/runs/{time.time_ns():020d}-{segment}-{len(runs)}", b"")
+        return [run.trace_id for run in runs]
+
+    def _segment(self, segment: str) -> dict[str, bytes] | None:
+        with self._lock:
+            if segment in self._segments:
+                self._segments.move_to_end(segment)
+                return self._segments[segment][0]
+        try:
+            blob, _ = self.store.get_bytes(f"traces/{segment}.seg")
+        except ObjectNotFound:
+            return None
+        runs = decode_segment(blob)
+        with self._lock:
+            if segment not in self._segments:
+                self._segments[segment] = runs, len(blob)
+                self._cached_bytes += len(blob)
+            while self._cached_bytes > CACHE_BYTES and len(self._segments) > 1:
+                _, (_, size) = self._segments.popitem(last=False)
+                self._cached_bytes -= size
+        return runs
 
     def get(self, trace_id: str) -> Run:
         _check(trace_id, "trace_id")
-        try:
+        runs = self._segment(trace_id[:SEGMENT_ID_CHARS]) if len(trace_id) == 2 * SEGMENT_ID_CHARS else None
+        if runs is not None and trace_id in runs:
+            return self.decode(runs[trace_id])
+        try:  # recorded one run per object, before segments
             data, _ = self.store.get_bytes(f"traces/{trace_id}.pb")
         except ObjectNotFound:
             raise NotFoundError(f"no run with trace id {trace_id!r}", reason="TRACE_NOT_FOUND") from None
         return self.decode(data)
 
+    def _markers(self, job_id: str) -> list[tuple[str, int]]:
+        """(segment or old-style trace id, run count) of each marker of a job, in recording order."""
+        prefix = f"jobs/{_check(job_id, 'job_id')}/runs/"
+        markers = []
+        for key in sorted(self.store.list(prefix)):
+            parts = key[len(prefix):].split("-")
+            markers.append((parts[1], int(parts[2])) if len(parts) == 3 else (parts[-1], 1))
+        return markers
+
     def job_runs(self, job_id: str) -> list[str]:
         """Trace ids of a job's runs, in the order they were recorded."""
-        prefix = f"jobs/{_check(job_id, 'job_id')}/runs/"
-        return [key[len(prefix):].rsplit("-", 1)[-1] for key in sorted(self.store.list(prefix))]
+        ids = []
+        for name, count in self._markers(job_id):
+            if len(name) == SEGMENT_ID_CHARS:
+                runs = self._segment(name)
+                ids += list(runs) if runs is not None else []
+            else:
+                ids.append(name)
+        return ids
