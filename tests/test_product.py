@@ -77,6 +77,33 @@ async def test_job_taskset_run_and_training_client(client: Client, caplog: pytes
     assert loaded.group == 4 and loaded.model == MODEL
 
 
+async def test_the_readme_loop_samples_each_batch_with_the_weights_of_the_last_step(client: Client) -> None:
+    """``taskset.run`` -> ``trainer.step``, as in the README: step() returns once the new weights serve, so
+    every run of the next batch is on-policy; the step reports where its time went."""
+    await at_base(client)
+    agent = create_agent(MODEL, max_tokens=8)
+    job = await Job.start(MODEL, group=4, name="on-policy", client=client)
+    trainer = TrainingClient(MODEL, client=client)
+    previous = "base"
+    for _ in range(3):
+        batch = await Taskset(tasks("abcd")).run(agent, job=job, max_concurrent=16)
+        assert {turn.weight_version for run in batch for turn in run.turns} == {previous}
+        result = await trainer.step(batch, learning_rate=1e-3, group_size=4)
+        assert result.parent_checkpoint_id == previous and result.off_policy_runs == 0
+        assert {"forward_backward_s", "optim_step_s", "optimizer_s", "save_s", "commit_s",
+                "weights_served_s"} <= set(result.timings)
+        assert all(value >= 0 for value in result.timings.values())
+        previous = result.checkpoint_id
+    # Not waiting is allowed, and then said: the batch after it counts what older weights sampled.
+    stale = await Taskset(tasks("ab")).run(agent, job=job, max_concurrent=16)
+    unwaited = await trainer.step(stale, learning_rate=1e-3, group_size=4, wait_for_serving=False)
+    assert "weights_served_s" not in unwaited.timings and unwaited.off_policy_runs == 0
+    old = [Run(group_id=r.group_id, reward=r.reward, status=r.status, turns=r.turns, task=r.task) for r in stale]
+    result = await trainer.step(old, learning_rate=1e-3, group_size=4)
+    assert result.parent_checkpoint_id == unwaited.checkpoint_id and result.off_policy_runs == len(old)
+    await at_base(client)
+
+
 async def test_export_reloads_token_for_token(client: Client, tmp_path: pathlib.Path) -> None:
     job = await Job.start(MODEL, group=2, client=client)
     runs = await Taskset(tasks("xyz")).run(create_agent(max_tokens=6), job=job)

@@ -144,14 +144,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 metadata_json=request.metadata_json, idempotency_key=request.idempotency_key,
                 drop_gradients_if_refused=request.drop_gradients_if_refused,
             )
-        if not outcome.checkpoint_id:
-            return pb.OptimStepResponse(step=outcome.step, grad_norm=outcome.grad_norm)
-        return pb.OptimStepResponse(
-            step=outcome.step,
-            checkpoint=common_pb.CheckpointRef(model=session.model, checkpoint_id=outcome.checkpoint_id),
-            grad_norm=outcome.grad_norm,
-            head_sequence=outcome.head.sequence if outcome.head is not None else 0,
-        )
+        response = pb.OptimStepResponse(step=outcome.step, grad_norm=outcome.grad_norm,
+                                        parent_checkpoint_id=outcome.parent_checkpoint_id, timings=outcome.timings)
+        if outcome.checkpoint_id:
+            response.checkpoint.CopyFrom(common_pb.CheckpointRef(model=session.model, checkpoint_id=outcome.checkpoint_id))
+            response.head_sequence = outcome.head.sequence if outcome.head is not None else 0
+        return response
 
     @rpc
     async def ListLosses(self, request: pb.ListLossesRequest, context: grpc.aio.ServicerContext) -> pb.ListLossesResponse:

@@ -17,6 +17,7 @@ import json
 import pathlib
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,6 +55,9 @@ class StepOutcome:
     grad_norm: float
     checkpoint_id: str = ""
     head: Head | None = None
+    parent_checkpoint_id: str = ""
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds spent: optimizer_s, save_s, commit_s."""
 
 
 class TrainingSession:
@@ -248,6 +252,8 @@ class TrainingSession:
                     "key: if this retries a step whose trainer restarted, that step was not committed and its "
                     "gradients were lost with the trainer; run forward_backward again", reason="NO_GRADIENTS",
                 )
+        parent = self.checkpoint_id
+        started = time.perf_counter()
         try:
             grad_norm = await self._run(self.trainer.optim_step, adam, not skip_checkpoint)
         except YieldloopError as err:
@@ -258,9 +264,11 @@ class TrainingSession:
                 await self._run(self.trainer.drop_gradients)
             raise
         step = self.trainer.step
+        timings = {"optimizer_s": time.perf_counter() - started}
         if skip_checkpoint:
             await self._run(self.trainer.finish_step, True)
-            return self._remember(idempotency_key, StepOutcome(step, grad_norm))
+            return self._remember(idempotency_key, StepOutcome(step, grad_norm, parent_checkpoint_id=parent,
+                                                               timings=timings))
         checkpoint_id = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
         metadata = json.loads(metadata_json) if metadata_json else {"grad_norm": grad_norm}
         if idempotency_key:
@@ -271,8 +279,11 @@ class TrainingSession:
         )
         scratch = pathlib.Path(tempfile.mkdtemp(dir=self.work_dir, prefix=".save-"))
         try:
+            started = time.perf_counter()
             folder = await self._run(self.trainer.save, scratch / checkpoint_id)
             manifest.objects = await asyncio.to_thread(upload_folder, self.store, self.model, checkpoint_id, folder)
+            timings["save_s"] = time.perf_counter() - started
+            started = time.perf_counter()
             _, head = await self.checkpoints.commit_checkpoint(
                 manifest, set_head=set_head, expected_head_checkpoint_id=self.checkpoint_id if set_head else "",
             )
@@ -283,9 +294,10 @@ class TrainingSession:
             raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        timings["commit_s"] = time.perf_counter() - started
         await self._run(self.trainer.finish_step, True)
         self.checkpoint_id = checkpoint_id
-        return self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head))
+        return self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings))
 
     def _remember(self, key: str, outcome: StepOutcome) -> StepOutcome:
         if key:
@@ -307,7 +319,7 @@ class TrainingSession:
         if not isinstance(metadata, dict) or metadata.get("idempotency_key") != key:
             return None
         return self._remember(key, StepOutcome(manifest.step, float(metadata.get("grad_norm", 0.0)),
-                                               manifest.checkpoint_id, head))
+                                               manifest.checkpoint_id, head, manifest.parent_checkpoint_id))
 
 
 class TrainingSessions:

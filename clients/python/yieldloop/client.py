@@ -235,6 +235,10 @@ class Client:
         self._next_env = itertools.count()
         self._addresses = {"rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
 
+    def has(self, service: str) -> bool:
+        """Whether this client was given an address for ``service``."""
+        return bool(self._env_addresses if service == "env" else self._addresses.get(service))
+
     async def _repeatable(self, method: Any, request: Any) -> Any:
         """A unary call that is safe to repeat, retried while its service is UNAVAILABLE (see ``retry_within_s``)."""
         deadline = time.monotonic() + self.retry_within_s
@@ -507,23 +511,30 @@ class Client:
         set_head: bool = True,
         adam: Mapping[str, float] | None = None,
         model: str = "",
+        timings: dict[str, float] | None = None,
         **forward_backward_options: Any,
     ) -> tuple[trainer_pb.OptimStepResponse, list[trainer_pb.ForwardBackwardResponse]]:
         """One training step on a batch: ``num_substeps`` optimizer steps on consecutive slices of it.
 
         The runs are split into ``num_substeps`` slices of whole groups (GRPO groups are never cut); each
         slice gets a forward_backward and an optimizer step; the last step writes the checkpoint (and moves
-        HEAD when ``set_head``). Returns the last OptimStep response and every slice's metrics.
+        HEAD when ``set_head``). Returns the last OptimStep response and every slice's metrics; adds the wall
+        seconds of the forward_backward and optim_step calls to ``timings`` (``forward_backward_s``, ``optim_step_s``).
         """
         slices = split_whole_groups(runs, num_substeps)
         metrics, step = [], None
+        spent = timings if timings is not None else {}
         for i, batch in enumerate(slices):
+            started = time.perf_counter()
             metrics.append(await self.forward_backward(runs=batch, loss_fn=loss_fn, model=model,
                                                        **forward_backward_options))
+            middle = time.perf_counter()
             last = i == len(slices) - 1
             step = await self.optim_step(
                 learning_rate, set_head=set_head and last, skip_checkpoint=not last, model=model, **dict(adam or {})
             )
+            spent["forward_backward_s"] = spent.get("forward_backward_s", 0.0) + middle - started
+            spent["optim_step_s"] = spent.get("optim_step_s", 0.0) + time.perf_counter() - middle
         return step, metrics
 
     async def list_losses(self) -> trainer_pb.ListLossesResponse:

@@ -32,6 +32,7 @@ import logging
 import os
 import pathlib
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -272,10 +273,25 @@ class StepResult:
     metrics: dict[str, float]
     """The trainer's metrics of the (last) forward_backward: KL, clip fraction, entropy, ..."""
     grad_norm: float
+    parent_checkpoint_id: str = ""
+    """The checkpoint the step's weights came from: runs sampled by it were on-policy."""
+    off_policy_runs: int = 0
+    """Runs (of those passed as Run objects) with a turn sampled by other weights than ``parent_checkpoint_id``:
+    stale samples, whose importance ratios correct for the true sampler (each turn records its weights)."""
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Where the step's time went, in seconds: ``forward_backward_s`` and ``optim_step_s`` (the calls, as the
+    client saw them), the trainer's ``optimizer_s``, ``save_s`` and ``commit_s``, and ``weights_served_s``
+    (from the commit's answer until the rollout service serves the new weights; absent when not waited for)."""
 
     @property
     def sampler_path(self) -> str:
         return self.checkpoint_id
+
+
+def off_policy(runs: Sequence[Run | str], checkpoint_id: str) -> int:
+    """How many of the runs were (partly) sampled by other weights than ``checkpoint_id``."""
+    return sum(1 for run in runs if not isinstance(run, str)
+               and any(turn.weight_version != checkpoint_id for turn in run.turns))
 
 
 class TrainingClient:
@@ -322,11 +338,26 @@ class TrainingClient:
         check_group_sizes(resolved, group_size)
         return await forward_backward_custom(self.client, resolved, loss_fn, model=self.model)
 
-    async def optim_step(self, learning_rate: float, *, set_head: bool = True, **adam: float) -> StepResult:
-        """AdamW step and checkpoint commit (HEAD moves when ``set_head``)."""
+    async def _served(self, checkpoint_id: str, timings: dict[str, float]) -> None:
+        """Returns once the rollout service serves ``checkpoint_id`` (when this client knows one)."""
+        if self.client.has("rollout"):
+            started = time.perf_counter()
+            await self.client.get_serving_info(wait_for_checkpoint_id=checkpoint_id, model=self.model)
+            timings["weights_served_s"] = time.perf_counter() - started
+
+    async def optim_step(
+        self, learning_rate: float, *, set_head: bool = True, wait_for_serving: bool = True, **adam: float
+    ) -> StepResult:
+        """AdamW step and checkpoint commit (HEAD moves when ``set_head``; then, with ``wait_for_serving``, this
+        returns once the rollout service samples the new weights)."""
         await self._check_model()
+        started = time.perf_counter()
         step = await self.client.optim_step(learning_rate, set_head=set_head, model=self.model, **adam)
-        return StepResult(step.step, step.checkpoint.checkpoint_id, float("nan"), float("nan"), 0, {}, step.grad_norm)
+        timings = {"optim_step_s": time.perf_counter() - started, **step.timings}
+        if set_head and wait_for_serving:
+            await self._served(step.checkpoint.checkpoint_id, timings)
+        return StepResult(step.step, step.checkpoint.checkpoint_id, float("nan"), float("nan"), 0, {}, step.grad_norm,
+                          step.parent_checkpoint_id, 0, timings)
 
     async def step(
         self,
@@ -338,15 +369,25 @@ class TrainingClient:
         num_substeps: int = 1,
         set_head: bool = True,
         loss_fn_config: dict[str, float] | None = None,
+        wait_for_serving: bool = True,
         **options: Any,
     ) -> StepResult:
-        """forward_backward with a built-in loss, then optim_step: one node in the checkpoint tree."""
+        """forward_backward with a built-in loss, then optim_step: one node in the checkpoint tree.
+
+        With ``set_head`` and ``wait_for_serving`` (the default) it returns only once the rollout service
+        samples the new weights, so the next batch is on-policy; without, the next batch may be sampled by older
+        weights, and the next step's ``off_policy_runs`` says how many were.
+        """
         await self._check_model()
         flat = report_groups_without_spread(runs)
+        timings: dict[str, float] = {}
         step, metrics = await self.client.train_step(
             runs, learning_rate, loss_fn=loss_fn, num_substeps=num_substeps, set_head=set_head,
-            group_size=group_size, loss_fn_config=loss_fn_config, model=self.model, **options,
+            group_size=group_size, loss_fn_config=loss_fn_config, model=self.model, timings=timings, **options,
         )
+        timings.update(step.timings)
+        if set_head and wait_for_serving:
+            await self._served(step.checkpoint.checkpoint_id, timings)
         last = metrics[-1]
         return StepResult(
             step=step.step,
@@ -356,6 +397,9 @@ class TrainingClient:
             groups_without_spread=len(flat),
             metrics=dict(last.metrics),
             grad_norm=step.grad_norm,
+            parent_checkpoint_id=step.parent_checkpoint_id,
+            off_policy_runs=off_policy(runs, step.parent_checkpoint_id),
+            timings=timings,
         )
 
     async def checkpoints(self) -> list[ckpt_pb.CheckpointSummary]:

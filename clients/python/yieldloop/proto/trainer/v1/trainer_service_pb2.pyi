@@ -144,16 +144,27 @@ class OptimStepRequest(_message.Message):
     def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ..., skip_checkpoint: _Optional[bool] = ..., model: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., drop_gradients_if_refused: _Optional[bool] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
-    __slots__ = ("step", "checkpoint", "grad_norm", "head_sequence")
+    __slots__ = ("step", "checkpoint", "grad_norm", "head_sequence", "parent_checkpoint_id", "timings")
+    class TimingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     HEAD_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     step: int
     checkpoint: _common_pb2.CheckpointRef
     grad_norm: float
     head_sequence: int
-    def __init__(self, step: _Optional[int] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointRef, _Mapping]] = ..., grad_norm: _Optional[float] = ..., head_sequence: _Optional[int] = ...) -> None: ...
+    parent_checkpoint_id: str
+    timings: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointRef, _Mapping]] = ..., grad_norm: _Optional[float] = ..., head_sequence: _Optional[int] = ..., parent_checkpoint_id: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LossKnob(_message.Message):
     __slots__ = ("name", "default_value", "description")
