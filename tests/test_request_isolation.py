@@ -74,14 +74,14 @@ async def test_an_engine_failure_of_one_request_fails_that_request_only(tiny_mod
     from yieldloop_server.rollout.engines import SamplingConfig, create_engine
     from yieldloop_server.rollout.engines import torch_engine
 
-    real = torch_engine.sample_token
+    real = torch_engine.sample_batch
 
-    def flaky(logits, sampling, generator):
-        if sampling.seed == 666:
+    def flaky(logits, samplings, generators):
+        if any(sampling.seed == 666 for sampling in samplings):
             raise RuntimeError("injected sampling failure")
-        return real(logits, sampling, generator)
+        return real(logits, samplings, generators)
 
-    monkeypatch.setattr(torch_engine, "sample_token", flaky)
+    monkeypatch.setattr(torch_engine, "sample_batch", flaky)
     engine = create_engine("torch", batch_wait_s=0.05)
     try:
         await engine.load_weights(tiny_model_dir, "v1")

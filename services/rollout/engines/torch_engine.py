@@ -1,17 +1,21 @@
-"""The torch engine: a transformers model with a KV cache and batched sampling.
+"""The torch engine: a transformers model with a KV cache and continuous batching.
 
-The light default for tiny models and for GPU images without vLLM. One worker
-thread owns the model: requests that arrive within ``batch_wait_s`` of each
-other are decoded together (left-padded, one shared ``DynamicCache``), and
-weights are swapped only between batches, so every token of a request is
-sampled by the one weight version its deltas report.
+The light default for tiny models and for GPU images without vLLM. One worker thread owns the model and a
+running batch: at every decode step requests that finished leave it (their rows of the KV cache are dropped)
+and waiting requests join it (prefilled together, their cache rows left-padded to the batch's length), up to
+``max_batch_size`` rows. Sampling is one set of tensor operations for the whole batch; each request draws its
+randomness from its own generator, so a seeded request samples the same tokens whatever it is batched with.
+Base weights are swapped only when the running batch is empty (new requests wait meanwhile), so every token of
+a request is sampled by the one weight version its deltas report; a LoRA adapter's rows keep the adapter
+version they started with.
 
-Legend: B batch, L prompt length, V vocabulary.
+Legend: B batch, L prompt length, T cached length, V vocabulary.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -75,46 +79,76 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
     return _Weights(model, tokenizer, version, frozenset(eos_ids), model.config.max_position_embeddings)
 
 
-def sample_token(logits_V: Any, sampling: SamplingConfig, generator: Any) -> tuple[int, float]:
-    """Samples one token; returns it with its logprob under the distribution it was drawn from.
+def sample_batch(logits_BV: Any, samplings: Sequence[SamplingConfig], generators: Sequence[Any]) -> tuple[Any, Any]:
+    """Samples one token per row; returns the tokens (B) and their logprobs (B, float64) under the distribution
+    each was drawn from.
 
-    That is softmax(logits / temperature), restricted to top-k / top-p and
-    renormalised when those are set (vLLM's ``processed_logprobs``); greedy
-    (temperature 0) reports the raw log-softmax.
+    That is softmax(logits / temperature), restricted to top-k / top-p and renormalised when those are set
+    (vLLM's ``processed_logprobs``); greedy (temperature 0) reports the raw log-softmax. Each row draws one
+    uniform number from its own generator (inverse-CDF sampling), so its token does not depend on its batch.
     """
     import torch
 
-    if sampling.temperature == 0:
-        logprobs_V = torch.log_softmax(logits_V, dim=-1)
-        token = int(torch.argmax(logprobs_V))
-        return token, float(logprobs_V[token])
-    logprobs_V = torch.log_softmax(logits_V / sampling.temperature, dim=-1)
-    probs_V = logprobs_V.exp()
-    truncated = False
-    if sampling.top_k and sampling.top_k < probs_V.numel():
-        kth = torch.topk(probs_V, sampling.top_k).values[-1]
-        probs_V = torch.where(probs_V >= kth, probs_V, torch.zeros_like(probs_V))
-        truncated = True
-    if sampling.top_p < 1:
-        sorted_probs, order = torch.sort(probs_V, descending=True)
-        keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p * sorted_probs.sum()
-        probs_V = torch.zeros_like(probs_V).scatter(0, order[keep], sorted_probs[keep])
-        truncated = True
-    token = int(torch.multinomial(probs_V, 1, generator=generator))
-    if truncated:
-        return token, float(logprobs_V[token] - torch.log(probs_V.double().sum()))
-    return token, float(logprobs_V[token])
+    device = logits_BV.device
+    num_rows, vocab = logits_BV.shape
+    temps_B = torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device)
+    greedy_B = temps_B == 0
+    logprobs_BV = torch.log_softmax(logits_BV.float() / torch.where(greedy_B, 1.0, temps_B)[:, None], dim=-1)
+    probs_BV = logprobs_BV.exp()
+    ks_B = torch.tensor([s.top_k if 0 < s.top_k < vocab else 0 for s in samplings], device=device)
+    truncated_B = ks_B > 0
+    if bool(truncated_B.any()):
+        top_BK = torch.topk(probs_BV, int(ks_B.max())).values
+        kth_B = top_BK.gather(1, (ks_B.clamp(min=1) - 1)[:, None])
+        probs_BV = torch.where(truncated_B[:, None] & (probs_BV < kth_B), 0.0, probs_BV)
+    ps_B = torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device)
+    nucleus_B = ps_B < 1
+    if bool(nucleus_B.any()):
+        sorted_BV, order_BV = torch.sort(probs_BV, dim=-1, descending=True)
+        keep_BV = torch.cumsum(sorted_BV, -1) - sorted_BV < ps_B[:, None] * sorted_BV.sum(-1, keepdim=True)
+        kept_BV = torch.zeros_like(probs_BV).scatter(1, order_BV, sorted_BV * keep_BV)
+        probs_BV = torch.where(nucleus_B[:, None], kept_BV, probs_BV)
+        truncated_B = truncated_B | nucleus_B
+    uniform_B = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(device)
+    cdf_BV = torch.cumsum(probs_BV.double(), dim=-1)
+    drawn_B = torch.searchsorted(cdf_BV, (uniform_B * cdf_BV[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    tokens_B = torch.where(greedy_B, logprobs_BV.argmax(-1), drawn_B)
+    logprobs_B = logprobs_BV.gather(1, tokens_B[:, None])[:, 0].double()
+    renorm_B = torch.where(truncated_B & ~greedy_B, cdf_BV[:, -1].log(), 0.0)
+    return tokens_B.cpu(), (logprobs_B - renorm_B).cpu()
+
+
+def sample_token(logits_V: Any, sampling: SamplingConfig, generator: Any) -> tuple[int, float]:
+    """One request's token and its logprob (see :func:`sample_batch`)."""
+    tokens, logprobs = sample_batch(logits_V[None, :], [sampling], [generator])
+    return int(tokens[0]), float(logprobs[0])
+
+
+@dataclasses.dataclass
+class _Row:
+    """A request in the running batch."""
+
+    request: _Request
+    version: str
+    """The weights (or adapter) version every token of it is sampled by."""
+    layers: dict[str, tuple[Any, Any]]
+    """Its adapter's layers (empty: the base weights alone)."""
+    budget: int
+    """Tokens it may generate (max_tokens, bounded by the context left)."""
+    position: int
+    """Position of its next token."""
+    generated: list[int] = dataclasses.field(default_factory=list)
 
 
 class TorchEngine(Engine):
-    """Batched decoding with transformers on CPU or CUDA.
+    """Continuous batching with transformers on CPU or CUDA.
 
     Args:
         device: torch device string.
         dtype: torch dtype name for inference ("float32" keeps sampler/trainer
             logprobs within 1e-4 of each other).
         max_batch_size: Requests decoded together at most.
-        batch_wait_s: How long the worker waits for more requests to batch.
+        batch_wait_s: When nothing is running, how long the worker waits for more requests to start with.
 
     LoRA adapters (:meth:`load_adapter`) are applied per request: each linear layer an adapter targets adds
     that adapter's low-rank update to the rows of the batch that use it, so requests for several forks of
@@ -135,13 +169,13 @@ class TorchEngine(Engine):
         self._adapters: dict[str, _Adapter] = {}
         """LoRA adapters by name (changed by the worker thread between batches only)."""
         self._adapter_swaps: list[tuple[str, _Adapter | None, asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._active: list[tuple[dict[str, tuple[Any, Any]], int, int]] = []
-        """The batch being decoded: (adapter layers, first row, end row) of each adapter in it."""
+        self._active: list[tuple[dict[str, tuple[Any, Any]], Any]] = []
+        """The rows of the forward pass being run: (adapter layers, row indices) of each adapter in it."""
         self._swap_lock = threading.Lock()
         self._pending: queue.Queue = queue.Queue()
         self._stopping = False
         self._live = 0
-        """Requests of the batch being decoded that are not done yet (written by the worker thread)."""
+        """Requests admitted or waiting in the worker that are not done yet (written by the worker thread)."""
         self._thread = threading.Thread(target=self._worker, name="torch-engine", daemon=True)
         self._thread.start()
 
@@ -223,6 +257,15 @@ class TorchEngine(Engine):
         try:
             while True:
                 item = await request.out.get()
+                # Deltas that queued while the consumer was busy (writing the last one) go out as one.
+                while isinstance(item, TokenDelta) and not item.finished and not request.out.empty():
+                    following = request.out.get_nowait()
+                    if not isinstance(following, TokenDelta):
+                        yield item
+                        item = following
+                        break
+                    item = TokenDelta(item.token_ids + following.token_ids, item.logprobs + following.logprobs,
+                                      following.weight_version, following.finished, following.stop_reason)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -241,9 +284,10 @@ class TorchEngine(Engine):
 
     # Worker thread ------------------------------------------------------------------
 
-    def _apply_swaps(self) -> None:
+    def _apply_swaps(self, weights_too: bool) -> None:
+        """Applies pending adapter swaps, and base weight swaps when ``weights_too`` (nothing is running)."""
         with self._swap_lock:
-            swaps, self._swaps = self._swaps, []
+            swaps, self._swaps = (self._swaps, []) if weights_too else ([], self._swaps)
             adapter_swaps, self._adapter_swaps = self._adapter_swaps, []
         for weights, loop, future in swaps:
             self._weights = weights
@@ -263,17 +307,16 @@ class TorchEngine(Engine):
 
     def _install_lora_hooks(self, weights: _Weights) -> None:
         """Adds each adapter's ``scaling * B @ A @ x`` to the output of its target linear layers, for the rows
-        of the batch that use that adapter (peft's LoRA forward, per request; a batch is ordered by adapter, so
-        each adapter's rows are one slice)."""
+        of the batch that use that adapter (peft's LoRA forward, per request)."""
         import torch
 
         def hook_for(name: str) -> Any:
             def hook(module: Any, args: tuple[Any, ...], output: Any) -> Any:
-                for layers, start, end in self._active:
+                for layers, rows in self._active:
                     entry = layers.get(name)
                     if entry is not None:
                         a_t, b_t = entry
-                        output[start:end] += (args[0][start:end] @ a_t) @ b_t
+                        output.index_add_(0, rows, (args[0][rows] @ a_t) @ b_t)
                 return output
 
             return hook
@@ -284,110 +327,50 @@ class TorchEngine(Engine):
         weights.hooked = True
 
     def _worker(self) -> None:
+        waiting: list[_Request] = []
+        batch = _Batch(self)
         while not self._stopping:
-            first = self._pending.get()
-            batch = [] if first is _WAKE else [first]
-            deadline = time.monotonic() + self.batch_wait_s
-            while batch and len(batch) < self.max_batch_size:
+            self._apply_swaps(weights_too=not batch.rows)  # base weights only between requests
+            # Block only when nothing runs; then wait batch_wait_s for company, as requests come in bursts.
+            if not batch.rows and not waiting:
+                first = self._pending.get()
+                if first is not _WAKE:
+                    waiting.append(first)
+                deadline = time.monotonic() + self.batch_wait_s
+                while waiting and len(waiting) < self.max_batch_size:
+                    try:
+                        item = self._pending.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except queue.Empty:
+                        break
+                    if item is not _WAKE:
+                        waiting.append(item)
+            while True:
                 try:
-                    item = self._pending.get(timeout=max(0.0, deadline - time.monotonic()))
+                    item = self._pending.get_nowait()
                 except queue.Empty:
                     break
                 if item is not _WAKE:
-                    batch.append(item)
-            self._apply_swaps()  # the step boundary: no request is mid-decode here
-            batch = [r for r in batch if not r.cancelled]
-            for request in [r for r in batch if r.adapter and r.adapter not in self._adapters]:
-                request.emit(UnavailableError(f"adapter {request.adapter!r} was unloaded", reason="ENGINE_NOT_READY"))
-                batch.remove(request)
-            if not batch:
-                continue
-            batch.sort(key=lambda r: r.adapter)  # each adapter's rows in one slice
+                    waiting.append(item)
+            self._apply_swaps(weights_too=not batch.rows)
+            with self._swap_lock:
+                swap_pending = bool(self._swaps)
             try:
-                self._decode(batch)
-            except Exception as exc:  # deliberate degrade: fail this batch (retryably), keep serving
+                if not swap_pending and waiting and len(batch.rows) < self.max_batch_size and batch.can_join:
+                    room = self.max_batch_size - len(batch.rows)
+                    batch.admit(waiting[:room])
+                    del waiting[:room]
+                self._live = len(batch.rows) + len(waiting)
+                if batch.rows:
+                    batch.step()
+            except Exception as exc:  # deliberate degrade: fail the running batch (retryably), keep serving
                 log.exception("decode failed")
                 error = UnavailableError(f"torch engine error: {exc}", reason="ENGINE_ERROR")
-                for request in batch:
-                    request.emit(error)
-            finally:
-                self._live = 0
-                self._active = []
-
-    def _decode(self, batch: list[_Request]) -> None:
-        import torch
-        from transformers import DynamicCache
-
-        weights = self._weights
-        assert weights is not None
-        model = weights.model
-        versions = [self._adapters[r.adapter].version if r.adapter else weights.version for r in batch]
-        rows: dict[str, list[int]] = {}
-        for i, request in enumerate(batch):
-            if request.adapter and self._adapters[request.adapter].layers:
-                rows.setdefault(request.adapter, []).append(i)
-        self._active = [(self._adapters[name].layers, ix[0], ix[-1] + 1) for name, ix in rows.items()]
-        pad = weights.tokenizer.pad_token_id or 0
-        num_seqs = len(batch)
-        max_len = max(len(r.prompt_ids) for r in batch)
-        tokens_BL = torch.full((num_seqs, max_len), pad, dtype=torch.long)
-        mask_BL = torch.zeros((num_seqs, max_len), dtype=torch.long)
-        for i, request in enumerate(batch):
-            tokens_BL[i, max_len - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
-            mask_BL[i, max_len - len(request.prompt_ids):] = 1
-        positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
-        budgets = [min(r.sampling.max_tokens, weights.max_model_len - len(r.prompt_ids)) for r in batch]
-        generated: list[list[int]] = [[] for _ in batch]
-        done = [False] * num_seqs
-        cache = DynamicCache(config=model.config)
-        device = self.device
-        with torch.inference_mode():
-            out = model(
-                input_ids=tokens_BL.to(device),
-                attention_mask=mask_BL.to(device),
-                position_ids=positions_BL.to(device),
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits_BV = out.logits[:, -1, :].float().cpu()
-            next_pos_B = positions_BL[:, -1] + 1
-            for _ in range(max(budgets)):
-                step_tokens = []
-                for i, request in enumerate(batch):
-                    if not done[i] and request.cancelled:
-                        done[i] = True
-                        request.emit(TokenDelta([], [], versions[i], finished=True, stop_reason="cancelled"))
-                    if done[i]:
-                        step_tokens.append(pad)
-                        continue
-                    try:
-                        token, logprob = sample_token(logits_BV[i], request.sampling, request.generator)
-                        if not math.isfinite(logprob):
-                            raise ValueError(f"the sampled token's logprob is {logprob}")
-                        generated[i].append(token)
-                        reason = self._stop_reason(weights, request, generated[i], budgets[i])
-                    except Exception as exc:  # deliberate degrade: this request fails, the batch goes on
-                        log.exception("sampling failed for one request")
-                        done[i] = True
-                        request.emit(UnavailableError(f"torch engine error: {exc}", reason="ENGINE_ERROR"))
-                        step_tokens.append(pad)
-                        continue
-                    done[i] = bool(reason)
-                    request.emit(TokenDelta([token], [logprob], versions[i], finished=done[i], stop_reason=reason))
-                    step_tokens.append(token)
-                self._live = num_seqs - sum(done)
-                if all(done):
-                    return
-                mask_BL = torch.cat([mask_BL, torch.ones((num_seqs, 1), dtype=torch.long)], dim=1)
-                out = model(
-                    input_ids=torch.tensor(step_tokens, device=device)[:, None],
-                    attention_mask=mask_BL.to(device),
-                    position_ids=next_pos_B[:, None].to(device),
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                logits_BV = out.logits[:, -1, :].float().cpu()
-                next_pos_B = next_pos_B + 1
+                for row in batch.rows:
+                    row.request.emit(error)
+                batch = _Batch(self)
+            self._live = len(batch.rows) + len(waiting)
+        for request in waiting:
+            request.emit(UnavailableError("the engine stopped", reason="ENGINE_NOT_READY"))
 
     @staticmethod
     def _stop_reason(weights: _Weights, request: _Request, generated: list[int], budget: int) -> str:
@@ -402,3 +385,173 @@ class TorchEngine(Engine):
         if len(generated) >= budget:
             return "context"
         return ""
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for out, item in items:
+        out.put_nowait(item)
+
+
+def _deliver(outgoing: list[tuple[_Request, Any]]) -> None:
+    """Hands each request its item: one wake-up of each event loop per decode step, not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for request, item in outgoing:
+        by_loop.setdefault(request.loop, []).append((request.out, item))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+class _Batch:
+    """The worker's running batch: its rows, their shared KV cache (rows left-padded to one length), the
+    attention mask over it and each row's next-token logits."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self.cache: Any = None
+        self.mask_BT: Any = None
+        self.logits_BV: Any = None
+
+    @property
+    def can_join(self) -> bool:
+        """Whether requests can join now: the cache's layers can be padded and merged (plain full-attention
+        layers); otherwise they wait until the batch is empty."""
+        from transformers.cache_utils import DynamicLayer
+
+        return not self.rows or all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def _forward(self, rows: list[_Row], **inputs: Any) -> Any:
+        import torch
+
+        groups: dict[int, tuple[dict[str, tuple[Any, Any]], list[int]]] = {}
+        for i, row in enumerate(rows):
+            if row.layers:
+                groups.setdefault(id(row.layers), (row.layers, []))[1].append(i)
+        engine = self.engine
+        engine._active = [(layers, torch.tensor(ix, device=engine.device)) for layers, ix in groups.values()]
+        try:
+            out = engine._weights.model(**inputs, use_cache=True)
+        finally:
+            engine._active = []
+        return out.logits[:, -1, :].float()
+
+    def admit(self, requests: list[_Request]) -> None:
+        """Prefills ``requests`` together and joins them to the running batch."""
+        import torch
+        from transformers import DynamicCache
+
+        engine = self.engine
+        weights = engine._weights
+        assert weights is not None
+        new = []
+        for request in requests:
+            if request.cancelled:
+                continue
+            adapter = engine._adapters.get(request.adapter) if request.adapter else None
+            if request.adapter and adapter is None:
+                request.emit(UnavailableError(f"adapter {request.adapter!r} was unloaded", reason="ENGINE_NOT_READY"))
+                continue
+            budget = min(request.sampling.max_tokens, weights.max_model_len - len(request.prompt_ids))
+            new.append(_Row(request, adapter.version if adapter else weights.version,
+                            adapter.layers if adapter else {}, budget, len(request.prompt_ids)))
+        if not new:
+            return
+        device = engine.device
+        length = max(len(row.request.prompt_ids) for row in new)
+        tokens_BL = torch.full((len(new), length), weights.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask_BL = torch.zeros((len(new), length), dtype=torch.long)
+        for i, row in enumerate(new):
+            tokens_BL[i, length - len(row.request.prompt_ids):] = torch.tensor(row.request.prompt_ids)
+            mask_BL[i, length - len(row.request.prompt_ids):] = 1
+        positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=weights.model.config)
+        mask_BL = mask_BL.to(device)
+        with torch.inference_mode():
+            logits_BV = self._forward(new, input_ids=tokens_BL.to(device), attention_mask=mask_BL,
+                                      position_ids=positions_BL.to(device), past_key_values=cache)
+        if not self.rows:
+            self.rows, self.cache, self.mask_BT, self.logits_BV = new, cache, mask_BL, logits_BV
+            return
+        width = max(self.mask_BT.shape[1], length)
+
+        def pad(tensor: Any, dim: int) -> Any:  # left-pads the sequence dimension to ``width``
+            missing = width - tensor.shape[dim]
+            if not missing:
+                return tensor
+            shape = list(tensor.shape)
+            shape[dim] = missing
+            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+        for old, joined in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([pad(old.keys, 2), pad(joined.keys, 2)])
+            old.values = torch.cat([pad(old.values, 2), pad(joined.values, 2)])
+        self.mask_BT = torch.cat([pad(self.mask_BT, 1), pad(mask_BL, 1)])
+        self.logits_BV = torch.cat([self.logits_BV, logits_BV])
+        self.rows += new
+
+    def _sample(self) -> tuple[list[int | None], list[float], list[BaseException | None]]:
+        rows = self.rows
+        try:
+            tokens_B, logprobs_B = sample_batch(self.logits_BV, [r.request.sampling for r in rows],
+                                                [r.request.generator for r in rows])
+            return tokens_B.tolist(), logprobs_B.tolist(), [None] * len(rows)
+        except Exception:  # deliberate degrade: sample row by row, so that only a failing request fails
+            tokens, logprobs, failures = [], [], []
+            for i, row in enumerate(rows):
+                try:
+                    token, logprob = sample_token(self.logits_BV[i], row.request.sampling, row.request.generator)
+                    tokens.append(token), logprobs.append(logprob), failures.append(None)
+                except Exception as exc:
+                    log.exception("sampling failed for one request")
+                    tokens.append(None), logprobs.append(math.nan), failures.append(exc)
+            return tokens, logprobs, failures
+
+    def step(self) -> None:
+        """Samples a token for every row, streams them, drops the rows that finished and runs the next decode
+        step for the others."""
+        import torch
+
+        engine = self.engine
+        weights = engine._weights
+        tokens, logprobs, failures = self._sample()
+        outgoing: list[tuple[_Request, Any]] = []
+        keep: list[int] = []
+        for i, row in enumerate(self.rows):
+            request = row.request
+            if request.cancelled:
+                outgoing.append((request, TokenDelta([], [], row.version, finished=True, stop_reason="cancelled")))
+                continue
+            if failures[i] is None and not math.isfinite(logprobs[i]):
+                failures[i] = ValueError(f"the sampled token's logprob is {logprobs[i]}")
+            if failures[i] is not None:
+                outgoing.append((request, UnavailableError(f"torch engine error: {failures[i]}", reason="ENGINE_ERROR")))
+                continue
+            row.generated.append(tokens[i])
+            reason = engine._stop_reason(weights, request, row.generated, row.budget)
+            outgoing.append((request, TokenDelta([tokens[i]], [logprobs[i]], row.version, bool(reason), reason)))
+            if not reason:
+                keep.append(i)
+        _deliver(outgoing)
+        if len(keep) < len(self.rows):
+            if not keep:
+                self.rows, self.cache, self.mask_BT, self.logits_BV = [], None, None, None
+                return
+            index = torch.tensor(keep, device=engine.device)
+            self.cache.batch_select_indices(index)
+            self.mask_BT = self.mask_BT[index]
+            self.rows = [self.rows[i] for i in keep]
+            lead = int((self.mask_BT.sum(0) > 0).long().argmax())  # columns no remaining row attends to
+            if lead:
+                self.mask_BT = self.mask_BT[:, lead:]
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+        step_tokens = [tokens[i] for i in keep]
+        self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones((len(self.rows), 1))], dim=1)
+        positions_B1 = torch.tensor([row.position for row in self.rows], device=engine.device)[:, None]
+        with torch.inference_mode():
+            self.logits_BV = self._forward(self.rows, input_ids=torch.tensor(step_tokens, device=engine.device)[:, None],
+                                           attention_mask=self.mask_BT, position_ids=positions_B1,
+                                           past_key_values=self.cache)
+        for row in self.rows:
+            row.position += 1
