@@ -95,3 +95,33 @@ async def test_an_engine_failure_of_one_request_fails_that_request_only(tiny_mod
         await engine.close()
     assert isinstance(results[0], errors.UnavailableError) and "injected" in str(results[0])
     assert results[1:] == [10] * 8
+
+
+async def test_a_failed_prefill_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, monkeypatch) -> None:
+    """The torch engine's prefill of joining requests raises once: those requests fail (retryably), none hangs,
+    and the next request is served."""
+    from yieldloop_server.rollout.engines import SamplingConfig, create_engine
+    from yieldloop_server.rollout.engines import torch_engine
+
+    real = torch_engine._Batch._forward
+    failures = [RuntimeError("injected prefill failure")]
+
+    def flaky(self, rows, **inputs):
+        if inputs["input_ids"].shape[1] > 1 and failures:
+            raise failures.pop()
+        return real(self, rows, **inputs)
+
+    monkeypatch.setattr(torch_engine._Batch, "_forward", flaky)
+    engine = create_engine("torch", batch_wait_s=0.05)
+    try:
+        await engine.load_weights(tiny_model_dir, "v1")
+
+        async def run(seed: int) -> int:
+            config = SamplingConfig(max_tokens=5, seed=seed, ignore_eos=True)
+            return sum([len(d.token_ids) async for d in engine.generate(PROMPT, config)])
+
+        first = await asyncio.wait_for(asyncio.gather(run(1), run(2), return_exceptions=True), 30)
+        assert all(isinstance(r, errors.UnavailableError) and "injected" in str(r) for r in first), first
+        assert await asyncio.wait_for(run(3), 30) == 5
+    finally:
+        await engine.close()

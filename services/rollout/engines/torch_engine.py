@@ -354,19 +354,21 @@ class TorchEngine(Engine):
             self._apply_swaps(weights_too=not batch.rows)
             with self._swap_lock:
                 swap_pending = bool(self._swaps)
+            admitting: list[_Request] = []
             try:
                 if not swap_pending and waiting and len(batch.rows) < self.max_batch_size and batch.can_join:
                     room = self.max_batch_size - len(batch.rows)
-                    batch.admit(waiting[:room])
-                    del waiting[:room]
+                    admitting, waiting = waiting[:room], waiting[room:]
+                    batch.admit(admitting)
+                    admitting = []
                 self._live = len(batch.rows) + len(waiting)
                 if batch.rows:
                     batch.step()
             except Exception as exc:  # deliberate degrade: fail the running batch (retryably), keep serving
                 log.exception("decode failed")
                 error = UnavailableError(f"torch engine error: {exc}", reason="ENGINE_ERROR")
-                for row in batch.rows:
-                    row.request.emit(error)
+                for request in {id(r): r for r in [*(row.request for row in batch.rows), *admitting]}.values():
+                    request.emit(error)
                 batch = _Batch(self)
             self._live = len(batch.rows) + len(waiting)
         for request in waiting:
