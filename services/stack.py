@@ -164,6 +164,9 @@ class ServiceProcess:
             if process.returncode is not None:
                 raise RuntimeError(f"{self.service} exited with {process.returncode}; see {self.log_path}")
             if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):  # not left running beside the next attempt
+                    process.kill()
+                await process.wait()
                 raise TimeoutError(f"{self.service} not ready after {self.ready_timeout_s}s")
             await asyncio.sleep(0.1)
         self.address = json.loads(ready_file.read_text())["address"]
@@ -249,6 +252,6 @@ class ProcessStack:
         return self.addresses
 
     async def stop(self, timeout_s: float = 15.0) -> None:
-        """Stops every process (SIGTERM, then SIGKILL after ``timeout_s``), last started first."""
+        """Stops every process at once (SIGTERM, then SIGKILL after ``timeout_s``)."""
         await asyncio.gather(*(process.stop(timeout_s) for process in self.services.values()))
         self.services.clear()

@@ -4,6 +4,7 @@ engine-side failure of one request leaves the others of its batch running (issue
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 import pytest
@@ -69,9 +70,26 @@ async def test_a_poisoned_http_request_beside_eight_good_ones(client: Client, bo
         assert status == 200 and len(answer["choices"][0]["token_ids"]) == 6, answer
 
 
+@contextlib.asynccontextmanager
+async def torch_engine_serving(model_dir):
+    """A torch engine on the tiny model; yields ``run(seed, max_tokens)`` -> how many tokens it generated."""
+    from yieldloop_server.rollout.engines import SamplingConfig, create_engine
+
+    engine = create_engine("torch", batch_wait_s=0.05)
+    try:
+        await engine.load_weights(model_dir, "v1")
+
+        async def run(seed: int, max_tokens: int) -> int:
+            config = SamplingConfig(max_tokens=max_tokens, seed=seed, ignore_eos=True)
+            return sum([len(d.token_ids) async for d in engine.generate(PROMPT, config)])
+
+        yield run
+    finally:
+        await engine.close()
+
+
 async def test_an_engine_failure_of_one_request_fails_that_request_only(tiny_model_dir, monkeypatch) -> None:
     """Inside the torch engine: sampling one request's token raises; its 8 batch mates finish."""
-    from yieldloop_server.rollout.engines import SamplingConfig, create_engine
     from yieldloop_server.rollout.engines import torch_engine
 
     real = torch_engine.sample_batch
@@ -82,17 +100,9 @@ async def test_an_engine_failure_of_one_request_fails_that_request_only(tiny_mod
         return real(logits, samplings, generators)
 
     monkeypatch.setattr(torch_engine, "sample_batch", flaky)
-    engine = create_engine("torch", batch_wait_s=0.05)
-    try:
-        await engine.load_weights(tiny_model_dir, "v1")
-
-        async def run(seed: int) -> int:
-            config = SamplingConfig(max_tokens=10, seed=seed, ignore_eos=True)
-            return sum([len(d.token_ids) async for d in engine.generate(PROMPT, config)])
-
-        results = await asyncio.gather(run(666), *(run(seed) for seed in range(1, 9)), return_exceptions=True)
-    finally:
-        await engine.close()
+    async with torch_engine_serving(tiny_model_dir) as run:
+        results = await asyncio.gather(run(666, 10), *(run(seed, 10) for seed in range(1, 9)),
+                                       return_exceptions=True)
     assert isinstance(results[0], errors.UnavailableError) and "injected" in str(results[0])
     assert results[1:] == [10] * 8
 
@@ -100,7 +110,6 @@ async def test_an_engine_failure_of_one_request_fails_that_request_only(tiny_mod
 async def test_a_failed_prefill_fails_its_requests_and_the_engine_goes_on(tiny_model_dir, monkeypatch) -> None:
     """The torch engine's prefill of joining requests raises once: those requests fail (retryably), none hangs,
     and the next request is served."""
-    from yieldloop_server.rollout.engines import SamplingConfig, create_engine
     from yieldloop_server.rollout.engines import torch_engine
 
     real = torch_engine._Batch._forward
@@ -112,16 +121,7 @@ async def test_a_failed_prefill_fails_its_requests_and_the_engine_goes_on(tiny_m
         return real(self, rows, **inputs)
 
     monkeypatch.setattr(torch_engine._Batch, "_forward", flaky)
-    engine = create_engine("torch", batch_wait_s=0.05)
-    try:
-        await engine.load_weights(tiny_model_dir, "v1")
-
-        async def run(seed: int) -> int:
-            config = SamplingConfig(max_tokens=5, seed=seed, ignore_eos=True)
-            return sum([len(d.token_ids) async for d in engine.generate(PROMPT, config)])
-
-        first = await asyncio.wait_for(asyncio.gather(run(1), run(2), return_exceptions=True), 30)
+    async with torch_engine_serving(tiny_model_dir) as run:
+        first = await asyncio.wait_for(asyncio.gather(run(1, 5), run(2, 5), return_exceptions=True), 30)
         assert all(isinstance(r, errors.UnavailableError) and "injected" in str(r) for r in first), first
-        assert await asyncio.wait_for(run(3), 30) == 5
-    finally:
-        await engine.close()
+        assert await asyncio.wait_for(run(3, 5), 30) == 5

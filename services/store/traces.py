@@ -34,6 +34,12 @@ CACHE_BYTES = 64 << 20
 """Recently read segments kept in memory (they never change): the runs of one batch are read together."""
 
 
+def parse_marker(name: str) -> tuple[str, int]:
+    """(segment, run count) of a job's marker ``<ns>-<segment>-<count>``; (trace id, 1) of an older one."""
+    parts = name.split("-")
+    return (parts[1], int(parts[2])) if len(parts) == 3 else (parts[-1], 1)
+
+
 def encode_segment(runs: Sequence[tuple[str, bytes]]) -> bytes:
     header = json.dumps({"runs": [[trace_id, len(data)] for trace_id, data in runs]}).encode()
     return b"".join([struct.pack(">I", len(header)), header, *(data for _, data in runs)])
@@ -110,8 +116,7 @@ class TraceStore:
             if rest == "job.json":
                 recorded.append(job_id)
             elif rest.startswith("runs/"):
-                parts = rest[len("runs/"):].split("-")
-                runs[job_id] += int(parts[2]) if len(parts) == 3 else 1
+                runs[job_id] += parse_marker(rest[len("runs/"):])[1]
         jobs = [self._read_job(job_id) for job_id in recorded]
         for job in jobs:
             job.num_runs = runs[job.job_id]
@@ -168,11 +173,7 @@ class TraceStore:
     def _markers(self, job_id: str) -> list[tuple[str, int]]:
         """(segment or old-style trace id, run count) of each marker of a job, in recording order."""
         prefix = f"jobs/{_check(job_id, 'job_id')}/runs/"
-        markers = []
-        for key in sorted(self.store.list(prefix)):
-            parts = key[len(prefix):].split("-")
-            markers.append((parts[1], int(parts[2])) if len(parts) == 3 else (parts[-1], 1))
-        return markers
+        return [parse_marker(key[len(prefix):]) for key in sorted(self.store.list(prefix))]
 
     def job_runs(self, job_id: str) -> list[str]:
         """Trace ids of a job's runs, in the order they were recorded."""

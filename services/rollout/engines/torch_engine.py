@@ -351,8 +351,7 @@ class TorchEngine(Engine):
                     break
                 if item is not _WAKE:
                     waiting.append(item)
-            self._apply_swaps(weights_too=not batch.rows)
-            with self._swap_lock:
+            with self._swap_lock:  # a base swap that came meanwhile is applied next turn, once nothing runs
                 swap_pending = bool(self._swaps)
             admitting: list[_Request] = []
             try:
