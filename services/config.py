@@ -56,6 +56,10 @@ class TrainerOptions:
     """Trainer ranks, data parallel (gloo on CPU, NCCL on CUDA, one GPU per rank)."""
     max_models: int = dataclasses.field(default=2, metadata={"flag": "--trainer-max-models"})
     """Models the trainer keeps loaded at once, one session each (1 when nproc > 1)."""
+    state_every: int = 10
+    """Save the full training state (optimizer moments) with every Nth step, and when a session closes (0: only
+    then and on demand). A trainer crash resumes from the last checkpoint holding it; every step's weights reach
+    the fleet and the store regardless."""
 
     def resolved_dtype(self, device: str) -> str:
         """The dtype with "auto" resolved for ``device``."""

@@ -45,7 +45,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
         server, sessions = await build(
             opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device)),
-            opts.host, opts.port, opts.trainer.nproc, opts.transport, opts.trainer.max_models,
+            opts.host, opts.port, opts.trainer.nproc, opts.transport, opts.trainer.max_models, opts.trainer.state_every,
         )
 
         async def stop(grace: float) -> None:

@@ -77,6 +77,8 @@ CASES: list[tuple[str, str, Any, Any]] = [
       "idempotencyKey": "k"}),
     ("trainer", "ListLosses", trainer.ListLossesRequest, {}),
     ("trainer", "GetTrainerInfo", trainer.GetTrainerInfoRequest, {"model": "fuzz-trainee"}),
+    ("trainer", "PullWeights", trainer.PullWeightsRequest,
+     {"model": "fuzz-trainee", "checkpoint_id": "base", "host_id": "elsewhere"}),
 ]
 
 STRINGS = ["", "x" * 100_000, "evil\n", "../../etc/passwd", "a\x00b", "é☃" * 40, "{[", "/abs"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import pathlib
 
@@ -49,9 +50,10 @@ def test_commit_protocol_and_heads(any_store) -> None:
     registry.store.put_bytes("models/m/checkpoints/half/model.safetensors", b"partial")
     assert [m.checkpoint_id for m in registry.list_checkpoints("m")] == ["c1", "c2"]
 
-    # A declared checksum that does not match is refused, and nothing moves.
+    # An object missing or of another size than declared is refused, and nothing moves. (Checksums are computed
+    # once, by the producer, and verified by every reader: test_download_verifies_checksums.)
     registry.store.put_bytes("models/m/checkpoints/bad/model.safetensors", b"xx")
-    bad = Manifest("m", "bad", [ObjectInfo("model.safetensors", 2, "0" * 64, "models/m/checkpoints/bad/model.safetensors")])
+    bad = Manifest("m", "bad", [ObjectInfo("model.safetensors", 3, "0" * 64, "models/m/checkpoints/bad/model.safetensors")])
     with pytest.raises(errors.FailedPreconditionError) as err:
         registry.commit(bad, set_head=True)
     assert err.value.reason == "CHECKPOINT_CORRUPT"
@@ -66,6 +68,44 @@ def test_commit_protocol_and_heads(any_store) -> None:
     info, head = registry.fork_model("m", "m-fork")
     assert info.parent == "m" and head.checkpoint_id == "c1"
     assert registry.get_manifest("m-fork", "c1").objects[0].key.startswith("models/m/")
+
+
+def test_a_pending_checkpoint_becomes_durable_only_by_gaining_its_objects(any_store, tmp_path: pathlib.Path) -> None:
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="m", base="m"))
+    _commit(registry, "m", "c1", b"weights-1")
+    key = "models/m/checkpoints/c2/model.safetensors"
+    weights = ObjectInfo("model.safetensors", 9, hashlib.sha256(b"weights-2").hexdigest(), key)
+    pending = Manifest("m", "c2", [weights], parent_checkpoint_id="c1", step=1, pending=True,
+                       weights_source="127.0.0.1:1")
+    # Committed (and HEAD moved) before its objects are in the store; it says so, and cannot be forked or read.
+    _, head = registry.commit(pending, set_head=True, expected_head="c1")
+    assert head.checkpoint_id == "c2" and registry.get_manifest("m", "c2").pending
+    with pytest.raises(errors.FailedPreconditionError) as err:
+        registry.fork_model("m", "m-fork")
+    assert err.value.reason == "CHECKPOINT_PENDING"
+    with pytest.raises(errors.FailedPreconditionError) as err:
+        download_verified(registry.store, registry.get_manifest("m", "c2"), tmp_path / "c2")
+    assert err.value.reason == "CHECKPOINT_PENDING"
+    assert registry.commit(pending)[0].pending, "a retried pending commit is the same checkpoint"
+    # Durable only once every object is there; anything but durability and added training state is refused.
+    durable = dataclasses.replace(pending, pending=False, weights_source="")
+    with pytest.raises(errors.FailedPreconditionError):
+        registry.commit(durable)
+    registry.store.put_bytes(key, b"weights-2")
+    with pytest.raises(errors.AlreadyExistsError):
+        registry.commit(dataclasses.replace(durable, step=2))
+    with pytest.raises(errors.AlreadyExistsError):  # a sampler object cannot be added
+        registry.commit(dataclasses.replace(durable, objects=[weights, dataclasses.replace(weights, name="x.json")]))
+    assert not registry.commit(durable)[0].pending and not registry.get_manifest("m", "c2").pending
+    assert not registry.get_manifest("m", "c2").has_state
+    # A durable checkpoint without training state may gain it, once.
+    state_key = "models/m/checkpoints/c2/optimizer.pt"
+    registry.store.put_bytes(state_key, b"moments")
+    state = ObjectInfo("optimizer.pt", 7, hashlib.sha256(b"moments").hexdigest(), state_key, state=True)
+    assert registry.commit(dataclasses.replace(durable, objects=[weights, state]))[0].has_state
+    assert registry.get_manifest("m", "c2").sampler_objects == [weights]
+    assert registry.fork_model("m", "m-fork")[1].checkpoint_id == "c2"
 
 
 def test_download_verifies_checksums(any_store, tmp_path: pathlib.Path) -> None:

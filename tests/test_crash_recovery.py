@@ -4,8 +4,9 @@ The trainer runs as ``yieldloop up`` runs it: its own process, supervised (start
 when it dies). The checkpoint service runs here, with an interceptor that kills the trainer exactly before
 or after a commit went through; other kills land at timed points of the step. Whatever the point, a client
 retrying with its idempotency key (the Python client does so by itself) never hears an error for a step that
-committed, each key commits at most once, and HEAD always names a complete checkpoint the restarted trainer
-loads.
+committed durably, each key commits at most once, and HEAD always names a durable checkpoint the restarted
+trainer loads: a step committed pending (its weights served from the trainer, its upload still running) whose
+trainer died is rolled back from, and its caller had heard ``durable`` false.
 """
 
 from __future__ import annotations
@@ -87,16 +88,18 @@ async def committed_with(client: Client, key: str) -> list[str]:
     return found
 
 
-async def killed_step(client: Client, killer: KillTrainer, trainer: ServiceProcess, kill: str | float, seed: int) -> bool:
+async def killed_step(
+    client: Client, killer: KillTrainer, trainer: ServiceProcess, kill: str | float, seed: int, durable: bool,
+) -> bool:
     """One step whose trainer is killed at ``kill`` ("before"/"after" its commit, or seconds into the call);
-    returns whether it committed."""
+    returns whether it committed (``durable``: the step answers once its checkpoint is in the store)."""
     await client.forward_backward(datums=good_batch(seed), model="tiny")
     head = await client.get_head("tiny")
     restarts = trainer.restarts
     key = uuid.uuid4().hex
     if isinstance(kill, str):
         killer.plan.append(kill)
-    step = asyncio.create_task(client.optim_step(1e-2, model="tiny", idempotency_key=key))
+    step = asyncio.create_task(client.optim_step(1e-2, model="tiny", idempotency_key=key, wait_durable=durable))
     if not isinstance(kill, str):
         await asyncio.sleep(kill)
         killer.kill()
@@ -104,32 +107,40 @@ async def killed_step(client: Client, killer: KillTrainer, trainer: ServiceProce
         outcome = await step  # retried with its key while the trainer restarts
     except errors.FailedPreconditionError as err:
         outcome = err
-    after = await client.get_head("tiny")
-    committed = await committed_with(client, key)
-    assert len(committed) <= 1, "a key committed more than once"
-    if committed:  # the step committed: its caller must hear it, whatever happened to the trainer
-        assert not isinstance(outcome, Exception), f"a committed step answered {outcome!r}"
-        assert outcome.checkpoint.checkpoint_id == committed[0] == after.checkpoint_id
-    else:  # not committed: HEAD unmoved; the gradients died with the trainer, and the error says so
-        assert isinstance(outcome, errors.FailedPreconditionError) and outcome.reason == "NO_GRADIENTS", outcome
-        assert after == head
-        assert "was not committed" in outcome.message
     while trainer.restarts == restarts:  # a kill that landed after the answer: the trainer is still restarting
         await asyncio.sleep(0.1)
-    for _ in range(100):  # the channel reconnects (grpc's backoff, at most 5 s here)
+    for _ in range(100):  # the channel reconnects (grpc's backoff, at most 5 s here); the trainer loaded HEAD
         with contextlib.suppress(errors.UnavailableError):
             await client.get_trainer_info(model="tiny")
             break
         await asyncio.sleep(0.1)
-    return bool(committed)
+    after = await client.get_head("tiny")
+    assert not (await client.get_checkpoint("tiny", after.checkpoint_id)).pending, "HEAD names a durable checkpoint"
+    committed = await committed_with(client, key)
+    assert len(committed) <= 1, "a key committed more than once"
+    durable_commit = committed and not (await client.get_checkpoint("tiny", committed[0])).pending
+    if durable_commit:  # the step committed: its caller must hear it, whatever happened to the trainer
+        assert not isinstance(outcome, Exception), f"a committed step answered {outcome!r}"
+        assert outcome.checkpoint.checkpoint_id == committed[0]
+        assert after.checkpoint_id == committed[0] or not outcome.durable
+    elif isinstance(outcome, Exception):  # not committed, or lost before it was durable: the error says so
+        assert outcome.reason == "NO_GRADIENTS" and "was not committed" in outcome.message, outcome
+        assert after == head or committed, "HEAD moved back only from a step that never became durable"
+    else:  # answered before it was durable (as it said), then its trainer died: HEAD went back from it
+        assert not outcome.durable and after.checkpoint_id != outcome.checkpoint.checkpoint_id
+    if after.checkpoint_id not in (head.checkpoint_id, *committed):  # went back: to where training resumes exactly
+        manifest = await client.get_checkpoint("tiny", after.checkpoint_id)
+        assert manifest.has_state or not manifest.parent_checkpoint_id
+    return bool(durable_commit)
 
 
-async def test_kill_9_during_a_step_never_fails_a_committed_step(crashing) -> None:
+@pytest.mark.parametrize("durable", [True, False], ids=["wait_durable", "pending"])
+async def test_kill_9_during_a_step_never_fails_a_committed_step(crashing, durable: bool) -> None:
     client, killer, trainer = crashing
-    assert await killed_step(client, killer, trainer, "after", 1)
-    assert not await killed_step(client, killer, trainer, "before", 2)
+    assert await killed_step(client, killer, trainer, "after", 1, durable) == durable
+    assert not await killed_step(client, killer, trainer, "before", 2, durable)
     for i, delay in enumerate((0.0, 0.02, 0.05)):  # wherever the step happens to be
-        await killed_step(client, killer, trainer, delay, 3 + i)
+        await killed_step(client, killer, trainer, delay, 3 + i, durable)
     # The head the restarted trainer loaded is the one it trains on: a normal step still works.
     before = await fingerprint(client, "tiny")
     await client.forward_backward(datums=good_batch(20), model="tiny")

@@ -79,7 +79,7 @@ async def test_ppo_as_a_custom_loss_gives_the_builtin_update(two_trainers) -> No
     assert value == pytest.approx(expected.loss_sum, rel=1e-5)
     assert metrics["clipped_tokens"] >= 4, "the batch exercises the clip bounds"
     # eps=1 keeps AdamW's first step linear in the gradient, so equal gradients mean equal weights.
-    steps = [await c.optim_step(1e-2, set_head=False, eps=1.0) for c in (builtin, custom)]
+    steps = [await c.optim_step(1e-2, set_head=False, eps=1.0, wait_durable=True) for c in (builtin, custom)]
     weights = [
         load_file(str(store.root / "models" / "tiny" / "checkpoints" / s.checkpoint.checkpoint_id / "model.safetensors"))
         for s in steps

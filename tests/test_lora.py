@@ -59,9 +59,9 @@ async def test_lora_fork_trains_its_adapter_and_is_served_by_its_base_engine(sta
     # Two steps at a high learning rate move the adapter well away from zero.
     runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=4, model="lora-a")]
     assert {turn.weight_version for run in runs for turn in run.turns} == {"adapter-init"}
-    for _ in range(2):
+    for i in range(2):
         await client.forward_backward(runs=runs, model="lora-a")
-        step = await client.optim_step(0.05, model="lora-a")
+        step = await client.optim_step(0.05, model="lora-a", save_state=i == 1)
     head = step.checkpoint.checkpoint_id
     assert (await client.get_head("tiny")).checkpoint_id == base_head  # the base never moves
 

@@ -1,15 +1,20 @@
 """Moving checkpoint folders between local disk and the object store, with checksums.
 
 Used by the trainer (upload), the rollout engine and the trainer (download +
-verify), and ``yieldloop up`` (publishing the base model). Weights never
-travel over gRPC: only manifests do.
+verify), and ``yieldloop up`` (publishing the base model). Each object is hashed
+once, where it is produced; every reader verifies that hash.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import pathlib
+import socket
 import shutil
 import tempfile
+from collections.abc import Collection, Iterator, Sequence
 
 from yieldloop.errors import FailedPreconditionError
 from yieldloop_server.checkpoint.registry import Manifest, ObjectInfo, checkpoint_prefix
@@ -17,43 +22,112 @@ from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.base import sha256_file
 
 
-def upload_folder(store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path) -> list[ObjectInfo]:
-    """Uploads every file of ``folder`` under the checkpoint's prefix; returns their ObjectInfos."""
+def describe_folder(
+    model: str, checkpoint_id: str, folder: pathlib.Path, *, state_names: Collection[str] = (),
+    reuse: Sequence[ObjectInfo] = (),
+) -> list[ObjectInfo]:
+    """The ObjectInfos of every file of ``folder`` (each hashed here, once, where it was produced), keyed under
+    the checkpoint's prefix, or under an object of ``reuse`` (the parent's) with the same name and bytes: a file
+    that did not change (config, tokenizer) is not stored again. Files named in ``state_names`` are training
+    state."""
+    earlier = {(obj.name, obj.size, obj.sha256): obj.key for obj in reuse}
     objects = []
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        key = checkpoint_prefix(model, checkpoint_id) + path.name
-        store.put_file(key, path)
-        objects.append(ObjectInfo(name=path.name, size=path.stat().st_size, sha256=sha256_file(path), key=key))
+        size, digest = path.stat().st_size, sha256_file(path)
+        key = earlier.get((path.name, size, digest)) or checkpoint_prefix(model, checkpoint_id) + path.name
+        objects.append(ObjectInfo(name=path.name, size=size, sha256=digest, key=key, state=path.name in state_names))
     return objects
 
 
-def download_verified(store: ObjectStore, manifest: Manifest, folder: pathlib.Path) -> pathlib.Path:
-    """Downloads a checkpoint's objects into ``folder`` and checks every size and sha256.
+def upload_objects(
+    store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path, objects: Sequence[ObjectInfo],
+) -> int:
+    """Writes the objects of ``folder`` stored under the checkpoint's own prefix (not those shared with an
+    earlier checkpoint); returns the bytes written."""
+    written = 0
+    for obj in objects:
+        if obj.key.startswith(checkpoint_prefix(model, checkpoint_id)):
+            store.put_file(obj.key, folder / obj.name)
+            written += obj.size
+    return written
+
+
+def upload_folder(store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path) -> list[ObjectInfo]:
+    """Uploads every file of ``folder`` under the checkpoint's prefix; returns their ObjectInfos."""
+    objects = describe_folder(model, checkpoint_id, folder)
+    upload_objects(store, model, checkpoint_id, folder, objects)
+    return objects
+
+
+def verify_file(path: pathlib.Path, obj: ObjectInfo, what: str) -> None:
+    """CHECKPOINT_CORRUPT unless the file has the object's size and sha256 (computed where it was produced)."""
+    if not path.is_file() or path.stat().st_size != obj.size or sha256_file(path) != obj.sha256:
+        raise FailedPreconditionError(f"{what}: object {obj.name} fails its checksum", reason="CHECKPOINT_CORRUPT")
+
+
+def download_verified(
+    store: ObjectStore, manifest: Manifest, folder: pathlib.Path, objects: Sequence[ObjectInfo] | None = None,
+) -> pathlib.Path:
+    """Downloads a checkpoint's objects (or only ``objects`` of it, e.g. its sampler weights) into ``folder``
+    and checks every size and sha256.
 
     The files land in a temporary sibling folder that is renamed into place only
     when every object verified, so ``folder`` is either complete or absent.
 
     Raises:
-        FailedPreconditionError: CHECKPOINT_CORRUPT when an object differs from the manifest.
+        FailedPreconditionError: CHECKPOINT_CORRUPT when an object differs from the manifest; CHECKPOINT_PENDING
+            when the checkpoint is not in the store yet.
     """
     if folder.is_dir():
         return folder
+    if manifest.pending:
+        raise FailedPreconditionError(f"checkpoint {manifest.model}/{manifest.checkpoint_id} is not in the store "
+                                      "yet", reason="CHECKPOINT_PENDING")
+    with staged(folder) as staging:
+        objects = manifest.objects if objects is None else objects
+        for obj in objects:
+            store.get_file(obj.key, staging / obj.name)
+        verify_folder(staging, objects, f"checkpoint {manifest.model}/{manifest.checkpoint_id}")
+    return folder
+
+
+@contextlib.contextmanager
+def staged(folder: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A temporary sibling of ``folder`` to fill, renamed to ``folder`` when the block succeeds (removed when it
+    fails): ``folder`` is either complete or absent."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=".dl-"))
     try:
-        for obj in manifest.objects:
-            target = staging / obj.name
-            store.get_file(obj.key, target)
-            if target.stat().st_size != obj.size or sha256_file(target) != obj.sha256:
-                raise FailedPreconditionError(
-                    f"checkpoint {manifest.model}/{manifest.checkpoint_id}: object {obj.name} fails its checksum",
-                    reason="CHECKPOINT_CORRUPT",
-                )
-        check_finite(staging, f"checkpoint {manifest.model}/{manifest.checkpoint_id}")
+        yield staging
         staging.rename(folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return folder
+
+
+@functools.cache
+def host_id() -> str:
+    """This host: hostname and boot id (a process on the same host can read another's files in place)."""
+    try:
+        boot = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def link_objects(source: pathlib.Path, target: pathlib.Path, objects: Sequence[ObjectInfo]) -> None:
+    """Hard-links (or, across filesystems, copies) the objects' files of ``source`` into ``target``."""
+    for obj in objects:
+        try:
+            os.link(source / obj.name, target / obj.name)
+        except OSError:
+            shutil.copyfile(source / obj.name, target / obj.name)
+
+
+def verify_folder(folder: pathlib.Path, objects: Sequence[ObjectInfo], what: str) -> None:
+    """Every object's file is in ``folder`` with its size and sha256, and no tensor is NaN or inf."""
+    for obj in objects:
+        verify_file(folder / obj.name, obj, what)
+    check_finite(folder, what)
 
 
 def check_finite(folder: pathlib.Path, what: str) -> None:

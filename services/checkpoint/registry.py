@@ -123,6 +123,10 @@ class CheckpointRegistry:
         source, _, checkpoint_id = source.partition("@")
         src = self.get_model(source)
         manifest = self.get_manifest(source, checkpoint_id or self.get_head(source).checkpoint_id)
+        if manifest.pending:
+            raise FailedPreconditionError(
+                f"checkpoint {source}@{manifest.checkpoint_id} is still being written to the store; fork it once "
+                f"it is durable (seconds), or fork an earlier checkpoint", reason="CHECKPOINT_PENDING")
         if lora is not None:
             lora = lora.validate("lora")
             if src.lora is not None and lora != src.lora:
@@ -242,7 +246,12 @@ class CheckpointRegistry:
         return sorted(manifests, key=lambda m: (m.created_time, m.step, m.checkpoint_id))
 
     def commit(self, manifest: Manifest, *, set_head: bool = False, expected_head: str = "") -> tuple[Manifest, Head | None]:
-        """Verifies the objects, writes the manifest last, and optionally moves HEAD.
+        """Checks the objects, writes the manifest last, and optionally moves HEAD.
+
+        Objects are checked by size: their sha256 was computed once, where they were produced, and every reader
+        verifies it. A ``pending`` manifest is committed before its objects reach the store (its trainer serves
+        the weights meanwhile); committing it again with ``pending`` false, once they are all there, makes it
+        durable (then it may also gain training-state objects; nothing else may change).
 
         With ``expected_head`` the commit is compare-and-swap: when HEAD is not that checkpoint (checked before
         the manifest is written, and again when HEAD moves) it is ABORTED/HEAD_CONFLICT and nothing stays
@@ -258,22 +267,17 @@ class CheckpointRegistry:
         if set_head and expected_head:
             self._check_head(manifest.model, expected_head)
         self._check_keys(manifest)
-        verified: set[tuple[str, int, str]] = set()
-        for obj in manifest.objects:
-            if (obj.key, obj.size, obj.sha256) in verified:
-                continue  # each distinct object is hashed once, however often it is listed
-            verified.add((obj.key, obj.size, obj.sha256))
-            if self.store.size(obj.key) != obj.size or self.store.sha256(obj.key) != obj.sha256:
-                raise FailedPreconditionError(
-                    f"object {obj.key!r} is missing or differs from its declared size/sha256",
-                    reason="CHECKPOINT_CORRUPT",
-                )
+        if not manifest.pending:
+            self._check_objects(manifest)
         manifest.created_time = manifest.created_time or time.time()
         key = checkpoint_prefix(manifest.model, manifest.checkpoint_id) + MANIFEST
         try:
             self.store.put_bytes(key, manifest.to_json(), if_none_match=True)
         except PreconditionFailed:
             existing = self.get_manifest(manifest.model, manifest.checkpoint_id)
+            if _seals(existing, manifest):  # its objects all arrived (durable now), or its training state
+                existing = dataclasses.replace(manifest, created_time=existing.created_time)
+                self.store.put_bytes(key, existing.to_json())
             if _same_checkpoint(existing, manifest):  # a retry of a commit that went through
                 head = self.find_head(manifest.model)
                 if set_head and (head is None or head.checkpoint_id != existing.checkpoint_id):
@@ -293,6 +297,14 @@ class CheckpointRegistry:
             self.apply_retention(manifest.model, self.keep_last)
             self.collect_orphans(manifest.model)
         return manifest, head
+
+    def _check_objects(self, manifest: Manifest) -> None:
+        """CHECKPOINT_CORRUPT unless every object is in the store with its declared size."""
+        for obj in {(obj.key, obj.size): obj for obj in manifest.objects}.values():
+            if self.store.size(obj.key) != obj.size:
+                raise FailedPreconditionError(
+                    f"object {obj.key!r} is missing or differs from its declared size", reason="CHECKPOINT_CORRUPT",
+                )
 
     def lineage(self, model: str) -> list[str]:
         """The model and the models it descends from (its parent, the parent's parent, ...)."""
@@ -520,6 +532,16 @@ class _HeadPoller:
                 await asyncio.wait_for(event.wait(), self.registry.poll_interval)
             except TimeoutError:
                 pass
+
+
+def _seals(existing: Manifest, new: Manifest) -> bool:
+    """Whether ``new`` completes ``existing``: the same checkpoint, durable, with the same objects plus, at most,
+    training-state objects (when ``existing`` had none); and ``existing`` was pending or gains them."""
+    added = [obj for obj in new.objects if obj not in existing.objects]
+    return ((existing.pending or (bool(added) and not existing.has_state)) and not new.pending
+            and all(obj.state for obj in added) and all(obj in new.objects for obj in existing.objects)
+            and _same_checkpoint(dataclasses.replace(existing, objects=[], pending=False, weights_source=""),
+                                 dataclasses.replace(new, objects=[], weights_source="")))
 
 
 def _same_checkpoint(a: Manifest, b: Manifest) -> bool:

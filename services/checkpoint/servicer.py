@@ -70,6 +70,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     created_time=m.created_time,
                     is_head=m.checkpoint_id == head_id,
                     promotion=json_format.ParseDict(promotions.get(m.checkpoint_id, {}), pb.Promotion()),
+                    pending=m.pending,
+                    has_state=m.has_state,
                 )
                 for m in manifests
             ]

@@ -24,10 +24,9 @@ from typing import Any
 from yieldloop.client import Client
 from yieldloop.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from yieldloop.types import ModelInfo
-from yieldloop_server.checkpoint.files import download_verified
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.rollout.engines import AdapterEngine, Engine
-from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
+from yieldloop_server.rollout.weights import CheckpointFetcher, PinnedEngines, WeightFollower
 from yieldloop_server.store import ObjectStore
 
 
@@ -94,6 +93,8 @@ class ServedModels:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
+        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir)
+                        if store is not None and checkpoints is not None and cache_dir is not None else None)
         self.on_default_reload = on_default_reload
         self.memory_budget_bytes = memory_budget_bytes
         self._infos: dict[str, ModelInfo] = {}
@@ -166,7 +167,8 @@ class ServedModels:
     async def _follow(self, engine: Engine, slug: str) -> tuple[WeightFollower, asyncio.Task]:
         """A follower keeping ``engine`` on the slug's head, once the first head was handled (a follower that
         gave up, e.g. because the model vanished, fails this request, not the service)."""
-        follower = WeightFollower(engine, slug, self.store, self.checkpoints, self.cache_dir)
+        assert self.fetcher is not None
+        follower = WeightFollower(engine, slug, self.fetcher)
         if slug == self.default:
             follower.on_reload = self.on_default_reload
         task = asyncio.create_task(follower.run())
@@ -184,11 +186,8 @@ class ServedModels:
         if checkpoint_id:  # LoRA forks' frozen base weights: loaded once, never reloaded
             engine = self.make_engine(True)
             try:
-                manifest = await self.checkpoints.get_checkpoint(slug, checkpoint_id)
-                folder = await asyncio.to_thread(
-                    download_verified, self.store, manifest, self.cache_dir / slug / checkpoint_id
-                )
-                await engine.load_weights(folder, checkpoint_id)
+                assert self.fetcher is not None
+                await engine.load_weights(await self.fetcher.fetch(slug, checkpoint_id), checkpoint_id)
             except BaseException:
                 await engine.close()
                 raise
@@ -215,6 +214,8 @@ class ServedModels:
 
     async def close(self) -> None:
         await self._pool.close()
+        if self.fetcher is not None:
+            await self.fetcher.close()
 
 
 class FixedWeights:

@@ -1,4 +1,5 @@
-"""Follows a model's head: download, verify, hot-reload into the engine.
+"""Follows a model's head: fetch (from the store, or from the trainer while a checkpoint is pending), verify,
+hot-reload into the engine.
 
 A checkpoint that fails verification is refused: the previous weights keep
 serving and the error is kept for GetServingInfo and the logs.
@@ -9,20 +10,114 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import pathlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from yieldloop.client import Client
-from yieldloop.errors import FailedPreconditionError, NotFoundError, UnavailableError, YieldloopError
+from yieldloop.client import RETRY, Client
+from yieldloop.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    NotFoundError,
+    UnavailableError,
+    YieldloopError,
+)
 from yieldloop.retry import Backoff
-from yieldloop.types import Head
-from yieldloop_server.checkpoint.files import download_verified
+from yieldloop.types import Head, Manifest
+from yieldloop_server.checkpoint.files import download_verified, host_id, link_objects, staged, verify_folder
 from yieldloop_server.rollout.engines import Engine
 from yieldloop_server.store import ObjectStore
 
 log = logging.getLogger(__name__)
+
+
+PULL_ATTEMPTS = 8
+"""Tries to pull a pending checkpoint's weights from its trainer (about 20 s with the client's backoff) before the
+checkpoint is refused as unreachable (its trainer died: a rollback head follows)."""
+
+
+class CheckpointFetcher:
+    """Local, verified copies of checkpoints' sampler weights (never the training state): from the object store,
+    or, while a checkpoint is pending (not yet in the store), straight from the trainer that committed it
+    (PullWeights: its files in place on the same host, a stream otherwise). Every object is checked against the
+    sha256 its producer computed.
+
+    Args:
+        store: Object store holding the durable checkpoints.
+        checkpoints: Client connected to CheckpointService.
+        cache_dir: Local folder for verified copies.
+    """
+
+    def __init__(self, store: ObjectStore, checkpoints: Client, cache_dir: pathlib.Path) -> None:
+        self.store = store
+        self.checkpoints = checkpoints
+        self.cache_dir = cache_dir
+        self._trainers: dict[str, Client] = {}
+
+    async def fetch(self, model: str, checkpoint_id: str, while_head: bool = False) -> pathlib.Path:
+        """The local folder of one checkpoint's sampler weights. With ``while_head``, a pending checkpoint
+        that stopped being the head (rolled back from) is given up at once.
+
+        Raises:
+            NotFoundError: CHECKPOINT_NOT_FOUND.
+            FailedPreconditionError: CHECKPOINT_CORRUPT or NON_FINITE when an object fails verification;
+                CHECKPOINT_PENDING when a pending checkpoint's trainer cannot be reached.
+        """
+        for attempt in itertools.count():
+            manifest = await self.checkpoints.get_checkpoint(model, checkpoint_id)  # names checked there
+            folder = self.cache_dir / model / manifest.checkpoint_id
+            if folder.is_dir():
+                return folder
+            if not manifest.pending:
+                return await asyncio.to_thread(download_verified, self.store, manifest, folder, manifest.sampler_objects)
+            try:
+                return await self._pull(manifest, folder)
+            except (UnavailableError, NotFoundError, DeadlineExceededError) as err:
+                # NOT_FOUND: the trainer released it, durable by now; UNAVAILABLE: the trainer is away.
+                if attempt + 1 >= PULL_ATTEMPTS or (
+                        while_head and (await self.checkpoints.get_head(model)).checkpoint_id != checkpoint_id):
+                    raise FailedPreconditionError(
+                        f"checkpoint {model}/{checkpoint_id} is not in the store yet and its trainer "
+                        f"({manifest.weights_source}) does not serve it: {err}", reason="CHECKPOINT_PENDING",
+                    ) from None
+                await asyncio.sleep(RETRY.delay(attempt))
+        raise AssertionError("unreachable")
+
+    async def _pull(self, manifest: Manifest, folder: pathlib.Path) -> pathlib.Path:
+        trainer = self._trainers.get(manifest.weights_source)
+        if trainer is None:
+            trainer = self._trainers[manifest.weights_source] = Client(
+                trainer=manifest.weights_source, transport=self.checkpoints.transport, retry_within_s=0)
+        what = f"checkpoint {manifest.model}/{manifest.checkpoint_id}"
+        objects = {obj.name: obj for obj in manifest.sampler_objects}
+        with staged(folder) as staging:
+            file = None
+            try:
+                async for message in trainer.pull_weights(manifest.model, manifest.checkpoint_id, host_id()):
+                    if message.local_folder:  # the same host: its files, in place
+                        await asyncio.to_thread(link_objects, pathlib.Path(message.local_folder), staging,
+                                                list(objects.values()))
+                        break
+                    if file is None or file.name != str(staging / message.name):
+                        if message.name not in objects or (staging / message.name).exists():
+                            raise FailedPreconditionError(f"{what}: the trainer sent an unexpected object "
+                                                          f"{message.name[:80]!r}", reason="CHECKPOINT_CORRUPT")
+                        if file is not None:
+                            file.close()
+                        file = open(staging / message.name, "wb")  # noqa: SIM115, ASYNC230  (closed below)
+                    file.write(message.data)
+            finally:
+                if file is not None:
+                    file.close()
+            await asyncio.to_thread(verify_folder, staging, list(objects.values()), what)
+        return folder
+
+    async def close(self) -> None:
+        for client in self._trainers.values():
+            await client.close()
+        self._trainers.clear()
 
 
 class WeightFollower:
@@ -31,19 +126,14 @@ class WeightFollower:
     Args:
         engine: The engine to load weights into.
         model: The model slug whose head is followed.
-        store: Object store holding the checkpoint objects.
-        checkpoints: Client connected to CheckpointService.
-        cache_dir: Local folder for verified checkpoint copies.
+        fetcher: Where checkpoints' weights come from.
     """
 
-    def __init__(
-        self, engine: Engine, model: str, store: ObjectStore, checkpoints: Client, cache_dir: pathlib.Path
-    ) -> None:
+    def __init__(self, engine: Engine, model: str, fetcher: CheckpointFetcher) -> None:
         self.engine = engine
         self.model = model
-        self.store = store
-        self.checkpoints = checkpoints
-        self.cache_dir = cache_dir
+        self.fetcher = fetcher
+        self.checkpoints = fetcher.checkpoints
         self.head_sequence = 0
         self.last_error = ""
         self.refused: dict[str, str] = {}
@@ -94,17 +184,14 @@ class WeightFollower:
             self.follow_error = ""
         self.following = following
 
-    async def fetch(self, checkpoint_id: str) -> pathlib.Path:
-        """Downloads one checkpoint of the model and verifies every object; returns its local folder."""
-        manifest = await self.checkpoints.get_checkpoint(self.model, checkpoint_id)
-        return await asyncio.to_thread(
-            download_verified, self.store, manifest, self.cache_dir / self.model / manifest.checkpoint_id
-        )
+    async def fetch(self, checkpoint_id: str, while_head: bool = False) -> pathlib.Path:
+        """One checkpoint's sampler weights, verified; returns its local folder (see :class:`CheckpointFetcher`)."""
+        return await self.fetcher.fetch(self.model, checkpoint_id, while_head)
 
     async def load(self, head: Head) -> None:
         """Loads one head (or records why it was refused)."""
         try:
-            await self.engine.load_weights(await self.fetch(head.checkpoint_id), head.checkpoint_id)
+            await self.engine.load_weights(await self.fetch(head.checkpoint_id, True), head.checkpoint_id)
             self.last_error = ""
         except Exception as err:  # deliberate degrade: refuse this head, keep serving the old weights
             log.error("refused checkpoint %s: %s", head.checkpoint_id, err, exc_info=not isinstance(err, YieldloopError))

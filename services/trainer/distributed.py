@@ -176,8 +176,11 @@ class DistributedTrainer:
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         return self.local.logprobs(datums)  # the weights are the same on every rank
 
-    def save(self, folder: pathlib.Path) -> pathlib.Path:
-        return self.local.save(folder)
+    def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path:
+        return self.local.save(folder, with_state)
+
+    def save_state(self, folder: pathlib.Path) -> pathlib.Path:
+        return self.local.save_state(folder)
 
     def _broadcast(self, *command: Any) -> None:
         import torch.distributed as dist

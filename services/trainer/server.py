@@ -11,6 +11,7 @@ from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
+from yieldloop_server.trainer.publish import WeightPublisher, advertised
 from yieldloop_server.trainer.servicer import TrainerServicer
 from yieldloop_server.trainer.session import TrainingSession, TrainingSessions
 from yieldloop_server.trainer.trainer import TrainerConfig
@@ -29,20 +30,23 @@ async def build(
     nproc: int = 1,
     transport: TransportConfig = DEFAULT_TRANSPORT,
     max_sessions: int = 2,
+    state_every: int = 10,
 ) -> tuple[GrpcServer, TrainingSessions]:
     """A TrainerService server (not started) with the default ``model``'s session loaded, and its sessions
     (close them after the server stopped). ``nproc`` > 1 trains data-parallel, one model at a time (each
-    session's ranks are processes of their own)."""
+    session's ranks are processes of their own). Every ``state_every``-th step saves the full training state
+    (0: only on demand and when a session closes)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     # A failed commit goes back to the trainer's caller, who retries the step with its idempotency key: one
     # place retries, not two nested ones.
     checkpoints = Client(checkpoint=checkpoint_address, transport=transport, retry_within_s=0)
     traces = TraceStore(store, run_to_bytes, run_from_bytes)
+    server = GrpcServer(host, port, transport)
+    publisher = WeightPublisher(work_dir, lambda: advertised(server.host, server.port))
     sessions = TrainingSessions(
-        lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc),
+        lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc, publisher, state_every),
         default=model, max_sessions=1 if nproc > 1 else max_sessions, checkpoints=checkpoints,
     )
     await sessions.start()
-    server = GrpcServer(host, port, transport)
-    server.add(pb_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(sessions), SERVICE_NAME)
+    server.add(pb_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(sessions, publisher), SERVICE_NAME)
     return server, sessions

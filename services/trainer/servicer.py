@@ -8,22 +8,27 @@ from collections.abc import AsyncIterator
 import grpc
 
 from yieldloop.convert import datum_from_pb, datum_to_pb, run_from_pb
-from yieldloop.errors import check_json_object, invalid_field
+from yieldloop.errors import NotFoundError, check_json_object, invalid_field
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, Run
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.trainer import losses
+from yieldloop_server.trainer.publish import WeightPublisher, host_id
 from yieldloop_server.trainer.session import LossOptions, TrainingSessions
 from yieldloop_server.trainer.trainer import AdamConfig
+
+
+PULL_CHUNK_BYTES = 1 << 20
 
 
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
     """Serves the training sessions of every slug (see :class:`TrainingSessions`)."""
 
-    def __init__(self, sessions: TrainingSessions) -> None:
+    def __init__(self, sessions: TrainingSessions, publisher: WeightPublisher | None = None) -> None:
         self.sessions = sessions
+        self.publisher = publisher
 
     @rpc
     async def ForwardBackward(
@@ -142,10 +147,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             outcome = await session.optim_step(
                 config.validate(), skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
                 metadata_json=request.metadata_json, idempotency_key=request.idempotency_key,
-                drop_gradients_if_refused=request.drop_gradients_if_refused,
+                drop_gradients_if_refused=request.drop_gradients_if_refused, save_state=request.save_state,
+                wait_durable=request.wait_durable,
             )
         response = pb.OptimStepResponse(step=outcome.step, grad_norm=outcome.grad_norm,
-                                        parent_checkpoint_id=outcome.parent_checkpoint_id, timings=outcome.timings)
+                                        parent_checkpoint_id=outcome.parent_checkpoint_id, timings=outcome.timings,
+                                        durable=outcome.durable, has_state=outcome.has_state)
         if outcome.checkpoint_id:
             response.checkpoint.CopyFrom(common_pb.CheckpointRef(model=session.model, checkpoint_id=outcome.checkpoint_id))
             response.head_sequence = outcome.head.sequence if outcome.head is not None else 0
@@ -180,3 +187,20 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 num_pending_datums=session.trainer.num_pending_datums,
                 device=session.config.device,
             )
+
+    @rpc
+    async def PullWeights(
+        self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PullWeightsResponse]:
+        held = self.publisher.find(request.model, request.checkpoint_id) if self.publisher else None
+        if held is None:
+            raise NotFoundError(f"this trainer does not hold checkpoint {request.model}/{request.checkpoint_id}: "
+                                "read it from the store", reason="CHECKPOINT_NOT_FOUND")
+        manifest, folder = held
+        if request.host_id and request.host_id == host_id():
+            yield pb.PullWeightsResponse(local_folder=str(folder))
+            return
+        for obj in manifest.sampler_objects:
+            with open(folder / obj.name, "rb") as file:  # noqa: ASYNC230  (page-cache reads of local files)
+                while chunk := file.read(PULL_CHUNK_BYTES):
+                    yield pb.PullWeightsResponse(name=obj.name, data=chunk)

@@ -13,7 +13,10 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import json
+import logging
+import os
 import pathlib
 import shutil
 import tempfile
@@ -22,16 +25,28 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from yieldloop.client import Client
-from yieldloop.errors import FailedPreconditionError, YieldloopError, invalid_field
+from yieldloop.client import RETRY, Client
+from yieldloop.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    YieldloopError,
+    invalid_field,
+)
 from yieldloop.groups import GroupStats, runs_to_datums
-from yieldloop.types import Datum, Head, Manifest, Run, RunStatus
-from yieldloop_server.checkpoint.files import download_verified, upload_folder
+from yieldloop.types import Datum, Head, Manifest, ObjectInfo, Run, RunStatus
+from yieldloop_server.checkpoint.files import describe_folder, download_verified, upload_objects
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
 from yieldloop_server.common import lora
-from yieldloop_server.trainer.trainer import AdamConfig, AdapterSetup, Trainer, TrainerConfig
+from yieldloop_server.trainer.publish import WeightPublisher
+from yieldloop_server.trainer.trainer import STATE_FILE, STATE_FILES, AdamConfig, AdapterSetup, Trainer, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+PENDING_WAIT_S = 60.0
+"""How long a trainer loading a pending head waits for the live trainer that committed it to make it durable."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +72,11 @@ class StepOutcome:
     head: Head | None = None
     parent_checkpoint_id: str = ""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds spent: optimizer_s, save_s, commit_s."""
+    """Seconds spent: optimizer_s, save_s, commit_s (upload_s when waiting for durability)."""
+    durable: bool = False
+    """The checkpoint is in the object store (otherwise its upload runs in the background)."""
+    has_state: bool = False
+    """The checkpoint holds the full training state."""
 
 
 class TrainingSession:
@@ -71,6 +90,10 @@ class TrainingSession:
         work_dir: Local scratch space for checkpoint folders.
         config: Device, dtype and micro-batch size.
         nproc: Ranks (data parallel when > 1).
+        publisher: Serves the sampler weights of pending checkpoints to the fleet (None: every checkpoint is
+            written to the store before it is committed).
+        state_every: The full training state (optimizer moments) is saved with every ``state_every``-th step
+            (0: only on demand and when the session closes).
     """
 
     def __init__(
@@ -82,6 +105,8 @@ class TrainingSession:
         work_dir: pathlib.Path,
         config: TrainerConfig,
         nproc: int = 1,
+        publisher: WeightPublisher | None = None,
+        state_every: int = 1,
     ) -> None:
         self.model = model
         self.store = store
@@ -90,8 +115,19 @@ class TrainingSession:
         self.work_dir = work_dir
         self.config = config
         self.nproc = nproc
+        self.publisher = publisher
+        self.state_every = state_every
         self.trainer: Trainer | Any | None = None
         self.checkpoint_id = ""
+        self.manifest: Manifest | None = None
+        """The checkpoint the weights are at (None before the first load)."""
+        self.bytes_uploaded = 0
+        """Bytes this session wrote to the object store (checkpoint objects)."""
+        self._durability: asyncio.Task | None = None
+        """The newest background upload (each waits for the one before it: a child may share its parent's
+        objects)."""
+        self._produced: set[str] = set()
+        """Checkpoints this session committed (their training state is the trainer's)."""
         self._outcomes: collections.OrderedDict[str, StepOutcome] = collections.OrderedDict()
         """Recent optimizer steps by idempotency key."""
         self._uncertain: set[str] = set()
@@ -131,17 +167,23 @@ class TrainingSession:
             await self._run(self.trainer.close)
         self.trainer = None
 
-    async def _download(self, manifest: Manifest) -> pathlib.Path:
-        return await asyncio.to_thread(
-            download_verified, self.store, manifest, self.work_dir / "cache" / manifest.model / manifest.checkpoint_id
-        )
+    async def _download(self, manifest: Manifest, objects: list[ObjectInfo] | None = None,
+                        suffix: str = "") -> pathlib.Path:
+        folder = self.work_dir / "cache" / manifest.model / (manifest.checkpoint_id + suffix)
+        return await asyncio.to_thread(download_verified, self.store, manifest, folder, objects)
 
     async def load_head(self) -> None:
         """Loads the model's head checkpoint (weights and optimizer state) from the store; for a LoRA fork,
-        its frozen base weights and the adapter at its head."""
+        its frozen base weights and the adapter at its head. A head still pending (not yet durable) is made
+        durable first when this trainer holds its files, waited for while the trainer that committed it
+        lives, and otherwise (that trainer died before its upload ended) rolled back from, to the nearest
+        durable checkpoint holding the training state."""
         info = await self.checkpoints.get_model(self.model)
         head = await self.checkpoints.get_head(self.model)
-        folder = await self._download(await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id))
+        manifest = await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id)
+        if manifest.pending:
+            manifest = await self._settle_pending(manifest)
+        folder = await self._resume_folder(manifest)
         adapter = None
         if info.lora is not None:
             adapter = AdapterSetup(folder, lora.init_seed(self.model))
@@ -154,10 +196,136 @@ class TrainingSession:
             self.trainer = await self._run(DistributedTrainer, folder, self.config, self.nproc, adapter)
         else:
             self.trainer = await self._run(Trainer, folder, self.config, adapter)
-        self.checkpoint_id = head.checkpoint_id
+        self.checkpoint_id, self.manifest = manifest.checkpoint_id, manifest
+
+    async def _resume_folder(self, manifest: Manifest) -> pathlib.Path:
+        """A local folder with the checkpoint's weights and the training state to resume from: its own, or,
+        for a checkpoint saved without one, the optimizer moments of its nearest ancestor that has them (with
+        the checkpoint's step)."""
+        if manifest.has_state or not manifest.parent_checkpoint_id:
+            return await self._download(manifest)
+        weights = await self._download(manifest, manifest.sampler_objects)
+        ancestor = await self._ancestor(manifest, lambda m: m.has_state)
+        folder = weights.with_name(f"{manifest.checkpoint_id}+state-{ancestor.checkpoint_id if ancestor else 'none'}")
+        if folder.is_dir():
+            return folder
+        state = None
+        if ancestor is not None:
+            log.info("%s: checkpoint %s has no training state; resuming with the optimizer moments of %s (step %d)",
+                     self.model, manifest.checkpoint_id, ancestor.checkpoint_id, ancestor.step)
+            state = await self._download(ancestor, [o for o in ancestor.objects if o.state], "+state")
+        staging = pathlib.Path(tempfile.mkdtemp(dir=weights.parent, prefix=".resume-"))
+        for path in [*weights.iterdir(), *(state.iterdir() if state else ())]:
+            os.symlink(path.resolve(), staging / path.name)
+        (staging / STATE_FILE).unlink(missing_ok=True)
+        (staging / STATE_FILE).write_text(json.dumps({"step": manifest.step}))
+        staging.rename(folder)
+        return folder
+
+    async def _ancestor(self, manifest: Manifest, wanted: Callable[[Manifest], bool]) -> Manifest | None:
+        """The nearest durable strict ancestor of ``manifest`` that is ``wanted`` (or is a root), or None when
+        the chain leaves the model (a fork's first checkpoint) first."""
+        while manifest.parent_checkpoint_id:
+            try:
+                manifest = await self.checkpoints.get_checkpoint(self.model, manifest.parent_checkpoint_id)
+            except NotFoundError:
+                return None
+            if not manifest.pending and (wanted(manifest) or not manifest.parent_checkpoint_id):
+                return manifest
+        return None
+
+    async def _settle_pending(self, manifest: Manifest) -> Manifest:
+        """The checkpoint to load for a pending head (see :meth:`load_head`)."""
+        held = self.publisher.find(self.model, manifest.checkpoint_id) if self.publisher else None
+        if held is not None:  # ours: finish its upload here
+            await self._make_durable(*held, self._durability)
+        elif manifest.weights_source and manifest.weights_source != (self.publisher and self.publisher.address):
+            if await self._answers(manifest.weights_source):
+                deadline = time.monotonic() + PENDING_WAIT_S
+                while manifest.pending and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    manifest = await self.checkpoints.get_checkpoint(self.model, manifest.checkpoint_id)
+        current = await self.checkpoints.get_checkpoint(self.model, manifest.checkpoint_id)
+        if not current.pending:
+            return current
+        target = await self._ancestor(current, lambda m: m.has_state)
+        if target is None:
+            raise FailedPreconditionError(
+                f"head {current.checkpoint_id} of {self.model!r} never reached the store (its trainer died) and no "
+                "durable ancestor exists to go back to", reason="CHECKPOINT_PENDING")
+        await self.checkpoints.set_head(self.model, target.checkpoint_id, expected_checkpoint_id=current.checkpoint_id)
+        log.warning("%s: head %s (step %d) never reached the store (the trainer that committed it died); the head "
+                    "went back to %s (step %d), the last durable checkpoint holding the training state", self.model,
+                    current.checkpoint_id, current.step, target.checkpoint_id, target.step)
+        return target
+
+    async def _answers(self, address: str) -> bool:
+        """Whether the trainer at ``address`` is alive."""
+        client = Client(trainer=address, timeout=2.0, retry_within_s=0)
+        try:
+            await client.get_trainer_info(self.model)
+            return True
+        except YieldloopError:
+            return False
+        finally:
+            await client.close()
+
+    async def _make_durable(self, manifest: Manifest, folder: pathlib.Path, previous: asyncio.Task | None) -> None:
+        """Writes a pending checkpoint's objects to the store and commits it durable, retrying store and
+        CheckpointService failures with backoff (its earlier checkpoints first)."""
+        if previous is not None:
+            await asyncio.shield(previous)
+        for attempt in itertools.count():
+            try:
+                written = await asyncio.to_thread(
+                    upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects)
+                await self.checkpoints.commit_checkpoint(dataclasses.replace(manifest, pending=False, weights_source=""))
+                break
+            except (NotFoundError, InvalidArgumentError) as err:  # the model was deleted: nothing left to do
+                log.error("%s: checkpoint %s stays pending: %s", self.model, manifest.checkpoint_id, err)
+                return
+            except Exception as err:  # deliberate: the store or CheckpointService is away; try again
+                log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
+                await asyncio.sleep(RETRY.delay(attempt))
+        self.bytes_uploaded += written
+        if self.manifest is not None and self.manifest.checkpoint_id == manifest.checkpoint_id:
+            self.manifest = dataclasses.replace(manifest, pending=False, weights_source="")
+        assert self.publisher is not None
+        self.publisher.durable(self.model, manifest.checkpoint_id)
+
+    async def flush(self) -> None:
+        """Returns once every checkpoint this session committed is durable."""
+        if self._durability is not None:
+            await asyncio.shield(self._durability)
+
+    async def save_state(self) -> None:
+        """Adds the training state to the current checkpoint when this session produced it without one (what
+        resuming there exactly needs), once it is durable."""
+        await self.flush()
+        manifest = self.manifest
+        if self.trainer is None or manifest is None or manifest.has_state or manifest.checkpoint_id not in self._produced:
+            return
+        scratch = pathlib.Path(tempfile.mkdtemp(dir=self.work_dir, prefix=".state-"))
+        try:
+            await self._run(self.trainer.save_state, scratch)
+            added = await asyncio.to_thread(describe_folder, self.model, manifest.checkpoint_id, scratch,
+                                            state_names=STATE_FILES)
+            self.bytes_uploaded += await asyncio.to_thread(
+                upload_objects, self.store, self.model, manifest.checkpoint_id, scratch, added)
+            manifest = dataclasses.replace(manifest, objects=[*manifest.objects, *added], pending=False)
+            self.manifest, _ = await self.checkpoints.commit_checkpoint(manifest)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     async def close(self) -> None:
+        """Makes everything durable (the training state included), then frees the weights."""
+        try:
+            await self.save_state()
+        except Exception as err:  # deliberate: closing must go on; the checkpoints stay as committed
+            log.error("%s: could not save the training state on close: %s", self.model, err)
         await self.close_trainer()
+        if self.publisher is not None:
+            self.publisher.release_model(self.model)
         self._executor.shutdown(wait=True)
 
     async def get_run(self, trace_id: str) -> Run:
@@ -220,11 +388,16 @@ class TrainingSession:
 
     async def optim_step(
         self, adam: AdamConfig, *, skip_checkpoint: bool = False, set_head: bool = True, metadata_json: str = "",
-        idempotency_key: str = "", drop_gradients_if_refused: bool = False,
+        idempotency_key: str = "", drop_gradients_if_refused: bool = False, save_state: bool = False,
+        wait_durable: bool = False,
     ) -> StepOutcome:
-        """Applies the accumulated gradient; unless ``skip_checkpoint``, saves, uploads and commits the step
-        as a checkpoint whose parent is the one the weights came from, moving HEAD (when ``set_head``) only if
-        it still points there (ABORTED/HEAD_CONFLICT otherwise: another trainer or a rollback moved it).
+        """Applies the accumulated gradient; unless ``skip_checkpoint``, saves and commits the step as a
+        checkpoint whose parent is the one the weights came from, moving HEAD (when ``set_head``) only if it
+        still points there (ABORTED/HEAD_CONFLICT otherwise: another trainer or a rollback moved it).
+
+        The checkpoint is committed pending, its sampler weights served to the fleet by the publisher, and
+        written to the store in the background (``wait_durable``: before the commit). The training state goes
+        with it every ``state_every`` steps and with ``save_state``.
 
         All or nothing: a step refused for non-finite values, or whose commit fails, leaves the session
         exactly as before it (weights, optimizer state, accumulated gradients), unless
@@ -273,31 +446,58 @@ class TrainingSession:
         metadata = json.loads(metadata_json) if metadata_json else {"grad_norm": grad_norm}
         if idempotency_key:
             metadata["idempotency_key"] = idempotency_key
-        manifest = Manifest(
-            model=self.model, checkpoint_id=checkpoint_id, objects=[], parent_checkpoint_id=self.checkpoint_id, step=step,
-            metadata_json=json.dumps(metadata),
-        )
-        scratch = pathlib.Path(tempfile.mkdtemp(dir=self.work_dir, prefix=".save-"))
+        with_state = save_state or (self.state_every > 0 and step % self.state_every == 0)
+        pending = not wait_durable and self.publisher is not None and bool(self.publisher.address)
+        folder = (self.publisher.folder(self.model, checkpoint_id) if self.publisher is not None
+                  else self.work_dir / ".save" / checkpoint_id)
+        written = 0
         try:
             started = time.perf_counter()
-            folder = await self._run(self.trainer.save, scratch / checkpoint_id)
-            manifest.objects = await asyncio.to_thread(upload_folder, self.store, self.model, checkpoint_id, folder)
+            await self._run(self.trainer.save, folder, with_state)
+            reuse = self.manifest.sampler_objects if self.manifest is not None else []
+            objects = await asyncio.to_thread(describe_folder, self.model, checkpoint_id, folder,
+                                              state_names=STATE_FILES, reuse=reuse)
             timings["save_s"] = time.perf_counter() - started
+            manifest = Manifest(
+                model=self.model, checkpoint_id=checkpoint_id, objects=objects, parent_checkpoint_id=parent,
+                step=step, metadata_json=json.dumps(metadata), pending=pending,
+                weights_source=self.publisher.address if pending and self.publisher else "",
+            )
+            if pending:
+                assert self.publisher is not None
+                self.publisher.publish(manifest)
+            else:  # durable before the commit: earlier pending checkpoints first (this one may share their objects)
+                await self.flush()
+                started = time.perf_counter()
+                written = await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects)
+                timings["upload_s"] = time.perf_counter() - started
             started = time.perf_counter()
             _, head = await self.checkpoints.commit_checkpoint(
-                manifest, set_head=set_head, expected_head_checkpoint_id=self.checkpoint_id if set_head else "",
+                manifest, set_head=set_head, expected_head_checkpoint_id=parent if set_head else "",
             )
         except BaseException:
             await self._run(self.trainer.finish_step, False)  # exactly as before the step, gradients included
             if idempotency_key:
                 self._uncertain.add(idempotency_key)
+            else:  # nobody will ask again: its files go (an uncertain commit keeps them to finish it)
+                self._discard(checkpoint_id, folder)
             raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
         timings["commit_s"] = time.perf_counter() - started
         await self._run(self.trainer.finish_step, True)
-        self.checkpoint_id = checkpoint_id
-        return self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings))
+        self.checkpoint_id, self.manifest = checkpoint_id, manifest
+        self._produced.add(checkpoint_id)
+        if pending:
+            self._durability = asyncio.create_task(self._make_durable(manifest, folder, self._durability))
+        else:
+            self.bytes_uploaded += written
+            self._discard(checkpoint_id, folder)
+        return self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings,
+                                                           durable=not pending, has_state=with_state))
+
+    def _discard(self, checkpoint_id: str, folder: pathlib.Path) -> None:
+        if self.publisher is not None:
+            self.publisher.release(self.model, checkpoint_id)
+        shutil.rmtree(folder, ignore_errors=True)
 
     def _remember(self, key: str, outcome: StepOutcome) -> StepOutcome:
         if key:

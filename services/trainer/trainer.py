@@ -22,6 +22,8 @@ from yieldloop.types import Datum
 MAX_LEARNING_RATE = 10.0
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+STATE_FILES = (OPTIMIZER_FILE, STATE_FILE)
+"""What resuming training needs beyond the sampler weights."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,17 +365,24 @@ class Trainer:
         return ([host(p) for p in params], [None if p.grad is None else host(p.grad) for p in params], state,
                 self.step)
 
-    def save(self, folder: pathlib.Path) -> pathlib.Path:
-        """Writes an HF checkpoint (safetensors, config, tokenizer), or for a LoRA fork peft's adapter files
-        only, plus the optimizer state and step."""
-        import torch
-
+    def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path:
+        """Writes the sampler weights: an HF checkpoint (safetensors, config, tokenizer), or for a LoRA fork
+        peft's adapter files only; ``with_state``, also the training state (:meth:`save_state`)."""
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder, safe_serialization=True)
         if self.adapter is None:
             self.tokenizer.save_pretrained(folder)
         else:
             (folder / "README.md").unlink(missing_ok=True)  # peft's model card: not part of the checkpoint
+        if with_state:
+            self.save_state(folder)
+        return folder
+
+    def save_state(self, folder: pathlib.Path) -> pathlib.Path:
+        """Writes the training state (:data:`STATE_FILES`: optimizer moments and step) into ``folder``."""
+        import torch
+
+        folder.mkdir(parents=True, exist_ok=True)
         torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         (folder / STATE_FILE).write_text(json.dumps({"step": self.step}))
         return folder

@@ -483,12 +483,17 @@ class Client:
         model: str = "",
         idempotency_key: str = "",
         drop_gradients_if_refused: bool = False,
+        save_state: bool = False,
+        wait_durable: bool = False,
         **adam: float,
     ) -> trainer_pb.OptimStepResponse:
         """AdamW step (beta1, beta2, eps, weight_decay, max_grad_norm as keywords) and checkpoint commit.
 
         All or nothing (a refused or failed step leaves the trainer as before it); ``idempotency_key`` (a fresh
-        one per call by default) makes a retried request return the first outcome.
+        one per call by default) makes a retried request return the first outcome. The answer comes once the
+        head moved and the fleet can pull the new weights from the trainer; the checkpoint reaches the object
+        store in the background (``durable`` false) unless ``wait_durable``. ``save_state`` saves the full
+        training state with this step (the trainer does so every few steps anyway, see ``--state-every``).
         """
         request = trainer_pb.OptimStepRequest(
             adam=trainer_pb.AdamParams(learning_rate=learning_rate, **adam),
@@ -498,8 +503,15 @@ class Client:
             model=model,
             idempotency_key=idempotency_key or uuid.uuid4().hex,
             drop_gradients_if_refused=drop_gradients_if_refused,
+            save_state=save_state,
+            wait_durable=wait_durable,
         )
         return await self._repeatable(self.trainer_stub.OptimStep, request)
+
+    def pull_weights(self, model: str, checkpoint_id: str, host_id: str = "") -> AsyncIterator[trainer_pb.PullWeightsResponse]:
+        """The sampler weights of a checkpoint the trainer still holds (see TrainerService.PullWeights)."""
+        request = trainer_pb.PullWeightsRequest(model=model, checkpoint_id=checkpoint_id, host_id=host_id)
+        return _stream(self.trainer_stub.PullWeights(request, timeout=self.timeout))
 
     async def train_step(
         self,

@@ -64,11 +64,13 @@ def manifest_from_pb(message: ckpt_pb.Manifest) -> Manifest:
     return Manifest(
         model=message.model,
         checkpoint_id=message.checkpoint_id,
-        objects=[ObjectInfo(o.name, o.size, o.sha256, o.key) for o in message.objects],
+        objects=[ObjectInfo(o.name, o.size, o.sha256, o.key, o.state) for o in message.objects],
         parent_checkpoint_id=message.parent_checkpoint_id,
         step=message.step,
         created_time=message.created_time,
         metadata_json=message.metadata_json,
+        pending=message.pending,
+        weights_source=message.weights_source,
     )
 
 

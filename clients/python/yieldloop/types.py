@@ -104,6 +104,8 @@ class ObjectInfo:
     size: int
     sha256: str
     key: str
+    state: bool = False
+    """Training state only (optimizer moments, step): engines never fetch it."""
 
 
 @dataclasses.dataclass
@@ -117,6 +119,20 @@ class Manifest:
     step: int = 0
     created_time: float = 0.0
     metadata_json: str = ""
+    pending: bool = False
+    """The objects are still being written to the store (the weights are served from ``weights_source``)."""
+    weights_source: str = ""
+    """While pending: the TrainerService address serving the sampler weights."""
+
+    @property
+    def sampler_objects(self) -> list[ObjectInfo]:
+        """What an engine loads: every object but the training state."""
+        return [obj for obj in self.objects if not obj.state]
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the checkpoint holds the full training state (optimizer moments)."""
+        return any(obj.state for obj in self.objects)
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True).encode()

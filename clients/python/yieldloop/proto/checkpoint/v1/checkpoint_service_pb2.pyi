@@ -91,19 +91,21 @@ class LoraConfig(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ObjectInfo(_message.Message):
-    __slots__ = ("name", "size", "sha256", "key")
+    __slots__ = ("name", "size", "sha256", "key", "state")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     sha256: str
     key: str
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+    state: bool
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., key: _Optional[str] = ..., state: _Optional[bool] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("model", "checkpoint_id", "parent_checkpoint_id", "step", "created_time", "objects", "metadata_json")
+    __slots__ = ("model", "checkpoint_id", "parent_checkpoint_id", "step", "created_time", "objects", "metadata_json", "pending", "weights_source")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,8 @@ class Manifest(_message.Message):
     CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     checkpoint_id: str
     parent_checkpoint_id: str
@@ -118,7 +122,9 @@ class Manifest(_message.Message):
     created_time: float
     objects: _containers.RepeatedCompositeFieldContainer[ObjectInfo]
     metadata_json: str
-    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    pending: bool
+    weights_source: str
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., objects: _Optional[_Iterable[_Union[ObjectInfo, _Mapping]]] = ..., metadata_json: _Optional[str] = ..., pending: _Optional[bool] = ..., weights_source: _Optional[str] = ...) -> None: ...
 
 class Head(_message.Message):
     __slots__ = ("model", "checkpoint_id", "sequence", "updated_time")
@@ -211,20 +217,24 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class CheckpointSummary(_message.Message):
-    __slots__ = ("checkpoint_id", "parent_checkpoint_id", "step", "created_time", "is_head", "promotion")
+    __slots__ = ("checkpoint_id", "parent_checkpoint_id", "step", "created_time", "is_head", "promotion", "pending", "has_state")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
     IS_HEAD_FIELD_NUMBER: _ClassVar[int]
     PROMOTION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    HAS_STATE_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     parent_checkpoint_id: str
     step: int
     created_time: float
     is_head: bool
     promotion: Promotion
-    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., is_head: _Optional[bool] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ...) -> None: ...
+    pending: bool
+    has_state: bool
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., is_head: _Optional[bool] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ..., pending: _Optional[bool] = ..., has_state: _Optional[bool] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)

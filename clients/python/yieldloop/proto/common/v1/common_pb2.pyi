@@ -84,6 +84,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NON_FINITE: _ClassVar[ErrorReason]
     MODEL_IN_USE: _ClassVar[ErrorReason]
     REQUEST_TIMEOUT: _ClassVar[ErrorReason]
+    CHECKPOINT_PENDING: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -147,6 +148,7 @@ MODEL_TOO_LARGE: ErrorReason
 NON_FINITE: ErrorReason
 MODEL_IN_USE: ErrorReason
 REQUEST_TIMEOUT: ErrorReason
+CHECKPOINT_PENDING: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

@@ -7,6 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PullWeightsRequest(_message.Message):
+    __slots__ = ("model", "checkpoint_id", "host_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    checkpoint_id: str
+    host_id: str
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class PullWeightsResponse(_message.Message):
+    __slots__ = ("local_folder", "name", "data")
+    LOCAL_FOLDER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    local_folder: str
+    name: str
+    data: bytes
+    def __init__(self, local_folder: _Optional[str] = ..., name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class ForwardBackwardConfig(_message.Message):
     __slots__ = ("loss_fn", "loss_fn_config", "normalize_advantages_by_std", "drop_groups_without_signal", "reward_scale", "group_size", "allow_incomplete_groups", "model")
     class LossFnConfigEntry(_message.Message):
@@ -126,7 +146,7 @@ class AdamParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("adam", "set_head", "metadata_json", "skip_checkpoint", "model", "idempotency_key", "drop_gradients_if_refused")
+    __slots__ = ("adam", "set_head", "metadata_json", "skip_checkpoint", "model", "idempotency_key", "drop_gradients_if_refused", "save_state", "wait_durable")
     ADAM_FIELD_NUMBER: _ClassVar[int]
     SET_HEAD_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +154,8 @@ class OptimStepRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     DROP_GRADIENTS_IF_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SAVE_STATE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_DURABLE_FIELD_NUMBER: _ClassVar[int]
     adam: AdamParams
     set_head: bool
     metadata_json: str
@@ -141,10 +163,12 @@ class OptimStepRequest(_message.Message):
     model: str
     idempotency_key: str
     drop_gradients_if_refused: bool
-    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ..., skip_checkpoint: _Optional[bool] = ..., model: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., drop_gradients_if_refused: _Optional[bool] = ...) -> None: ...
+    save_state: bool
+    wait_durable: bool
+    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ..., set_head: _Optional[bool] = ..., metadata_json: _Optional[str] = ..., skip_checkpoint: _Optional[bool] = ..., model: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., drop_gradients_if_refused: _Optional[bool] = ..., save_state: _Optional[bool] = ..., wait_durable: _Optional[bool] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
-    __slots__ = ("step", "checkpoint", "grad_norm", "head_sequence", "parent_checkpoint_id", "timings")
+    __slots__ = ("step", "checkpoint", "grad_norm", "head_sequence", "parent_checkpoint_id", "timings", "durable", "has_state")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,13 +182,17 @@ class OptimStepResponse(_message.Message):
     HEAD_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    HAS_STATE_FIELD_NUMBER: _ClassVar[int]
     step: int
     checkpoint: _common_pb2.CheckpointRef
     grad_norm: float
     head_sequence: int
     parent_checkpoint_id: str
     timings: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointRef, _Mapping]] = ..., grad_norm: _Optional[float] = ..., head_sequence: _Optional[int] = ..., parent_checkpoint_id: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    durable: bool
+    has_state: bool
+    def __init__(self, step: _Optional[int] = ..., checkpoint: _Optional[_Union[_common_pb2.CheckpointRef, _Mapping]] = ..., grad_norm: _Optional[float] = ..., head_sequence: _Optional[int] = ..., parent_checkpoint_id: _Optional[str] = ..., timings: _Optional[_Mapping[str, float]] = ..., durable: _Optional[bool] = ..., has_state: _Optional[bool] = ...) -> None: ...
 
 class LossKnob(_message.Message):
     __slots__ = ("name", "default_value", "description")

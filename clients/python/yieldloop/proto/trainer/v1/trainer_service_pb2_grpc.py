@@ -69,6 +69,11 @@ class TrainerServiceStub:
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoResponse.FromString,
                 _registered_method=True)
+        self.PullWeights = channel.unary_stream(
+                '/yieldloop.trainer.v1.TrainerService/PullWeights',
+                request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -115,12 +120,14 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OptimStep(self, request, context):
-        """Applies accumulated gradients with AdamW, writes a Hugging Face checkpoint
-        (safetensors, config, tokenizer, optimizer state) to the object store and
-        commits it through CheckpointService, moving the head only if it still points at the checkpoint the
-        weights came from. All or nothing: when the step is refused or its commit fails, the trainer is exactly as
-        before it (weights, optimizer state, accumulated gradients). A retry with the same idempotency_key
-        returns the first outcome.
+        """Applies accumulated gradients with AdamW and commits the step as a checkpoint through CheckpointService,
+        moving the head only if it still points at the checkpoint the weights came from. The sampler weights
+        (Hugging Face safetensors, config, tokenizer) go to the fleet directly (PullWeights) and the checkpoint is
+        committed pending: the answer comes as soon as the head moved, and the objects reach the object store in
+        the background (durable false), unless wait_durable. The full training state (optimizer moments) is
+        written every state_every steps of the service, with save_state, and when the session closes. All or
+        nothing: when the step is refused or its commit fails, the trainer is exactly as before it (weights,
+        optimizer state, accumulated gradients). A retry with the same idempotency_key returns the first outcome.
         Returns: OK; FAILED_PRECONDITION (NO_GRADIENTS; NON_FINITE: the gradient norm or an updated weight is NaN
         or infinite); INVALID_ARGUMENT (INVALID_FIELD: a hyperparameter is NaN, infinite or out of range);
         ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback); UNAVAILABLE
@@ -141,6 +148,17 @@ class TrainerServiceServicer:
     def GetTrainerInfo(self, request, context):
         """Reports the trained model, its step and checkpoint.
         Returns: OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullWeights(self, request, context):
+        """Streams the sampler weights of a checkpoint this trainer committed and still holds (pending ones, and
+        the last few durable ones): to a caller on the same host (same host_id) one message naming the local
+        folder, otherwise every sampler object of the manifest in order, in chunks. The caller verifies sizes and
+        sha256 against the manifest. Returns: OK; NOT_FOUND (CHECKPOINT_NOT_FOUND) when this trainer no longer
+        holds it (read it from the store: it is durable by then, or was rolled back from).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,6 +196,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetTrainerInfo,
                     request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoRequest.FromString,
                     response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoResponse.SerializeToString,
+            ),
+            'PullWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullWeights,
+                    request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsRequest.FromString,
+                    response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +370,33 @@ class TrainerService:
             '/yieldloop.trainer.v1.TrainerService/GetTrainerInfo',
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoRequest.SerializeToString,
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/yieldloop.trainer.v1.TrainerService/PullWeights',
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsRequest.SerializeToString,
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

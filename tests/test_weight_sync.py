@@ -1,0 +1,157 @@
+"""Weights in flight: a step's weights reach the fleet from the trainer directly, the store write runs behind.
+
+An optimizer step commits its checkpoint *pending* and answers; rollout services pull the sampler weights from
+the trainer (the files in place on the same host, a chunked stream from another host), verified against the
+sha256 the trainer computed; the objects reach the store in the background and the checkpoint becomes durable.
+Unchanged files are shared with the parent, the training state is written every ``state_every`` steps and when
+a session closes, and a checkpoint without one resumes with its nearest ancestor's optimizer moments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+
+import pytest
+import pytest_asyncio
+
+from yieldloop import errors
+from yieldloop.client import Client, sampling_params
+from yieldloop.transport import TransportConfig
+from yieldloop_server.config import EnvOptions, StackConfig, TrainerOptions
+from yieldloop_server.stack import InProcessStack
+
+from test_training_safety import fingerprint, good_batch
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+class HoldDurability:
+    """Holds every CheckpointService commit after the first while ``held``: a step's pending commit goes
+    through, the commit that makes it durable waits."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.release = asyncio.Event()
+        self.commits = 0
+
+    @contextlib.asynccontextmanager
+    async def intercept(self, call):
+        if call.method.endswith("/CommitCheckpoint") and self.held:
+            self.commits += 1
+            if self.commits > 1:
+                await self.release.wait()
+        yield
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def synced(tmp_path_factory):
+    hold = HoldDurability()
+    data_dir = tmp_path_factory.mktemp("sync")
+    config = StackConfig(data_dir=data_dir, env=EnvOptions(workers=0), trainer=TrainerOptions(state_every=2),
+                         transport=TransportConfig(server_interceptors=(hold,)))
+    stack = InProcessStack(config)
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, timeout=120) as client:
+            yield client, hold, data_dir
+    finally:
+        await stack.stop()
+
+
+async def durable(client: Client, model: str, checkpoint_id: str):
+    for _ in range(400):
+        if not (manifest := await client.get_checkpoint(model, checkpoint_id)).pending:
+            return manifest
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{checkpoint_id} never became durable")
+
+
+def stored(data_dir: pathlib.Path, model: str, checkpoint_id: str) -> set[str]:
+    folder = data_dir / "store" / "models" / model / "checkpoints" / checkpoint_id
+    return {p.name for p in folder.iterdir()} - {"manifest.json"} if folder.is_dir() else set()
+
+
+async def test_the_fleet_serves_a_step_before_the_store_has_it(synced) -> None:
+    client, hold, data_dir = synced
+    await client.fork_model("tiny", "sync")
+    await client.forward_backward(datums=good_batch(1), model="sync")
+    hold.held, hold.commits = True, 0
+    step = await client.optim_step(1e-2, model="sync")
+    checkpoint_id = step.checkpoint.checkpoint_id
+    assert not step.durable and not step.has_state and step.head_sequence
+    manifest = await client.get_checkpoint("sync", checkpoint_id)
+    assert manifest.pending and manifest.weights_source
+    # Served (pulled from the trainer, verified) while the checkpoint is still pending.
+    info = await client.get_serving_info(wait_for_checkpoint_id=checkpoint_id, model="sync")
+    assert info.weight_version == checkpoint_id and not info.last_reload_error
+    completion = await client.generate([1, 2, 3], sampling=sampling_params(max_tokens=2), model="sync")
+    assert completion.weight_version == checkpoint_id
+    assert (await client.get_checkpoint("sync", checkpoint_id)).pending
+    with pytest.raises(errors.FailedPreconditionError) as err:  # nothing is built on a pending checkpoint
+        await client.fork_model(f"sync@{checkpoint_id}", "sync-fork")
+    assert err.value.reason == "CHECKPOINT_PENDING"
+    hold.held = False
+    hold.release.set()
+    manifest = await durable(client, "sync", checkpoint_id)
+    assert not manifest.weights_source
+    # No training state on this step (state_every=2), and the rollout never fetched any.
+    assert not manifest.has_state and "optimizer.pt" not in stored(data_dir, "sync", checkpoint_id)
+    cached = data_dir / "work" / "rollout" / "sync" / checkpoint_id
+    assert cached.is_dir() and "optimizer.pt" not in {p.name for p in cached.iterdir()}
+    # The second step holds the training state.
+    await client.forward_backward(datums=good_batch(2), model="sync")
+    second = await client.optim_step(1e-2, model="sync", wait_durable=True)
+    assert second.durable and second.has_state and "upload_s" in second.timings
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= stored(data_dir, "sync",
+                                                                                 second.checkpoint.checkpoint_id)
+
+
+async def test_pull_weights_in_place_or_streamed(synced, monkeypatch) -> None:
+    from yieldloop_server.checkpoint.files import host_id
+    from yieldloop_server.rollout import weights
+
+    client, _, data_dir = synced
+    await client.forward_backward(datums=good_batch(3), model="sync")
+    step = await client.optim_step(1e-2, model="sync")
+    checkpoint_id = step.checkpoint.checkpoint_id
+    manifest = await client.get_checkpoint("sync", checkpoint_id)
+    local = [m async for m in client.pull_weights("sync", checkpoint_id, host_id())]
+    assert len(local) == 1 and pathlib.Path(local[0].local_folder).is_dir()
+    streamed: dict[str, bytes] = {}
+    async for message in client.pull_weights("sync", checkpoint_id, "another-host"):
+        streamed[message.name] = streamed.get(message.name, b"") + message.data
+    assert sorted(streamed) == sorted(o.name for o in manifest.sampler_objects)
+    folder = pathlib.Path(local[0].local_folder)
+    assert all(streamed[name] == (folder / name).read_bytes() for name in streamed)
+    with pytest.raises(errors.NotFoundError):
+        [m async for m in client.pull_weights("sync", "no-such-checkpoint", "another-host")]
+    # A rollout on another host gets the stream, and verifies it.
+    monkeypatch.setattr(weights, "host_id", lambda: "another-host")
+    await client.forward_backward(datums=good_batch(4), model="sync")
+    step = await client.optim_step(1e-2, model="sync")
+    info = await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, model="sync")
+    assert info.weight_version == step.checkpoint.checkpoint_id and not info.last_reload_error
+    # Only what changed was written: the weights; config and tokenizer are the parent's objects.
+    manifest = await durable(client, "sync", step.checkpoint.checkpoint_id)
+    training_state = {"optimizer.pt", "trainer_state.json"}
+    assert stored(data_dir, "sync", step.checkpoint.checkpoint_id) - training_state == {"model.safetensors"}
+    shared = [o for o in manifest.sampler_objects if o.name != "model.safetensors"]
+    assert shared and all(f"/checkpoints/{step.checkpoint.checkpoint_id}/" not in o.key for o in shared)
+
+
+async def test_a_checkpoint_without_state_resumes_with_its_ancestors_moments(synced) -> None:
+    client, _, _ = synced
+    summaries = (await client.list_checkpoints("sync")).checkpoints
+    stateless = [s for s in summaries if not s.has_state and not s.pending and s.step > 0]
+    assert stateless and any(s.has_state for s in summaries)
+    target = stateless[-1]
+    await client.set_head("sync", target.checkpoint_id)  # a rollback: the trainer reloads there
+    before = await fingerprint(client, "sync")
+    info = await client.get_trainer_info("sync")
+    assert info.checkpoint_id == target.checkpoint_id and info.step == target.step
+    await client.forward_backward(datums=good_batch(5), model="sync")
+    step = await client.optim_step(1e-2, model="sync", save_state=True)
+    assert step.has_state and step.step == target.step + 1
+    assert await fingerprint(client, "sync") != before
