@@ -3,7 +3,9 @@
 Each step:
 
 1. rolls out the training tasks with the served head (``group_size`` episodes per task) and reports the
-   groups without reward spread before training on them;
+   groups without reward spread before training on them; with ``max_off_policy`` N > 0 (default 1) the next N
+   batches are already sampling while this one trains, and each step reports how many of its runs were
+   sampled by older weights, and how much older (the loss's importance ratio uses their recorded logprobs);
 2. ``forward_backward`` (the trainer's KL and clip fraction are kept), then ``optim_step``, which commits
    the candidate checkpoint to the tree *without* moving HEAD;
 3. evaluates the candidate on the held-out tasks (disjoint from the training tasks) through
@@ -20,6 +22,8 @@ checkpoint tree), which ``yieldloop report`` turns into a PNG and an HTML page.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import importlib
 import json
@@ -75,6 +79,10 @@ class LoopConfig:
     """A candidate is promoted unless its held-out reward is below the head's by more than this."""
     seed: int = 0
     name: str = ""
+    max_off_policy: int = 1
+    """Overlap: the next batches' rollouts run while the current batch trains, so a batch is sampled by weights
+    at most this many steps older than the ones it trains (each token's sampling logprob and weight version are
+    recorded, so the importance ratio uses the true sampler). 0: every batch waits for the new weights."""
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> LoopConfig:
@@ -120,7 +128,7 @@ class LoopConfig:
             "heldout_group_size": self.heldout_group_size >= 1, "tasks_per_step": self.tasks_per_step >= 0,
             "learning_rate": self.learning_rate > 0, "max_tokens": self.max_tokens >= 1,
             "promotion_tolerance": self.promotion_tolerance >= 0, "temperature": self.temperature >= 0,
-            "target_heldout_reward": 0 <= self.target_heldout_reward <= 1,
+            "target_heldout_reward": 0 <= self.target_heldout_reward <= 1, "max_off_policy": self.max_off_policy >= 0,
         }
         for key, ok in checks.items():
             if not ok:
@@ -190,6 +198,10 @@ class StepReport:
     """Head move -> the rollout service serves the new weights."""
     total_s: float
     warning: str = ""
+    off_policy_runs: int = 0
+    """Runs of this batch sampled (in part) by weights older than the ones it trained (overlap)."""
+    max_staleness: int = 0
+    """How many steps older than the trained weights the oldest sampling weights were."""
 
     def line(self) -> str:
         mark = "promoted" if self.promoted else "NOT promoted"
@@ -198,6 +210,8 @@ class StepReport:
             f"kl {self.kl:.4f}  clip {self.clip_fraction:.3f}  {self.checkpoint_id} {mark}  |  "
             f"rollout {self.rollout_s:.1f}s  fwd/bwd {self.forward_backward_s:.1f}s  optim+ckpt {self.optim_s:.1f}s  "
             f"held-out {self.heldout_s:.1f}s  reload {self.reload_s:.1f}s"
+            + (f"  |  off-policy {self.off_policy_runs}/{self.num_runs} runs (<= {self.max_staleness} step)"
+               if self.off_policy_runs else "")
         )
 
 
@@ -298,71 +312,99 @@ async def closed_loop(
             baseline.append(first)
     history: list[tuple[float, float]] = []
     diverging = 0
-    for step_index in range(1, config.steps + 1):
-        started = time.perf_counter()
-        parent = head.checkpoint_id
+    heads = [head.checkpoint_id]
+    """The heads this loop trained from, in order (staleness is a distance in this list)."""
+    batches: collections.deque[asyncio.Task] = collections.deque()
+
+    def launch() -> None:
         tasks = train if not config.tasks_per_step else rng.sample(train, min(config.tasks_per_step, len(train)))
-        runs = await run_tasks(tasks, agent, job=job, max_concurrent=config.max_concurrent)
-        rolled = time.perf_counter()
-        flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
-        fb = await client.forward_backward(
-            runs=[r for r in runs if r.status == RunStatus.GRADED], loss_fn=config.loss_fn,
-            loss_fn_config=config.loss_fn_config, normalize_advantages_by_std=config.normalize_advantages_by_std,
-            allow_incomplete_groups=True, model=config.model,
-        )
-        backward = time.perf_counter()
-        adam = {"max_grad_norm": config.max_grad_norm} if config.max_grad_norm else {}
-        optim = await client.optim_step(config.learning_rate, set_head=not heldout, model=config.model,
-                                        metadata_json=json.dumps({"job_id": job.id}), **adam)
-        candidate = optim.checkpoint.checkpoint_id
-        optimized = time.perf_counter()
-        if heldout:
-            score, heldout_runs = await evaluate(candidate)
-            evaluated = time.perf_counter()
-            floor = head_score - config.promotion_tolerance
-            promoted = score >= floor
-            reason = (f"held-out {score:.3f} >= head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
-                      if promoted else
-                      f"held-out {score:.3f} < head {head_score:.3f} - tolerance {config.promotion_tolerance:g}")
-            await client.record_promotion(config.model, candidate, ckpt_pb.Promotion(
-                state=ckpt_pb.PROMOTION_STATE_PROMOTED if promoted else ckpt_pb.PROMOTION_STATE_REJECTED,
-                reason=reason, heldout_reward=score, baseline_checkpoint_id=head.checkpoint_id,
-                baseline_reward=head_score, decided_time=time.time(),
-            ))
-            if promoted:
-                head = await client.set_head(config.model, candidate, expected_checkpoint_id=head.checkpoint_id)
-                head_score = score
-        else:
-            score, heldout_runs, evaluated = float("nan"), [], optimized
-            promoted, reason = True, "no held-out tasks: promoted by the trainer"
-            head = await client.get_head(config.model)
-        info = await client.get_serving_info(wait_for_checkpoint_id=head.checkpoint_id, model=config.model)
-        reloaded = time.perf_counter()
-        train_reward = mean_reward(runs)
-        history.append((train_reward, score))
-        warning = ""
-        if len(history) >= 2:
-            (prev_train, prev_heldout), (now_train, now_heldout) = history[-2], history[-1]
-            diverging = diverging + 1 if now_train > prev_train and now_heldout < prev_heldout else 0
-            if diverging >= 2:
-                warning = (f"possible reward hacking: training reward rose while held-out fell {diverging} evals "
-                           f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})")
-        report = StepReport(
-            step=optim.step, job_id=job.id, checkpoint_id=candidate, parent_checkpoint_id=parent, promoted=promoted, reason=reason,
-            head_checkpoint_id=head.checkpoint_id, served_weight_version=info.weight_version,
-            train_reward=train_reward, heldout_reward=score, head_heldout_reward=head_score, num_runs=len(runs),
-            groups_without_spread=len(flat), loss=fb.loss_sum, kl=fb.metrics.get("kl_sampler_learner", math.nan),
-            clip_fraction=fb.metrics.get("clip_fraction", math.nan), entropy=fb.metrics.get("entropy", math.nan),
-            sampled_weight_versions=sorted({t.weight_version for run in runs for t in run.turns}),
-            rollout_s=rolled - started, forward_backward_s=backward - rolled, optim_s=optimized - backward,
-            heldout_s=evaluated - optimized, reload_s=reloaded - evaluated, total_s=reloaded - started,
-            warning=warning,
-        )
-        if recorder:
-            recorder.step(report)
-            recorder.samples(report.step, "train", runs)
-            recorder.samples(report.step, "heldout", heldout_runs)
-            await recorder.checkpoint_tree(client, config.model)
-        yield report
-        if config.target_heldout_reward and heldout and head_score >= config.target_heldout_reward:
-            break
+        batches.append(asyncio.ensure_future(run_tasks(tasks, agent, job=job, max_concurrent=config.max_concurrent)))
+
+    launch()
+    try:
+        for step_index in range(1, config.steps + 1):
+            started = time.perf_counter()
+            parent = head.checkpoint_id
+            runs = await batches.popleft()
+            rolled = time.perf_counter()
+            for _ in range(min(config.max_off_policy, config.steps - step_index) - len(batches)):
+                launch()  # the next batches sample while this one trains
+            stale = [_staleness(run, heads) for run in runs]
+            flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
+            fb = await client.forward_backward(
+                runs=[r for r in runs if r.status == RunStatus.GRADED], loss_fn=config.loss_fn,
+                loss_fn_config=config.loss_fn_config, normalize_advantages_by_std=config.normalize_advantages_by_std,
+                allow_incomplete_groups=True, model=config.model,
+            )
+            backward = time.perf_counter()
+            adam = {"max_grad_norm": config.max_grad_norm} if config.max_grad_norm else {}
+            optim = await client.optim_step(config.learning_rate, set_head=not heldout, model=config.model,
+                                            metadata_json=json.dumps({"job_id": job.id}), **adam)
+            candidate = optim.checkpoint.checkpoint_id
+            optimized = time.perf_counter()
+            if heldout:
+                score, heldout_runs = await evaluate(candidate)
+                evaluated = time.perf_counter()
+                floor = head_score - config.promotion_tolerance
+                promoted = score >= floor
+                reason = (f"held-out {score:.3f} >= head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
+                          if promoted else
+                          f"held-out {score:.3f} < head {head_score:.3f} - tolerance {config.promotion_tolerance:g}")
+                await client.record_promotion(config.model, candidate, ckpt_pb.Promotion(
+                    state=ckpt_pb.PROMOTION_STATE_PROMOTED if promoted else ckpt_pb.PROMOTION_STATE_REJECTED,
+                    reason=reason, heldout_reward=score, baseline_checkpoint_id=head.checkpoint_id,
+                    baseline_reward=head_score, decided_time=time.time(),
+                ))
+                if promoted:
+                    head = await client.set_head(config.model, candidate, expected_checkpoint_id=head.checkpoint_id)
+                    head_score = score
+            else:
+                score, heldout_runs, evaluated = float("nan"), [], optimized
+                promoted, reason = True, "no held-out tasks: promoted by the trainer"
+                head = await client.get_head(config.model)
+            if head.checkpoint_id != heads[-1]:
+                heads.append(head.checkpoint_id)
+            info = await client.get_serving_info(wait_for_checkpoint_id=head.checkpoint_id, model=config.model)
+            reloaded = time.perf_counter()
+            train_reward = mean_reward(runs)
+            history.append((train_reward, score))
+            warning = ""
+            if len(history) >= 2:
+                (prev_train, prev_heldout), (now_train, now_heldout) = history[-2], history[-1]
+                diverging = diverging + 1 if now_train > prev_train and now_heldout < prev_heldout else 0
+                if diverging >= 2:
+                    warning = (f"possible reward hacking: training reward rose while held-out fell {diverging} evals "
+                               f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})")
+            report = StepReport(
+                step=optim.step, job_id=job.id, checkpoint_id=candidate, parent_checkpoint_id=parent, promoted=promoted, reason=reason,
+                head_checkpoint_id=head.checkpoint_id, served_weight_version=info.weight_version,
+                train_reward=train_reward, heldout_reward=score, head_heldout_reward=head_score, num_runs=len(runs),
+                groups_without_spread=len(flat), loss=fb.loss_sum, kl=fb.metrics.get("kl_sampler_learner", math.nan),
+                clip_fraction=fb.metrics.get("clip_fraction", math.nan), entropy=fb.metrics.get("entropy", math.nan),
+                sampled_weight_versions=sorted({t.weight_version for run in runs for t in run.turns}),
+                rollout_s=rolled - started, forward_backward_s=backward - rolled, optim_s=optimized - backward,
+                heldout_s=evaluated - optimized, reload_s=reloaded - evaluated, total_s=reloaded - started,
+                warning=warning, off_policy_runs=sum(1 for k in stale if k), max_staleness=max(stale, default=0),
+            )
+            if recorder:
+                recorder.step(report)
+                recorder.samples(report.step, "train", runs)
+                recorder.samples(report.step, "heldout", heldout_runs)
+                await recorder.checkpoint_tree(client, config.model)
+            yield report
+            if config.target_heldout_reward and heldout and head_score >= config.target_heldout_reward:
+                break
+    finally:
+        for batch in batches:  # rollouts launched ahead for steps that will not run
+            batch.cancel()
+        await asyncio.gather(*batches, return_exceptions=True)
+
+
+def _staleness(run: Run, heads: list[str]) -> int:
+    """How many of the loop's heads the oldest weights that sampled ``run`` are behind the newest (0: on-policy;
+    weights the loop never trained from count as older than all of them)."""
+    behind = 0
+    for turn in run.turns:
+        version = turn.weight_version
+        behind = max(behind, len(heads) - 1 - heads.index(version) if version in heads else len(heads))
+    return behind

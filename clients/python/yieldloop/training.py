@@ -283,9 +283,21 @@ class StepResult:
     client saw them), the trainer's ``optimizer_s``, ``save_s`` and ``commit_s``, and ``weights_served_s``
     (from the commit's answer until the rollout service serves the new weights; absent when not waited for)."""
 
+    durable: bool = False
+    """The checkpoint was in the object store when the step answered (otherwise the trainer is still writing it;
+    the rollout fleet already serves its weights)."""
+    has_state: bool = False
+    """The checkpoint holds the full training state (the trainer saves it every few steps, see --state-every)."""
+
     @property
     def sampler_path(self) -> str:
+        """The checkpoint whose weights sample (every step's)."""
         return self.checkpoint_id
+
+    @property
+    def state_path(self) -> str:
+        """The checkpoint to resume training from exactly ("" when this step saved no training state)."""
+        return self.checkpoint_id if self.has_state else ""
 
 
 def off_policy(runs: Sequence[Run | str], checkpoint_id: str) -> int:
@@ -357,7 +369,7 @@ class TrainingClient:
         if set_head and wait_for_serving:
             await self._served(step.checkpoint.checkpoint_id, timings)
         return StepResult(step.step, step.checkpoint.checkpoint_id, float("nan"), float("nan"), 0, {}, step.grad_norm,
-                          step.parent_checkpoint_id, 0, timings)
+                          step.parent_checkpoint_id, 0, timings, step.durable, step.has_state)
 
     async def step(
         self,
@@ -400,6 +412,8 @@ class TrainingClient:
             parent_checkpoint_id=step.parent_checkpoint_id,
             off_policy_runs=off_policy(runs, step.parent_checkpoint_id),
             timings=timings,
+            durable=step.durable,
+            has_state=step.has_state,
         )
 
     async def checkpoints(self) -> list[ckpt_pb.CheckpointSummary]:
