@@ -202,6 +202,8 @@ class StepReport:
     """Runs of this batch sampled (in part) by weights older than the ones it trained (overlap)."""
     max_staleness: int = 0
     """How many steps older than the trained weights the oldest sampling weights were."""
+    completion_tokens: int = 0
+    """Tokens the policy sampled in this step's training runs."""
 
     def line(self) -> str:
         mark = "promoted" if self.promoted else "NOT promoted"
@@ -320,11 +322,12 @@ async def closed_loop(
         tasks = train if not config.tasks_per_step else rng.sample(train, min(config.tasks_per_step, len(train)))
         batches.append(asyncio.ensure_future(run_tasks(tasks, agent, job=job, max_concurrent=config.max_concurrent)))
 
-    launch()
     try:
         for step_index in range(1, config.steps + 1):
             started = time.perf_counter()
             parent = head.checkpoint_id
+            if not batches:  # on-policy: sampled now, by the weights just served
+                launch()
             runs = await batches.popleft()
             rolled = time.perf_counter()
             for _ in range(min(config.max_off_policy, config.steps - step_index) - len(batches)):
@@ -385,6 +388,7 @@ async def closed_loop(
                 rollout_s=rolled - started, forward_backward_s=backward - rolled, optim_s=optimized - backward,
                 heldout_s=evaluated - optimized, reload_s=reloaded - evaluated, total_s=reloaded - started,
                 warning=warning, off_policy_runs=sum(1 for k in stale if k), max_staleness=max(stale, default=0),
+                completion_tokens=sum(len(t.completion_token_ids) for run in runs for t in run.turns),
             )
             if recorder:
                 recorder.step(report)

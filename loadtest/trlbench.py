@@ -1,0 +1,197 @@
+"""yieldloop against TRL's GRPOTrainer: steps, wall seconds and tokens/s to a held-out target, in one run.
+
+The task is the embedded ``letters`` environment (``yieldloop.envs.letters``): write a given letter at least
+eight times; partial credit for shorter or mixed answers. Training letters a-p, held-out letters q-z (never
+trained on). Both systems start from the same tiny Qwen2 model (built offline, as ``yieldloop up`` does), use the
+same prompts (the user message through the model's chat template), 8 completions per prompt, all 16 training
+prompts per step (128 episodes), at most 12 new tokens at temperature 1, AdamW at lr 1e-3 with betas (0.9, 0.95),
+constant schedule, no gradient clipping, no KL penalty, advantages = reward - group mean (no std scaling). The
+held-out metric is the mean reward of greedy answers to the 10 held-out prompts, evaluated after every step by
+each system's own means (yieldloop: RolloutService on the candidate checkpoint; TRL: ``model.generate``) and
+left out of the wall time. Runs alternate between the systems (seed 0 of each, then seed 1, ...).
+
+- yieldloop: ``yieldloop up``'s stack (four processes, torch engine) and the closed loop (``yieldloop.loop``),
+  every candidate promoted; ``--off-policy`` lists the overlap settings to run (``max_off_policy``).
+- TRL: ``GRPOTrainer`` (``loss_type="bnpo"``, one optimizer step per generation batch), on CPU, in this process.
+
+Differences that remain: TRL normalises the loss by the number of completion tokens, yieldloop's
+``importance_sampling`` loss sums over tokens (AdamW makes the update scale-free up to eps); TRL generates with
+``transformers``' ``generate`` in the training process, yieldloop with its rollout engine in another process.
+
+Usage: ``pip install -e '.[bench]'`` then ``python loadtest/trlbench.py [--seeds 2] [--target 0.8] [--max-steps 20]
+[--off-policy 0 1] [--out r.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from trainerbench import run_and_report  # noqa: E402
+
+LEARNING_RATE = 1e-3
+GROUP = 8
+MAX_TOKENS = 12
+
+
+def prompt(letter: str) -> str:
+    return f'Write the letter "{letter}" at least eight times.'
+
+
+def to_target(per_step: list[dict], target: float) -> dict:
+    """Steps, training seconds and sampled tokens until the held-out reward first reached ``target``."""
+    seconds = tokens = 0.0
+    for i, step in enumerate(per_step, 1):
+        seconds += step["train_s"]
+        tokens += step["tokens"]
+        if step["heldout"] >= target:
+            return {"reached": True, "steps": i, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1)}
+    return {"reached": False, "steps": len(per_step), "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0}
+
+
+async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_policy: int, seed: int) -> dict:
+    from yieldloop.client import Client
+    from yieldloop.envs.letters import heldout_tasks, train_tasks
+    from yieldloop.loop import LoopConfig, closed_loop
+    from yieldloop_server.config import StackConfig
+    from yieldloop_server.stack import ProcessStack
+
+    stack = ProcessStack(StackConfig(data_dir=data_dir))
+    addresses = await stack.start()
+    config = LoopConfig(steps=args.max_steps, group_size=GROUP, learning_rate=LEARNING_RATE, max_tokens=MAX_TOKENS,
+                        promotion_tolerance=1.0, max_off_policy=off_policy, seed=seed,
+                        target_heldout_reward=args.target, name=f"trlbench-{seed}")
+    per_step = []
+    try:
+        async with Client(**addresses, timeout=300) as client:
+            async for report in closed_loop(client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks()):
+                per_step.append({
+                    "heldout": report.heldout_reward, "train_s": report.total_s - report.heldout_s,
+                    "tokens": report.completion_tokens, "rollout_s": report.rollout_s,
+                    "forward_backward_s": report.forward_backward_s, "optim_s": report.optim_s,
+                    "reload_s": report.reload_s, "off_policy_runs": report.off_policy_runs,
+                })
+    finally:
+        await stack.stop()
+    return {"per_step": per_step, **to_target(per_step, args.target)}
+
+
+def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from yieldloop.envs.letters import HELDOUT_LETTERS, TRAIN_LETTERS, letter_reward
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": prompt(c)}], "letter": c}
+                                 for c in TRAIN_LETTERS])
+    tokens = [0]
+
+    def reward(completions: list, letter: list, completion_ids: list | None = None, **_: object) -> list[float]:
+        tokens[0] += sum(len(ids) for ids in completion_ids or [])
+        return [letter_reward(c[0]["content"] if isinstance(c, list) else c, target)
+                for c, target in zip(completions, letter, strict=True)]
+
+    def heldout() -> float:
+        scores = []
+        model.eval()
+        with torch.no_grad():
+            for c in HELDOUT_LETTERS:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt(c)}], add_generation_prompt=True,
+                                                    return_tensors="pt", return_dict=True)
+                generated = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                           pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                answer = tokenizer.decode(generated[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+                scores.append(letter_reward(answer, c))
+        model.train()
+        return statistics.mean(scores)
+
+    per_step: list[dict] = []
+
+    class Measure(TrainerCallback):
+        def on_step_begin(self, *_: object, **__: object) -> None:
+            self.started, self.tokens = time.perf_counter(), tokens[0]
+
+        def on_step_end(self, _args: object, state: object, control: object, **__: object) -> None:
+            train_s = time.perf_counter() - self.started
+            score = heldout()
+            per_step.append({"heldout": score, "train_s": train_s, "tokens": tokens[0] - self.tokens})
+            if score >= args.target:
+                control.should_training_stop = True
+
+    config = GRPOConfig(
+        output_dir=str(out), max_steps=args.max_steps, learning_rate=LEARNING_RATE, lr_scheduler_type="constant",
+        warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=0.0,
+        per_device_train_batch_size=GROUP * len(TRAIN_LETTERS), gradient_accumulation_steps=1, num_generations=GROUP,
+        max_completion_length=MAX_TOKENS, temperature=1.0, beta=0.0, scale_rewards="none", loss_type="bnpo",
+        num_iterations=1, use_cpu=True, bf16=False, seed=seed, report_to="none", logging_steps=1000,
+        save_strategy="no", disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Measure()])
+    trainer.train()
+    return {"per_step": per_step, **to_target(per_step, args.target)}
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    from yieldloop_server.stack import ensure_model
+    from yieldloop_server.store import open_store
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="yl-trlbench-"))
+    store_dir = root / "base-store"
+    ensure_model(open_store(str(store_dir)), "tiny")
+    base = store_dir / "models" / "tiny" / "checkpoints" / "base"
+    results: dict[str, list[dict]] = {f"yieldloop_off_policy_{n}": [] for n in args.off_policy} | {"trl": []}
+    for seed in range(args.seeds):
+        for n in args.off_policy:
+            results[f"yieldloop_off_policy_{n}"].append(
+                await run_yieldloop(root / f"yl-{n}-{seed}", args, n, seed))
+        results["trl"].append(await asyncio.to_thread(run_trl, base, root / f"trl-{seed}", args, seed))
+    summary: dict[str, object] = {"target_heldout_reward": args.target, "seeds": args.seeds,
+                                  "cpu_threads": os.cpu_count()}
+    for name, runs in results.items():
+        reached = [r for r in runs if r["reached"]]
+        summary[name] = {
+            "reached": f"{len(reached)}/{len(runs)}",
+            "median_steps": statistics.median(r["steps"] for r in reached) if reached else None,
+            "median_seconds": statistics.median(r["seconds"] for r in reached) if reached else None,
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "median_s_per_step": round(statistics.median(s["train_s"] for r in runs for s in r["per_step"]), 3),
+        }
+        if name != "trl":
+            steps = [s for r in runs for s in r["per_step"]]
+            summary[name]["per_step_split_s"] = {
+                part: round(statistics.median(s[part] for s in steps), 3)
+                for part in ("rollout_s", "forward_backward_s", "optim_s", "reload_s")}
+    trl_seconds = summary["trl"]["median_seconds"]  # type: ignore[index]
+    for n in args.off_policy:
+        ours = summary[f"yieldloop_off_policy_{n}"]["median_seconds"]  # type: ignore[index]
+        if ours and trl_seconds:
+            summary[f"wall_ratio_yieldloop_off_policy_{n}_to_trl"] = round(ours / trl_seconds, 2)
+    summary["runs"] = results
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--off-policy", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--out", type=pathlib.Path)
+    run_and_report(bench, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
