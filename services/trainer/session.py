@@ -45,6 +45,8 @@ from yieldloop_server.trainer.trainer import STATE_FILE, STATE_FILES, AdamConfig
 
 log = logging.getLogger(__name__)
 
+CLOSE_FLUSH_S = 120.0
+"""How long closing a session waits for its checkpoints to become durable (the store may be unreachable)."""
 PENDING_WAIT_S = 60.0
 """How long a trainer loading a pending head waits for the live trainer that committed it to make it durable."""
 
@@ -318,11 +320,15 @@ class TrainingSession:
             shutil.rmtree(scratch, ignore_errors=True)
 
     async def close(self) -> None:
-        """Makes everything durable (the training state included), then frees the weights."""
+        """Makes everything durable (the training state included) within ``CLOSE_FLUSH_S``, then frees the
+        weights."""
         try:
-            await self.save_state()
-        except Exception as err:  # deliberate: closing must go on; the checkpoints stay as committed
-            log.error("%s: could not save the training state on close: %s", self.model, err)
+            await asyncio.wait_for(self.save_state(), CLOSE_FLUSH_S)
+        except Exception as err:  # deliberate: closing must go on; what is not durable stays pending (rolled back)
+            log.error("%s: closing without everything durable (%s): a pending head is rolled back by the next "
+                      "trainer", self.model, err or type(err).__name__)
+        if self._durability is not None:
+            self._durability.cancel()
         await self.close_trainer()
         if self.publisher is not None:
             self.publisher.release_model(self.model)
