@@ -111,6 +111,7 @@ async def test_the_fleet_serves_a_step_before_the_store_has_it(synced) -> None:
 async def test_pull_weights_in_place_or_streamed(synced, monkeypatch) -> None:
     from yieldloop_server.checkpoint.files import host_id
     from yieldloop_server.rollout import weights
+    from yieldloop_server.trainer import servicer as trainer_servicer
 
     client, _, data_dir = synced
     await client.forward_backward(datums=good_batch(3), model="sync")
@@ -119,10 +120,14 @@ async def test_pull_weights_in_place_or_streamed(synced, monkeypatch) -> None:
     manifest = await client.get_checkpoint("sync", checkpoint_id)
     local = [m async for m in client.pull_weights("sync", checkpoint_id, host_id())]
     assert len(local) == 1 and pathlib.Path(local[0].local_folder).is_dir()
+    monkeypatch.setattr(trainer_servicer, "PULL_CHUNK_BYTES", 4096)  # objects span many chunks
     streamed: dict[str, bytes] = {}
+    chunks = 0
     async for message in client.pull_weights("sync", checkpoint_id, "another-host"):
+        chunks += 1
         streamed[message.name] = streamed.get(message.name, b"") + message.data
     assert sorted(streamed) == sorted(o.name for o in manifest.sampler_objects)
+    assert chunks > 2 * len(streamed)
     folder = pathlib.Path(local[0].local_folder)
     assert all(streamed[name] == (folder / name).read_bytes() for name in streamed)
     with pytest.raises(errors.NotFoundError):
