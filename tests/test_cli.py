@@ -117,6 +117,7 @@ def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> No
     # The tree lists every candidate with its promotion decision; `head` agrees with the marked head.
     tree = run(up, "models", "checkpoints", "tiny")
     assert tree.returncode == 0 and "base" in tree.stdout
+    assert re.search(r"base .*│ (weights|weights \+ state|pending) │", tree.stdout), tree.stdout  # what is stored
     for candidate in candidates:
         assert re.search(rf"{candidate} .*(promoted|not promoted): held-out", tree.stdout), tree.stdout
     head = re.search(r"^\W*>\W+(\S+)", tree.stdout, re.M).group(1)

@@ -349,13 +349,14 @@ async def _models(args: argparse.Namespace) -> None:
             await client.delete_model(args.model, force=args.force)
             console.print(f"deleted {args.model}", markup=False)
         elif args.models_command == "checkpoints":
-            table = Table("", "checkpoint", "parent", "step", "promotion")
+            table = Table("", "checkpoint", "parent", "step", "stored", "promotion")
             for c in (await client.list_checkpoints(args.model)).checkpoints:
                 decision = {1: "promoted", 2: "not promoted"}.get(c.promotion.state, "")
                 if c.promotion.reason:
                     decision += f": {c.promotion.reason}"
+                stored = "pending" if c.pending else "weights + state" if c.has_state else "weights"
                 table.add_row(">" if c.is_head else "", c.checkpoint_id, c.parent_checkpoint_id or "-", str(c.step),
-                              decision)
+                              stored, decision)
             console.print(table)
         elif args.set_to:
             head = await client.set_head(args.model, args.set_to, expected_checkpoint_id=args.expect)
