@@ -139,6 +139,8 @@ class ServeOptions(StackConfig):
     """Where to write {address} once serving."""
     grace_s: float = 5.0
     """Seconds in-flight calls get to finish on SIGTERM."""
+    torch_threads: int = 0
+    """torch's intra-op threads in this process (0: torch's default, one per core)."""
 
     @classmethod
     def of(cls, config: StackConfig, service: str, addresses: dict[str, str]) -> ServeOptions:
@@ -146,6 +148,18 @@ class ServeOptions(StackConfig):
         shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(StackConfig)}
         return cls(**shared, service=service, checkpoint_address=addresses.get("checkpoint", ""),
                    env_address=addresses.get("env", ""))
+
+    def sharing_cores(self, cores: int | None = None) -> ServeOptions:
+        """These options for a trainer or rollout service that shares a CPU machine with the other one (as
+        ``yieldloop up`` runs them): half the cores each for torch, so sampling the next batch and training the
+        current one run side by side instead of oversubscribing every core. Unchanged for other services, on
+        GPUs, or when torch_threads or OMP_NUM_THREADS is set."""
+        import os
+
+        if (self.service not in ("trainer", "rollout") or self.torch_threads or not self.device.startswith("cpu")
+                or os.environ.get("OMP_NUM_THREADS")):
+            return self
+        return dataclasses.replace(self, torch_threads=max(1, (cores or os.cpu_count() or 2) // 2))
 
     def to_args(self) -> list[str]:
         """The ``yieldloop serve`` arguments that give these options (interceptors do not cross processes)."""

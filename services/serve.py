@@ -24,6 +24,11 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
     """Builds one service; returns its start (-> address) and stop(grace) coroutine functions."""
     from yieldloop_server.store import open_store
 
+    if opts.torch_threads:
+        import torch
+
+        torch.set_num_threads(opts.torch_threads)
+
     store = open_store(opts.store_url)
     work_dir = opts.data_dir / "work" / opts.service
     if opts.service == "checkpoint":

@@ -233,7 +233,7 @@ class ProcessStack:
     async def _spawn(self, service: str) -> None:
         run_dir = self.config.data_dir / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
-        options = ServeOptions.of(self.config, service, self.addresses)
+        options = ServeOptions.of(self.config, service, self.addresses).sharing_cores()
         options.ready_file = run_dir / f"{service}.json"
         self.services[service] = process = ServiceProcess(options, self.config.data_dir / "logs", self.ready_timeout_s)
         self.addresses[service] = await process.start()
