@@ -29,9 +29,10 @@ def test_serve_flags_round_trip_every_option() -> None:
     options = ServeOptions(
         service="trainer", data_dir=pathlib.Path("/tmp/yl"), store="s3://b/p", model="m", device="cuda:1",
         checkpoint=CheckpointOptions(keep_last=3), env=EnvOptions(specs=("a:b", "c.py:env"), workers=0),
-        trainer=TrainerOptions(dtype="bfloat16", nproc=2), rollout=RolloutOptions(engine="vllm", http_port=-1),
+        trainer=TrainerOptions(dtype="bfloat16", nproc=2, state_every=5),
+        rollout=RolloutOptions(engine="vllm", http_port=-1),
         transport=TransportConfig(max_message_bytes=1 << 20), port=7000, checkpoint_address="h:1",
-        env_address="h:2", ready_file=pathlib.Path("/tmp/ready.json"), grace_s=2.5,
+        env_address="h:2", ready_file=pathlib.Path("/tmp/ready.json"), grace_s=2.5, torch_threads=2,
     )
     assert from_arguments(_parser().parse_args(options.to_args()), ServeOptions) == options
 
@@ -50,3 +51,17 @@ def test_defaults_and_help_come_from_the_dataclasses(capsys) -> None:
         assert doc in help_text
     assert TrainerOptions(dtype="auto").resolved_dtype("cuda:0") == "bfloat16"
     assert TrainerOptions(dtype="auto").resolved_dtype("cpu") == "float32"
+
+
+def test_the_stack_splits_the_cores_between_trainer_and_rollout(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for service, cores, expected in (("trainer", 8, 4), ("rollout", 2, 1), ("rollout", 1, 1), ("env", 8, 0),
+                                     ("checkpoint", 8, 0)):
+        options = ServeOptions(service=service).sharing_cores(cores)
+        assert options.torch_threads == expected, (service, cores)
+    options = ServeOptions(service="trainer").sharing_cores(8)
+    assert options.to_args()[-2:] == ["--torch-threads", "4"]
+    assert ServeOptions(service="trainer", device="cuda").sharing_cores(8).torch_threads == 0
+    assert ServeOptions(service="trainer", torch_threads=3).sharing_cores(8).torch_threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
+    assert ServeOptions(service="trainer").sharing_cores(8).torch_threads == 0
