@@ -228,3 +228,19 @@ async def test_one_rollout_service_serves_every_slug_by_name(stack, client: Clie
     with pytest.raises(errors.NotFoundError) as err:
         await client.generate(PROMPT, model="no-such-slug")
     assert err.value.reason == "MODEL_NOT_FOUND"
+
+
+async def test_overlap_bounds_and_reports_how_stale_each_batch_was(client: Client) -> None:
+    await client.fork_model(MODEL, "overlap")
+    for off_policy in (0, 1):
+        config = LoopConfig(model="overlap", steps=3, group_size=2, heldout_tasks="", max_off_policy=off_policy)
+        reports = [r async for r in closed_loop(client, config, train_tasks=tasks("abcd"))]
+        assert len(reports) == 3
+        parents = [r.parent_checkpoint_id for r in reports]
+        for i, report in enumerate(reports):
+            assert report.max_staleness <= off_policy and report.completion_tokens > 0
+            # Sampled by the weights it trains, or (overlap) by those one step older, never anything else.
+            allowed = {parents[i]} | ({parents[i - 1]} if off_policy and i else set())
+            assert set(report.sampled_weight_versions) <= allowed, (off_policy, i, report.sampled_weight_versions)
+            stale = set(report.sampled_weight_versions) - {parents[i]}
+            assert (report.off_policy_runs > 0) == bool(stale) and (report.max_staleness == 1) == bool(stale)
