@@ -160,3 +160,19 @@ async def test_a_checkpoint_without_state_resumes_with_its_ancestors_moments(syn
     step = await client.optim_step(1e-2, model="sync", save_state=True)
     assert step.has_state and step.step == target.step + 1
     assert await fingerprint(client, "sync") != before
+
+
+async def test_state_added_on_close_is_what_the_next_session_resumes_from(synced) -> None:
+    client, _, _ = synced
+    summaries = (await client.list_checkpoints("sync")).checkpoints
+    target = [s for s in summaries if not s.has_state and not s.pending and s.step > 0][-1]
+    await client.set_head("sync", target.checkpoint_id)
+    await fingerprint(client, "sync")  # the trainer reloads there (its weights cached without state)
+    for other in ("sync-x", "sync-y"):  # two more slugs: the trainer (2 sessions) closes the idle "sync"
+        await client.fork_model("tiny", other)
+        await fingerprint(client, other)
+    manifest = await client.get_checkpoint("sync", target.checkpoint_id)
+    assert manifest.has_state, "closing the session saved the training state of the checkpoint it was at"
+    await fingerprint(client, "sync")  # a new session resumes there, with that state and step
+    info = await client.get_trainer_info("sync")
+    assert info.checkpoint_id == target.checkpoint_id and info.step == target.step

@@ -41,15 +41,12 @@ def describe_folder(
 
 def upload_objects(
     store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path, objects: Sequence[ObjectInfo],
-) -> int:
+) -> None:
     """Writes the objects of ``folder`` stored under the checkpoint's own prefix (not those shared with an
-    earlier checkpoint); returns the bytes written."""
-    written = 0
+    earlier checkpoint)."""
     for obj in objects:
         if obj.key.startswith(checkpoint_prefix(model, checkpoint_id)):
             store.put_file(obj.key, folder / obj.name)
-            written += obj.size
-    return written
 
 
 def upload_folder(store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path) -> list[ObjectInfo]:

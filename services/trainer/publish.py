@@ -15,7 +15,6 @@ import socket
 from collections.abc import Callable
 
 from yieldloop.types import Manifest
-from yieldloop_server.checkpoint.files import host_id  # noqa: F401  (re-exported)
 
 KEEP_DURABLE = 2
 """Folders kept after their checkpoint became durable (pulls in progress finish from here)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 
@@ -15,7 +16,8 @@ from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, Run
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.trainer import losses
-from yieldloop_server.trainer.publish import WeightPublisher, host_id
+from yieldloop_server.checkpoint.files import host_id
+from yieldloop_server.trainer.publish import WeightPublisher
 from yieldloop_server.trainer.session import LossOptions, TrainingSessions
 from yieldloop_server.trainer.trainer import AdamConfig
 
@@ -201,6 +203,6 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             yield pb.PullWeightsResponse(local_folder=str(folder))
             return
         for obj in manifest.sampler_objects:
-            with open(folder / obj.name, "rb") as file:  # noqa: ASYNC230  (page-cache reads of local files)
-                while chunk := file.read(PULL_CHUNK_BYTES):
+            with open(folder / obj.name, "rb") as file:  # noqa: ASYNC230  (opening is cheap; reads go to a thread)
+                while chunk := await asyncio.to_thread(file.read, PULL_CHUNK_BYTES):
                     yield pb.PullWeightsResponse(name=obj.name, data=chunk)

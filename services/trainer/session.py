@@ -108,7 +108,7 @@ class TrainingSession:
         config: TrainerConfig,
         nproc: int = 1,
         publisher: WeightPublisher | None = None,
-        state_every: int = 1,
+        state_every: int = 10,
     ) -> None:
         self.model = model
         self.store = store
@@ -123,8 +123,6 @@ class TrainingSession:
         self.checkpoint_id = ""
         self.manifest: Manifest | None = None
         """The checkpoint the weights are at (None before the first load)."""
-        self.bytes_uploaded = 0
-        """Bytes this session wrote to the object store (checkpoint objects)."""
         self._durability: asyncio.Task | None = None
         """The newest background upload (each waits for the one before it: a child may share its parent's
         objects)."""
@@ -171,6 +169,8 @@ class TrainingSession:
 
     async def _download(self, manifest: Manifest, objects: list[ObjectInfo] | None = None,
                         suffix: str = "") -> pathlib.Path:
+        """The checkpoint's objects (or ``objects`` of it, cached under ``suffix``: a folder holding part of a
+        checkpoint never stands for all of it), verified, in the trainer's cache."""
         folder = self.work_dir / "cache" / manifest.model / (manifest.checkpoint_id + suffix)
         return await asyncio.to_thread(download_verified, self.store, manifest, folder, objects)
 
@@ -206,7 +206,7 @@ class TrainingSession:
         the checkpoint's step)."""
         if manifest.has_state or not manifest.parent_checkpoint_id:
             return await self._download(manifest)
-        weights = await self._download(manifest, manifest.sampler_objects)
+        weights = await self._download(manifest, manifest.sampler_objects, "+weights")
         ancestor = await self._ancestor(manifest, lambda m: m.has_state)
         folder = weights.with_name(f"{manifest.checkpoint_id}+state-{ancestor.checkpoint_id if ancestor else 'none'}")
         if folder.is_dir():
@@ -241,7 +241,7 @@ class TrainingSession:
         held = self.publisher.find(self.model, manifest.checkpoint_id) if self.publisher else None
         if held is not None:  # ours: finish its upload here
             await self._make_durable(*held, self._durability)
-        elif manifest.weights_source and manifest.weights_source != (self.publisher and self.publisher.address):
+        elif manifest.weights_source and manifest.weights_source != (self.publisher.address if self.publisher else ""):
             if await self._answers(manifest.weights_source):
                 deadline = time.monotonic() + PENDING_WAIT_S
                 while manifest.pending and time.monotonic() < deadline:
@@ -279,7 +279,7 @@ class TrainingSession:
             await asyncio.shield(previous)
         for attempt in itertools.count():
             try:
-                written = await asyncio.to_thread(
+                await asyncio.to_thread(
                     upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects)
                 await self.checkpoints.commit_checkpoint(dataclasses.replace(manifest, pending=False, weights_source=""))
                 break
@@ -289,7 +289,6 @@ class TrainingSession:
             except Exception as err:  # deliberate: the store or CheckpointService is away; try again
                 log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
                 await asyncio.sleep(RETRY.delay(attempt))
-        self.bytes_uploaded += written
         if self.manifest is not None and self.manifest.checkpoint_id == manifest.checkpoint_id:
             self.manifest = dataclasses.replace(manifest, pending=False, weights_source="")
         assert self.publisher is not None
@@ -312,8 +311,7 @@ class TrainingSession:
             await self._run(self.trainer.save_state, scratch)
             added = await asyncio.to_thread(describe_folder, self.model, manifest.checkpoint_id, scratch,
                                             state_names=STATE_FILES)
-            self.bytes_uploaded += await asyncio.to_thread(
-                upload_objects, self.store, self.model, manifest.checkpoint_id, scratch, added)
+            await asyncio.to_thread(upload_objects, self.store, self.model, manifest.checkpoint_id, scratch, added)
             manifest = dataclasses.replace(manifest, objects=[*manifest.objects, *added], pending=False)
             self.manifest, _ = await self.checkpoints.commit_checkpoint(manifest)
         finally:
@@ -456,7 +454,6 @@ class TrainingSession:
         pending = not wait_durable and self.publisher is not None and bool(self.publisher.address)
         folder = (self.publisher.folder(self.model, checkpoint_id) if self.publisher is not None
                   else self.work_dir / ".save" / checkpoint_id)
-        written = 0
         try:
             started = time.perf_counter()
             await self._run(self.trainer.save, folder, with_state)
@@ -475,7 +472,7 @@ class TrainingSession:
             else:  # durable before the commit: earlier pending checkpoints first (this one may share their objects)
                 await self.flush()
                 started = time.perf_counter()
-                written = await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects)
+                await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects)
                 timings["upload_s"] = time.perf_counter() - started
             started = time.perf_counter()
             _, head = await self.checkpoints.commit_checkpoint(
@@ -495,7 +492,6 @@ class TrainingSession:
         if pending:
             self._durability = asyncio.create_task(self._make_durable(manifest, folder, self._durability))
         else:
-            self.bytes_uploaded += written
             self._discard(checkpoint_id, folder)
         return self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings,
                                                            durable=not pending, has_state=with_state))

@@ -40,7 +40,7 @@ from yieldloop.client import Client
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
 from yieldloop.types import Run, RunStatus, TaskRef
-from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
+from yieldloop.training import Agent, Job, mean_reward, off_policy, report_groups_without_spread, run_tasks
 
 CONFIG_ERROR = "BAD_CONFIG"
 
@@ -387,7 +387,7 @@ async def closed_loop(
                 sampled_weight_versions=sorted({t.weight_version for run in runs for t in run.turns}),
                 rollout_s=rolled - started, forward_backward_s=backward - rolled, optim_s=optimized - backward,
                 heldout_s=evaluated - optimized, reload_s=reloaded - evaluated, total_s=reloaded - started,
-                warning=warning, off_policy_runs=sum(1 for k in stale if k), max_staleness=max(stale, default=0),
+                warning=warning, off_policy_runs=off_policy(runs, parent), max_staleness=max(stale, default=0),
                 completion_tokens=sum(len(t.completion_token_ids) for run in runs for t in run.turns),
             )
             if recorder:
