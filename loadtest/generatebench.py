@@ -24,22 +24,28 @@ import time
 
 
 
-async def _in_process(engine, prompt: list[int], concurrency: int, max_tokens: int) -> int:
+async def _in_process(engine, prompt: list[int], concurrency: int, max_tokens: int, interval_s: float) -> int:
     from yieldloop_server.rollout.engines import SamplingConfig
 
     async def one(i: int) -> int:
-        sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
+        sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=1000 + i, ignore_eos=True,
+                                  stream_interval_s=interval_s)
         return sum([len(d.token_ids) async for d in engine.generate(prompt, sampling)])
 
     return sum(await asyncio.gather(*(one(i) for i in range(concurrency))))
 
 
-async def _grpc(client, prompt: list[int], concurrency: int, max_tokens: int) -> int:
+async def _grpc(client, prompt: list[int], concurrency: int, max_tokens: int, messages: list[int]) -> int:
+    """Tokens streamed; appends each stream's message count to ``messages``."""
     from yieldloop.client import sampling_params
 
     async def one(i: int) -> int:
         sampling = sampling_params(max_tokens=max_tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
-        return len((await client.generate(prompt, sampling=sampling)).token_ids)
+        tokens = count = 0
+        async for delta in client.generate_stream(prompt, sampling=sampling):
+            tokens, count = tokens + len(delta.token_ids), count + 1
+        messages.append(count)
+        return tokens
 
     return sum(await asyncio.gather(*(one(i) for i in range(concurrency))))
 
@@ -55,29 +61,33 @@ async def _timed(coro_factory, repeats: int) -> tuple[float, int]:
 
 
 async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int], max_tokens: int,
-                       repeats: int, device: str) -> list[dict]:
+                       repeats: int, device: str, interval_s: float) -> list[dict]:
     from yieldloop.client import Client
     from yieldloop_server.rollout.engines import create_engine
     from yieldloop_server.rollout.server import serve_engine
 
     engine = create_engine(kind, device=device)
     await engine.load_weights(folder, "bench")
-    server = await serve_engine("bench", engine)
+    server = await serve_engine("bench", engine, stream_interval_s=interval_s)
     client = Client(rollout=server.address, timeout=600)
     prompt = engine.render_chat([{"role": "user", "content": "Write the letter a over and over."}])
     rows = []
     try:
-        await _in_process(engine, prompt, 2, 4)  # warm up both paths
-        await _grpc(client, prompt, 2, 4)
+        await _in_process(engine, prompt, 2, 4, interval_s)  # warm up both paths
+        await _grpc(client, prompt, 2, 4, [])
         for concurrency in concurrencies:
-            local, local_tokens = await _timed(lambda: _in_process(engine, prompt, concurrency, max_tokens), repeats)
-            remote, remote_tokens = await _timed(lambda: _grpc(client, prompt, concurrency, max_tokens), repeats)
+            local, local_tokens = await _timed(
+                lambda: _in_process(engine, prompt, concurrency, max_tokens, interval_s), repeats)
+            counts: list[int] = []
+            remote, remote_tokens = await _timed(lambda: _grpc(client, prompt, concurrency, max_tokens, counts), repeats)
+            messages = round(sum(counts) / len(counts), 1)
             rows.append({"engine": kind, "device": device, "concurrency": concurrency, "max_tokens": max_tokens,
+                         "stream_interval_ms": interval_s * 1000, "messages_per_stream": messages,
                          "tokens_in_process": local_tokens, "tokens_grpc": remote_tokens,
                          "in_process_tok_s": round(local, 1), "grpc_tok_s": round(remote, 1),
                          "ratio": round(remote / local, 3)})
             print(f"{kind:6} C={concurrency:3}  in-process {local:9.1f} tok/s  gRPC {remote:9.1f} tok/s  "
-                  f"ratio {remote / local:.3f}", flush=True)
+                  f"ratio {remote / local:.3f}  ({messages} messages per stream)", flush=True)
     finally:
         await client.close()
         await server.stop(1.0)
@@ -97,6 +107,7 @@ def make_model(size: str, out: pathlib.Path) -> pathlib.Path:
 
 
 def main() -> None:
+    from yieldloop_server.config import RolloutOptions
     from yieldloop_server.rollout.engines.vllm_engine import vllm_available
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -106,6 +117,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per cell")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model-size", default="tiny", choices=("tiny", "0.5b"))
+    parser.add_argument("--stream-interval-ms", type=float, default=RolloutOptions.stream_interval_ms,
+                        help="the streams' interval on both paths (the rollout service's default; 0: every token)")
     parser.add_argument("--out", default="generatebench.json")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -114,7 +127,8 @@ def main() -> None:
         folder = make_model(args.model_size, pathlib.Path(tmp) / "model")
         rows = []
         for kind in engines:
-            rows += asyncio.run(bench_engine(kind, folder, concurrencies, args.max_tokens, args.repeats, args.device))
+            rows += asyncio.run(bench_engine(kind, folder, concurrencies, args.max_tokens, args.repeats, args.device,
+                                             args.stream_interval_ms / 1000))
     pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
     print(f"wrote {args.out}")
 

@@ -88,6 +88,11 @@ class RolloutOptions:
         default="same", metadata={"flag": "--rollout-lora-engine"})
     """Engine serving LoRA forks (one per frozen base, adapters applied per request): the rollout engine's kind
     (same), or torch: on CPU machines vLLM's LoRA kernels run at a few percent of its base throughput."""
+    stream_interval_ms: float = 20.0
+    """Streams (gRPC Generate, OpenAI ``stream: true``) send the first and the last tokens at once and in between
+    at most one message per this many milliseconds, holding the tokens sampled meanwhile (0: one message per
+    token). Each message costs the server and the client the same whatever it carries: at many streams of fast
+    tokens, one per token costs more than the decoding."""
 
 
 @dataclasses.dataclass

@@ -68,6 +68,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             max_models=opts.rollout.max_models, memory_budget_bytes=opts.rollout.memory_budget_mb * 1_000_000,
             lora_engine="" if opts.rollout.lora_engine == "same" else opts.rollout.lora_engine, device=opts.device,
             limits=RolloutLimits(max_runs=opts.rollout.max_runs, max_episodes=opts.rollout.max_episodes),
+            stream_interval_s=max(0.0, opts.rollout.stream_interval_ms) / 1000,
         )
         return server.start, server.stop
     raise ValueError(f"unknown service {opts.service!r}")

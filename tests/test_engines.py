@@ -7,15 +7,17 @@ process and through RolloutService's gRPC Generate.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
 from engine_harness import ServedEngine
 
 from yieldloop import errors
-from yieldloop.client import sampling_params
+from yieldloop.client import Client, sampling_params
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta
+from yieldloop_server.rollout.server import serve_engine as serve_engine_grpc
 
 PROMPT = [1, 40, 41, 42, 43, 44]
 # Sampler vs trainer logprobs on the same tokens, fp32 on CPU. The torch engine runs the trainer's
@@ -198,3 +200,30 @@ async def test_bad_input_is_typed_and_the_engine_keeps_serving(
     assert err.value.reason == reason, str(err.value)
     result = await served_engine.client.generate(PROMPT, sampling=sampling_params(max_tokens=3, temperature=0.0))
     assert len(result.token_ids) >= 1 and result.weight_version == "v1"
+
+
+async def test_stream_interval_holds_tokens_without_changing_them(served_engine: ServedEngine) -> None:
+    """A stream interval merges deltas (first and finishing ones at once) and changes no token, logprob or
+    version; a server's interval applies to its gRPC Generate streams."""
+    engine = served_engine.engine
+    sampling = SamplingConfig(max_tokens=24, temperature=1.0, seed=9, ignore_eos=True)
+    every = await collect(engine, PROMPT, sampling)
+    assert len(flat(every)[0]) == 24
+    for interval in (math.inf, 3600.0):
+        held = await collect(engine, PROMPT, dataclasses.replace(sampling, stream_interval_s=interval))
+        assert [len(d.token_ids) for d in held] == [1, 23] and held[-1].finished and not held[0].finished
+        assert held[-1].stop_reason == "length"
+        assert flat(held)[0] == flat(every)[0] and flat(held)[2] == flat(every)[2]
+        assert flat(held)[1] == pytest.approx(flat(every)[1], abs=1e-9)
+    with pytest.raises(errors.InvalidArgumentError):
+        await collect(engine, PROMPT, dataclasses.replace(sampling, stream_interval_s=-1.0))
+    server = await serve_engine_grpc("tiny", engine, stream_interval_s=3600.0)
+    client = Client(rollout=server.address, timeout=120)
+    try:
+        wire = sampling_params(max_tokens=24, temperature=1.0, seed=9, ignore_eos=True)
+        messages = [m async for m in client.generate_stream(PROMPT, sampling=wire)]
+        assert [len(m.token_ids) for m in messages] == [1, 23]
+        assert [t for m in messages for t in m.token_ids] == flat(every)[0]
+    finally:
+        await client.close()
+        await server.stop(1.0)

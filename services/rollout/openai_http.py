@@ -18,6 +18,7 @@ interceptors run around every request, as they do around every gRPC call.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -29,7 +30,7 @@ from typing import Any
 from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
 from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
-from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta, whole_completion
 from yieldloop_server.rollout.models import ServedModel, ServedModels
 
 log = logging.getLogger(__name__)
@@ -136,9 +137,11 @@ class OpenAIEndpoint:
 
     def __init__(
         self, models: ServedModels, host: str = "127.0.0.1", port: int = 0,
-        transport: TransportConfig = DEFAULT_TRANSPORT,
+        transport: TransportConfig = DEFAULT_TRANSPORT, stream_interval_s: float = 0.0,
     ) -> None:
         self.models, self.host, self.port = models, host, port
+        self.stream_interval_s = stream_interval_s
+        """``stream: true`` answers send at most one chunk per this many seconds (SamplingConfig.stream_interval_s)."""
         self.transport = transport
         self._runner: Any = None
         self.base_url = ""
@@ -276,7 +279,7 @@ class OpenAIEndpoint:
         logprobs: list[float] = []
         versions: set[str] = set()
         reason = ""
-        async for delta in served.engine.generate(prompt_ids, sampling):
+        async for delta in served.engine.generate(prompt_ids, whole_completion(sampling)):
             tokens += delta.token_ids
             logprobs += delta.logprobs
             versions.add(delta.weight_version)
@@ -341,7 +344,8 @@ class OpenAIEndpoint:
         from aiohttp import web
 
         stream_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        deltas: AsyncIterator[TokenDelta] = served.engine.generate(prompt_ids, sampling)
+        deltas: AsyncIterator[TokenDelta] = served.engine.generate(
+            prompt_ids, dataclasses.replace(sampling, stream_interval_s=self.stream_interval_s))
         first = await anext(deltas)  # errors before the first byte are still a proper HTTP error
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)

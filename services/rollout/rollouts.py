@@ -40,7 +40,7 @@ from yieldloop_server.rollout.agent import (
 )
 from yieldloop.retry import Backoff
 from yieldloop.types import AgentStopReason, PromptFormat, Run, RunStatus, StopReason, TaskRef, Turn
-from yieldloop_server.rollout.engines import Engine, SamplingConfig
+from yieldloop_server.rollout.engines import Engine, SamplingConfig, whole_completion
 from yieldloop_server.rollout.engines.base import chat_chars
 
 STOP_REASONS = {
@@ -105,7 +105,7 @@ async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingC
     """Samples one completion and returns it as a token-exact Turn."""
     turn = Turn(prompt_token_ids=list(prompt_ids))
     try:
-        async for delta in engine.generate(prompt_ids, sampling):
+        async for delta in engine.generate(prompt_ids, whole_completion(sampling)):
             turn.completion_token_ids.extend(delta.token_ids)
             turn.completion_logprobs.extend(delta.logprobs)
             turn.weight_version = delta.weight_version

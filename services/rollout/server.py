@@ -57,6 +57,7 @@ class RolloutServer:
         memory_budget_bytes: int = 0,
         lora_engine: str = "",
         limits: RolloutLimits = RolloutLimits(),
+        stream_interval_s: float = 0.0,
         **engine_options: object,
     ) -> None:
         self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport)
@@ -73,10 +74,11 @@ class RolloutServer:
             store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
             memory_budget_bytes=memory_budget_bytes,
         )
-        self.http = None if http_port is None else OpenAIEndpoint(self.models, host, http_port, transport)
+        self.http = None if http_port is None else OpenAIEndpoint(self.models, host, http_port, transport,
+                                                                     stream_interval_s)
         self.grpc = GrpcServer(host, port, transport)
         self.servicer = RolloutServicer(
-            self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), limits
+            self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), limits, stream_interval_s
         )
         self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
 
@@ -110,7 +112,9 @@ class _NoFollower:
         return None
 
 
-async def serve_engine(model: str, engine, host: str = "127.0.0.1", port: int = 0) -> GrpcServer:
+async def serve_engine(
+    model: str, engine, host: str = "127.0.0.1", port: int = 0, stream_interval_s: float = 0.0
+) -> GrpcServer:
     """Serves an already-loaded engine's ``Generate`` over gRPC, with no head to follow and no EnvService.
 
     For benchmarks and tests that compare the engine in process with the same engine behind gRPC.
@@ -118,7 +122,8 @@ async def serve_engine(model: str, engine, host: str = "127.0.0.1", port: int = 
     server = GrpcServer(host, port)
     server.add(
         pb_grpc.add_RolloutServiceServicer_to_server,
-        RolloutServicer(ServedModels.fixed(model, engine, _NoFollower()), Client(), traces=None),
+        RolloutServicer(ServedModels.fixed(model, engine, _NoFollower()), Client(), traces=None,
+                        stream_interval_s=stream_interval_s),
         SERVICE_NAME,
     )
     await server.start()

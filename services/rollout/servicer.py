@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import AsyncIterator
@@ -39,7 +40,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     """Serves every model by slug (``models``); episodes run against EnvService through ``env``."""
 
     def __init__(
-        self, models: ServedModels, env: Client, traces: TraceStore | None, limits: RolloutLimits = RolloutLimits()
+        self, models: ServedModels, env: Client, traces: TraceStore | None, limits: RolloutLimits = RolloutLimits(),
+        stream_interval_s: float = 0.0,
     ) -> None:
         self.models = models
         self.env = env
@@ -48,12 +50,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.episodes = asyncio.Semaphore(limits.max_episodes)
         """Episodes running at once over every StreamRollouts request."""
         self.openai_base_url = ""
+        self.stream_interval_s = stream_interval_s
+        """Generate streams at most one message per this many seconds (see SamplingConfig.stream_interval_s)."""
 
     @rpc
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        sampling = sampling_from_pb(request.sampling)
+        sampling = dataclasses.replace(sampling_from_pb(request.sampling), stream_interval_s=self.stream_interval_s)
         kind = request.WhichOneof("prompt")
         if kind not in ("chat", "prompt_token_ids"):
             raise invalid_field("prompt", "give prompt_token_ids or chat")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from yieldloop_server.rollout.engines.base import AdapterEngine, Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import AdapterEngine, Engine, SamplingConfig, TokenDelta, whole_completion
 
 
 def create_engine(kind: str, lora: bool = False, **options: object) -> Engine:
@@ -21,4 +21,4 @@ def create_engine(kind: str, lora: bool = False, **options: object) -> Engine:
     raise ValueError(f"unknown engine {kind!r} (available: torch, vllm)")
 
 
-__all__ = ["AdapterEngine", "Engine", "SamplingConfig", "TokenDelta", "create_engine"]
+__all__ = ["AdapterEngine", "Engine", "SamplingConfig", "TokenDelta", "create_engine", "whole_completion"]

@@ -32,6 +32,11 @@ class SamplingConfig:
     """0: unseeded."""
     ignore_eos: bool = False
     """Sample past the end-of-sequence token (only max_tokens, the context and stop strings end it)."""
+    stream_interval_s: float = 0.0
+    """How the engine streams: the first and the finishing tokens at once, in between at most one delta per
+    interval (tokens sampled meanwhile are held and merged). 0: every token its own delta; math.inf: only the
+    first and the finishing delta (a caller that wants the whole completion). Not a sampling parameter of the
+    wire: servers set it (RolloutService's ``--stream-interval-ms``)."""
 
     def validate(self) -> SamplingConfig:
         """INVALID_ARGUMENT naming the field for a value no engine can sample with (checked before a request
@@ -51,6 +56,8 @@ class SamplingConfig:
             raise invalid_field("sampling.seed", f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise invalid_field("sampling.ignore_eos", "ignore_eos must be a boolean")
+        if not isinstance(self.stream_interval_s, (int, float)) or not self.stream_interval_s >= 0:
+            raise invalid_field("sampling.stream_interval_s", "stream_interval_s must be >= 0")
         if len(self.stop) > MAX_STOP_STRINGS or any(
                 not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop):
             raise invalid_field("sampling.stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at "
@@ -87,6 +94,42 @@ class TokenDelta:
     finished: bool = False
     stop_reason: str = ""
     """"eos", "length", "stop_string", "context" or "cancelled" when finished."""
+
+
+def whole_completion(sampling: SamplingConfig) -> SamplingConfig:
+    """``sampling`` for a caller that reads only the whole completion: the engine holds the tokens until the end
+    (one wake-up of the caller per completion, not one per token)."""
+    return dataclasses.replace(sampling, stream_interval_s=math.inf)
+
+
+def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta:
+    """One delta saying what ``first`` and then ``then`` said."""
+    return TokenDelta(first.token_ids + then.token_ids, first.logprobs + then.logprobs, then.weight_version,
+                      then.finished, then.stop_reason)
+
+
+async def coalesce(deltas: AsyncIterator[TokenDelta], interval_s: float) -> AsyncIterator[TokenDelta]:
+    """``deltas`` with the ones that arrive within ``interval_s`` of the last one sent merged into the next.
+
+    The first delta and the finishing one go out at once; in between at most one per interval (a held delta
+    waits for the next token: at most one decode step past the interval). See SamplingConfig.stream_interval_s.
+    """
+    if interval_s <= 0:
+        async for delta in deltas:
+            yield delta
+        return
+    clock = asyncio.get_running_loop().time
+    held: TokenDelta | None = None
+    sent = -math.inf
+    async for delta in deltas:
+        held = delta if held is None else merge_deltas(held, delta)
+        now = clock()
+        if held.finished or now - sent >= interval_s:
+            sent = now
+            yield held
+            held = None
+    if held is not None:
+        yield held
 
 
 class Engine(abc.ABC):

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
-from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta, merge_deltas
 
 log = logging.getLogger(__name__)
 _WAKE = object()
@@ -138,6 +138,10 @@ class _Row:
     position: int
     """Position of its next token."""
     generated: list[int] = dataclasses.field(default_factory=list)
+    held: tuple[list[int], list[float]] = dataclasses.field(default_factory=lambda: ([], []))
+    """Tokens sampled and not yet streamed, and their logprobs (see SamplingConfig.stream_interval_s)."""
+    sent_at: float = -math.inf
+    """When it last streamed (time.monotonic)."""
 
 
 class TorchEngine(Engine):
@@ -264,8 +268,7 @@ class TorchEngine(Engine):
                         yield item
                         item = following
                         break
-                    item = TokenDelta(item.token_ids + following.token_ids, item.logprobs + following.logprobs,
-                                      following.weight_version, following.finished, following.stop_reason)
+                    item = merge_deltas(item, following)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -516,6 +519,7 @@ class _Batch:
         engine = self.engine
         weights = engine._weights
         tokens, logprobs, failures = self._sample()
+        now = time.monotonic()
         outgoing: list[tuple[_Request, Any]] = []
         keep: list[int] = []
         for i, row in enumerate(self.rows):
@@ -530,7 +534,10 @@ class _Batch:
                 continue
             row.generated.append(tokens[i])
             reason = engine._stop_reason(weights, request, row.generated, row.budget)
-            outgoing.append((request, TokenDelta([tokens[i]], [logprobs[i]], row.version, bool(reason), reason)))
+            row.held[0].append(tokens[i]), row.held[1].append(logprobs[i])
+            if reason or now - row.sent_at >= request.sampling.stream_interval_s:
+                outgoing.append((request, TokenDelta(*row.held, row.version, bool(reason), reason)))
+                row.held, row.sent_at = ([], []), now
             if not reason:
                 keep.append(i)
         _deliver(outgoing)

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
-from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,12 @@ class VllmEngine(Engine):
             output_kind=RequestOutputKind.DELTA,
         )
 
-    async def generate(
+    def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
+    ) -> AsyncIterator[TokenDelta]:
+        return coalesce(self._generate(prompt_ids, sampling, adapter), sampling.stream_interval_s)
+
+    async def _generate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
     ) -> AsyncIterator[TokenDelta]:
         from vllm.inputs import TokensPrompt
