@@ -24,7 +24,7 @@ async def measure(group_size: int, max_tokens: int, device: str) -> None:
     stack = InProcessStack(StackConfig(data_dir=pathlib.Path(tempfile.mkdtemp(prefix="yl-consistency-")), device=device))
     await stack.start()
     try:
-        async with Client(**stack.addresses) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key) as client:
             # ignore_eos: every completion runs its whole budget (the warmed-up base model ends early).
             sampling = sampling_params(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
             runs = [run async for run in client.stream_rollouts(tasks(), group_size=group_size, sampling=sampling)]

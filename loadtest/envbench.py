@@ -388,7 +388,7 @@ async def bench(args: argparse.Namespace) -> dict:
                 await client.close()
 
     def our_server(name: str, workers: int) -> ServerProcess:
-        options = ServeOptions(service="env", data_dir=workdir,
+        options = ServeOptions(service="env", data_dir=workdir, auth=False,
                                env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=workers))
         return ServerProcess(["-m", "yieldloop.cli", *options.to_args()], workdir, name)
 

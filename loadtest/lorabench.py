@@ -148,7 +148,7 @@ async def bench_commit(base: pathlib.Path, data_dir: pathlib.Path, repeats: int)
     await stack.start()
     rows = []
     try:
-        async with Client(**stack.addresses, timeout=600) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=600) as client:
             slug = stack.config.model
             vocab = json.loads((base / "config.json").read_text())["vocab_size"]
             datums = make_batch(8, 64, vocab)

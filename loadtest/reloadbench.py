@@ -47,6 +47,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
     from yieldloop_server.config import EnvOptions, ServeOptions
     from yieldloop_server.serve import build_service
+    from yieldloop_server.stack import ensure_stack_keys
     from yieldloop_server.store import open_store
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="yl-reloadbench-"))
@@ -67,15 +68,17 @@ async def bench(args: argparse.Namespace) -> dict:
     registry.create_model(ModelInfo(slug="bench", base="bench"))
     registry.commit(Manifest("bench", "base", upload_folder(store, "bench", "base", folder)), set_head=True)
 
+    admin_key, service_key = ensure_stack_keys(store, root)
     addresses: dict[str, str] = {}
     stoppers = []
     for service in ("checkpoint", "env", "rollout"):
         options = ServeOptions(service=service, data_dir=root, store=url, model="bench", env=EnvOptions(workers=0),
-                               checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""))
+                               checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""),
+                               service_key=service_key)
         start, stop = await build_service(options)
         addresses[service] = await start()
         stoppers.append(stop)
-    client = Client(rollout=addresses["rollout"], checkpoint=addresses["checkpoint"], timeout=600)
+    client = Client(rollout=addresses["rollout"], checkpoint=addresses["checkpoint"], timeout=600, api_key=admin_key)
 
     stop_load = asyncio.Event()
     counts = {"completed": 0, "failed": 0}

@@ -42,7 +42,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
     from yieldloop_server.config import EnvOptions, ServeOptions, TrainerOptions
     from yieldloop_server.serve import build_service
-    from yieldloop_server.stack import ensure_model
+    from yieldloop_server.stack import ensure_model, ensure_stack_keys
     from yieldloop_server.store import open_store
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="yl-syncbench-"))
@@ -58,16 +58,18 @@ async def bench(args: argparse.Namespace) -> dict:
         slug = ensure_model(store, "tiny") and "tiny"
     weights_mb = sum(p.stat().st_size for p in (root / "store" / "models" / slug / "checkpoints" / "base").glob(
         "*.safetensors")) / 2**20
+    admin_key, service_key = ensure_stack_keys(store, root)
     addresses: dict[str, str] = {}
     stoppers = []
     for service in ("checkpoint", "env", "trainer", "rollout"):
         options = ServeOptions(service=service, data_dir=root, store=url, model=slug, env=EnvOptions(workers=0),
                                trainer=TrainerOptions(state_every=args.state_every),
-                               checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""))
+                               checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""),
+                               service_key=service_key)
         start, stop = await build_service(options)
         addresses[service] = await start()
         stoppers.append(stop)
-    client = Client(**{k: v for k, v in addresses.items() if k != "env"}, timeout=600)
+    client = Client(**{k: v for k, v in addresses.items() if k != "env"}, timeout=600, api_key=admin_key)
     batch = make_batch(4, 32, 300)  # ids inside the locally trained tokenizer's vocabulary
     figures: dict[str, dict[str, list[float]]] = {mode: {"sync_s": [], "answer_s": [], "bytes": []}
                                                   for mode in ("through_store", "direct")}

@@ -71,7 +71,7 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
                         target_heldout_reward=args.target, name=f"trlbench-{seed}")
     per_step = []
     try:
-        async with Client(**addresses, timeout=300) as client:
+        async with Client(**addresses, timeout=300, api_key=stack.api_key) as client:
             async for report in closed_loop(client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks()):
                 per_step.append({
                     "heldout": report.heldout_reward, "train_s": report.total_s - report.heldout_s,

@@ -57,6 +57,15 @@ async def _up(config: StackConfig) -> None:
         addresses = await stack.start()
     for service, address in addresses.items():
         console.print(f"  {service:<11} {address}")
+    if stack.config.transport.tls_cert:
+        console.print(f"TLS: clients trust {stack.config.transport.tls_ca} (YIELDLOOP_TLS_CA; connect() and the CLI "
+                      "pick it up)")
+    if stack.api_key:
+        console.print(f"admin API key in {stack.config.data_dir / 'api_key'} (the CLI and connect() use it; "
+                      "YIELDLOOP_API_KEY overrides it; `yieldloop keys create` makes team keys)")
+    else:
+        console.print("[bold red]AUTH IS OFF (--no-auth):[/] anyone who reaches these ports may train and move the "
+                      "head of any model and read every run")
     console.print(f"data in {stack.config.data_dir}; logs in {stack.config.data_dir / 'logs'}; Ctrl-C stops")
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -80,13 +89,15 @@ async def _demo(args: argparse.Namespace) -> None:
 
     from yieldloop.client import Client
     from yieldloop.loop import LoopConfig
-    from yieldloop.training import stack_addresses
+    from yieldloop.training import stack_addresses, stack_api_key, stack_tls_ca
+    from yieldloop.transport import TransportConfig
 
     console = Console()
     stack = None
     if args.attach:
         addresses = stack_addresses(args.attach)
         data_dir = args.attach
+        api_key, ca = stack_api_key(args.attach), stack_tls_ca(args.attach)
     else:
         from yieldloop_server.stack import ProcessStack
 
@@ -94,6 +105,7 @@ async def _demo(args: argparse.Namespace) -> None:
         stack = ProcessStack(from_arguments(args, StackConfig, data_dir=pathlib.Path(data_dir).resolve()))
         with console.status("starting the four services (creating the tiny model offline on first use)..."):
             addresses = await stack.start()
+        api_key, ca = stack.api_key, stack.config.transport.tls_ca
         console.print(f"services up: {addresses}")
     overrides = {"learning_rate": args.learning_rate} if args.learning_rate else {}
     config = LoopConfig(model=args.model, steps=args.steps, target_heldout_reward=args.target,
@@ -103,7 +115,7 @@ async def _demo(args: argparse.Namespace) -> None:
         f"(disjoint), until held-out reward >= {config.target_heldout_reward:g} or {config.steps} steps"
     )
     try:
-        async with Client(**addresses, timeout=300) as client:
+        async with Client(**addresses, timeout=300, api_key=api_key, transport=TransportConfig(tls_ca=ca)) as client:
             summary = await run_loop(client, config, pathlib.Path(data_dir) / "runs", console)
         print_summary(console, summary, config.target_heldout_reward)
         if stack is not None:

@@ -120,10 +120,28 @@ class StackConfig:
     """RolloutService's options."""
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     """Message limits and interceptors of every server and internal client (see yieldloop.transport)."""
+    auth: bool = True
+    """Every call needs an API key, and a team acts on its own models only; --no-auth lets anyone who reaches a
+    port do anything (benchmarks on a private machine)."""
+    tls: bool = False
+    """Every service (gRPC and the HTTP endpoint) and every internal client speaks TLS, with a private CA made in
+    DATA_DIR/tls (clients of the stack trust DATA_DIR/tls/ca.pem, or $YIELDLOOP_TLS_CA). Your own certificates:
+    --tls-cert, --tls-key and --tls-ca instead."""
 
     @property
     def store_url(self) -> str:
         return self.store or str(self.data_dir / "store")
+
+    def with_tls(self) -> StackConfig:
+        """This config with the stack's own CA and certificates in the transport when ``tls`` asks for them and
+        none were given (made in DATA_DIR/tls on first use)."""
+        if not self.tls or self.transport.tls_cert:
+            return self
+        from yieldloop_server.common.tls import ensure_stack_certs
+
+        ca, cert, key = ensure_stack_certs(self.data_dir / "tls", [self.host])
+        return dataclasses.replace(self, transport=dataclasses.replace(
+            self.transport, tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca)))
 
 
 @dataclasses.dataclass
@@ -146,6 +164,9 @@ class ServeOptions(StackConfig):
     """Seconds in-flight calls get to finish on SIGTERM."""
     torch_threads: int = 0
     """torch's intra-op threads in this process (0: torch's default, one per core)."""
+    service_key: str = dataclasses.field(default="", metadata={"cli": False}, repr=False)
+    """The key this service calls the others with (default: $YIELDLOOP_SERVICE_KEY; without either, the
+    service makes its own service key in the store at start)."""
 
     @classmethod
     def of(cls, config: StackConfig, service: str, addresses: dict[str, str]) -> ServeOptions:
@@ -171,6 +192,9 @@ class ServeOptions(StackConfig):
         args = ["serve", self.service]
         for name, flag, _, value in _flags(type(self), self):
             if value is None or value == "":
+                continue
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag[2:])
                 continue
             for item in value if isinstance(value, tuple) else (value,):
                 args += [flag, str(item)]
@@ -232,6 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = StackConfig, *, s
             options.update(action="append", type=get_args(kind)[0])
         elif base in (int, float, pathlib.Path):
             options["type"] = base
+        elif base is bool:
+            options["action"] = argparse.BooleanOptionalAction
         if flag.startswith("--"):
             options.update(dest=name.replace(".", "__"), metavar=name.rpartition(".")[2].upper(),
                            default=None if get_origin(kind) is tuple else default)

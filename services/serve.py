@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -11,6 +12,7 @@ import pathlib
 import signal
 from collections.abc import Awaitable, Callable
 
+from yieldloop.transport import TransportConfig
 from yieldloop_server.config import ServeOptions
 
 log = logging.getLogger(__name__)
@@ -18,6 +20,23 @@ log = logging.getLogger(__name__)
 
 Starter = Callable[[], Awaitable[str]]
 Stopper = Callable[[float], Awaitable[None]]
+
+
+def secured_transport(opts: ServeOptions, store) -> TransportConfig:
+    """The service's transport with auth: its servers check every call's key (:class:`Authenticator`), and its
+    clients call the other services with the service key. Unchanged with ``--no-auth`` (and said loudly)."""
+    from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore
+
+    if not opts.auth:
+        log.warning("%s: AUTH IS OFF (--no-auth): anyone who reaches %s:%s may call every RPC, train and move the "
+                    "head of any model and read every run", opts.service, opts.host, opts.port or "its port")
+        return opts.transport
+    keys = KeyStore(store)
+    service_key = opts.service_key or os.environ.get("YIELDLOOP_SERVICE_KEY", "")
+    if not service_key or keys.check(service_key) is None:
+        _, service_key = keys.create(SERVICE_TEAM, "service", name=f"{opts.service} service (made at its start)")
+    return dataclasses.replace(opts.transport, api_key=service_key,
+                               server_interceptors=(Authenticator(keys), *opts.transport.server_interceptors))
 
 
 async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
@@ -31,10 +50,14 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
     store = open_store(opts.store_url)
     work_dir = opts.data_dir / "work" / opts.service
+    opts = dataclasses.replace(opts, transport=await asyncio.to_thread(secured_transport, opts, store))
     if opts.service == "checkpoint":
         from yieldloop_server.checkpoint.server import build
 
-        server = build(store, opts.host, opts.port, opts.checkpoint.keep_last, opts.transport)
+        from yieldloop_server.common.auth import Authenticator
+
+        keys = next((i.keys for i in opts.transport.server_interceptors if isinstance(i, Authenticator)), None)
+        server = build(store, opts.host, opts.port, opts.checkpoint.keep_last, opts.transport, keys)
         return server.start, server.stop
     if opts.service == "env":
         from yieldloop_server.env.hosts import HostConfig, create_host
@@ -84,7 +107,7 @@ async def serve(opts: ServeOptions) -> None:
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
     if opts.ready_file is not None:
-        write_ready_file(opts.ready_file, address)
+        write_ready_file(opts.ready_file, address, tls=bool(opts.transport.tls_cert))
     print(f"yieldloop {opts.service} serving on {address}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,8 +118,8 @@ async def serve(opts: ServeOptions) -> None:
     await stop(opts.grace_s)
 
 
-def write_ready_file(path: pathlib.Path, address: str) -> None:
-    """Atomically records a started service's address."""
+def write_ready_file(path: pathlib.Path, address: str, tls: bool = False) -> None:
+    """Atomically records a started service's address (and whether it speaks TLS)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid()}))
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "tls": tls}))
     tmp.replace(path)

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -25,6 +26,7 @@ from yieldloop.retry import Backoff
 from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.checkpoint.importer import BASE_CHECKPOINT, inspect_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest
+from yieldloop_server.common.auth import SERVICE_TEAM
 from yieldloop_server.config import SERVICES, ServeOptions, StackConfig
 from yieldloop_server.serve import Stopper, build_service
 from yieldloop_server.store import ObjectStore
@@ -66,7 +68,7 @@ def ensure_model(store: ObjectStore, model: str) -> str:
         )
     slug = slug_for(model)
     try:
-        import_model(registry, model, slug, owner="yieldloop")
+        import_model(registry, model, slug, owner=SERVICE_TEAM, public=True)
     except AlreadyExistsError:
         existing = registry.get_model(slug)
         if existing.source != model:
@@ -96,9 +98,35 @@ def ensure_base_model(store: ObjectStore, slug: str = BUILTIN_MODEL) -> bool:
         folder = create_tiny_model(pathlib.Path(tmp) / "model")
         facts = inspect_folder(folder, "the built-in model")
         objects = upload_folder(store, slug, BASE_CHECKPOINT, folder)
-    registry.create_model(facts.base_info(slug, "built-in", "yieldloop", sum(o.size for o in objects)))
+    registry.create_model(facts.base_info(slug, "built-in", SERVICE_TEAM, sum(o.size for o in objects), public=True))
     registry.commit(Manifest(model=slug, checkpoint_id=BASE_CHECKPOINT, objects=objects), set_head=True)
     return True
+
+
+def ensure_stack_keys(store: ObjectStore, data_dir: pathlib.Path) -> tuple[str, str]:
+    """The stack's admin key (``<data_dir>/api_key``, mode 0600, picked up by the CLI and ``connect()``) and its
+    services' key (``<data_dir>/run/service_key``): kept while they are valid in ``store``, made otherwise."""
+    from yieldloop.training import API_KEY_FILE
+    from yieldloop_server.common.auth import KeyStore
+
+    keys = KeyStore(store)
+    found = []
+    for path, role, name in ((data_dir / API_KEY_FILE, "admin", "the stack's admin key"),
+                             (data_dir / "run" / "service_key", "service", "the stack's services")):
+        try:
+            key = path.read_text().strip()
+        except OSError:
+            key = ""
+        principal = keys.check(key) if key else None
+        if principal is None or principal.role != role:
+            _, key = keys.create(SERVICE_TEAM, role, name=name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as file:
+                file.write(key + "\n")
+        found.append(key)
+    return found[0], found[1]
 
 
 class InProcessStack:
@@ -108,14 +136,21 @@ class InProcessStack:
         self.config = config
         self.addresses: dict[str, str] = {}
         self._stoppers: list[Stopper] = []
+        self.api_key = ""
+        """The stack's admin key ("" without auth)."""
 
     async def start(self) -> dict[str, str]:
         from yieldloop_server.store import open_store
 
-        slug = await asyncio.to_thread(ensure_model, open_store(self.config.store_url), self.config.model)
-        self.config = dataclasses.replace(self.config, model=slug)
+        store = open_store(self.config.store_url)
+        slug = await asyncio.to_thread(ensure_model, store, self.config.model)
+        self.config = dataclasses.replace(await asyncio.to_thread(self.config.with_tls), model=slug)
+        service_key = ""
+        if self.config.auth:
+            self.api_key, service_key = await asyncio.to_thread(ensure_stack_keys, store, self.config.data_dir)
         for service in SERVICES:  # in dependency order
-            start, stop = await build_service(ServeOptions.of(self.config, service, self.addresses))
+            options = dataclasses.replace(ServeOptions.of(self.config, service, self.addresses), service_key=service_key)
+            start, stop = await build_service(options)
             self.addresses[service] = await start()
             self._stoppers.append(stop)
         return self.addresses
@@ -136,8 +171,10 @@ class ServiceProcess:
     """
 
     def __init__(self, options: ServeOptions, logs_dir: pathlib.Path, ready_timeout_s: float = 300.0,
-                 backoff: Backoff = Backoff(initial_s=0.5, max_s=30.0)) -> None:
+                 backoff: Backoff = Backoff(initial_s=0.5, max_s=30.0), service_key: str = "") -> None:
         self.options = options
+        self.service_key = service_key
+        """Handed to the process in its environment (never on its command line)."""
         self.service = options.service
         self.log_path = logs_dir / f"{options.service}.log"
         self.ready_timeout_s = ready_timeout_s
@@ -158,6 +195,7 @@ class ServiceProcess:
             self.process = process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "yieldloop.cli", *self.options.to_args(),
                 stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, "YIELDLOOP_SERVICE_KEY": self.service_key} if self.service_key else None,
             )
         deadline = time.monotonic() + self.ready_timeout_s
         while not ready_file.exists():
@@ -229,20 +267,27 @@ class ProcessStack:
         self.ready_timeout_s = ready_timeout_s
         self.addresses: dict[str, str] = {}
         self.services: dict[str, ServiceProcess] = {}
+        self.api_key = ""
+        """The stack's admin key ("" without auth)."""
+        self._service_key = ""
 
     async def _spawn(self, service: str) -> None:
         run_dir = self.config.data_dir / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
         options = ServeOptions.of(self.config, service, self.addresses).sharing_cores()
         options.ready_file = run_dir / f"{service}.json"
-        self.services[service] = process = ServiceProcess(options, self.config.data_dir / "logs", self.ready_timeout_s)
+        self.services[service] = process = ServiceProcess(options, self.config.data_dir / "logs", self.ready_timeout_s,
+                                                          service_key=self._service_key)
         self.addresses[service] = await process.start()
 
     async def start(self) -> dict[str, str]:
         from yieldloop_server.store import open_store
 
-        slug = await asyncio.to_thread(ensure_model, open_store(self.config.store_url), self.config.model)
-        self.config = dataclasses.replace(self.config, model=slug)
+        store = open_store(self.config.store_url)
+        slug = await asyncio.to_thread(ensure_model, store, self.config.model)
+        self.config = dataclasses.replace(await asyncio.to_thread(self.config.with_tls), model=slug)
+        if self.config.auth:
+            self.api_key, self._service_key = await asyncio.to_thread(ensure_stack_keys, store, self.config.data_dir)
         try:
             await asyncio.gather(self._spawn("checkpoint"), self._spawn("env"))
             await asyncio.gather(self._spawn("trainer"), self._spawn("rollout"))

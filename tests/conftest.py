@@ -87,7 +87,7 @@ async def s3_stack(moto_endpoint: str, data_dir: pathlib.Path, timeout: float = 
     stack = InProcessStack(StackConfig(data_dir=data_dir, store=f"s3://{bucket}/yieldloop", env=EnvOptions(workers=0)))
     await stack.start()
     try:
-        async with Client(**stack.addresses, timeout=timeout) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=timeout) as client:
             yield stack, client, bucket
     finally:
         await stack.stop()
@@ -163,7 +163,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory, call_recorder: CallRec
 
 @pytest_asyncio.fixture(scope="session")
 async def client(stack: InProcessStack) -> Client:
-    async with Client(**stack.addresses, timeout=120) as client:
+    async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
         yield client
 
 

@@ -49,6 +49,9 @@ CASES: list[tuple[str, str, Any, Any]] = [
      {"model": "tiny", "checkpointId": "base",
       "promotion": {"state": "PROMOTION_STATE_REJECTED", "reason": "fuzz", "heldoutReward": 0.5,
                     "baselineCheckpointId": "base", "baselineReward": 0.4, "decidedTime": 1.0}}),
+    ("checkpoint", "CreateApiKey", ckpt.CreateApiKeyRequest, {"team": "fuzz-team", "role": "sample", "name": "fuzz"}),
+    ("checkpoint", "ListApiKeys", ckpt.ListApiKeysRequest, {}),
+    ("checkpoint", "RevokeApiKey", ckpt.RevokeApiKeyRequest, {"keyId": "000000000000"}),
     ("env", "ListScenarios", env.ListScenariosRequest, {}),
     ("env", "StreamEpisode", env.StreamEpisodeRequest,
      [{"start": {"task": TASK}}, {"submit": {"answer": "a"}}]),
@@ -172,7 +175,7 @@ async def fuzz_client(tmp_path_factory):
 
     stack = InProcessStack(StackConfig(data_dir=tmp_path_factory.mktemp("fuzz"), trainer=TrainerOptions(max_models=4)))
     await stack.start()
-    async with Client(**stack.addresses, timeout=60) as client:
+    async with Client(**stack.addresses, api_key=stack.api_key, timeout=60) as client:
         await client.fork_model("tiny", "fuzz-trainee")
         yield client
     await stack.stop()
@@ -241,7 +244,7 @@ async def test_every_http_route_answers_bad_input_with_an_openai_error(fuzz_clie
 
     base_url = (await fuzz_client.get_serving_info()).openai_base_url
     bad, statuses = [], collections.Counter()
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {fuzz_client.transport.api_key}"}) as http:
         for route, baseline in HTTP_BASELINES.items():
             bodies = [("raw", text) for text in ("", "not json", "[1, 2]", "{", "\x00")]
             if route == "/chat/completions":  # inside a message
@@ -287,7 +290,7 @@ async def test_undecodable_messages_are_invalid_argument(fuzz_client: Client, ca
                 rpc = getattr(channel, kind)(method)
                 request = garbage if kind.startswith("unary_") else iter([garbage])
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    call = rpc(request, timeout=30)
+                    call = rpc(request, timeout=30, metadata=(("x-api-key", fuzz_client.transport.api_key),))
                     if kind.endswith("_stream"):
                         async for _ in call:
                             pass

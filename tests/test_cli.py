@@ -3,11 +3,13 @@ command against a live `yieldloop up`, including their error messages."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -45,10 +47,12 @@ def test_demo_learns_and_writes_a_report(tmp_path: pathlib.Path) -> None:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory):
-    """`yieldloop up` in a subprocess, serving until SIGINT."""
+    """`yieldloop up --tls` in a subprocess, serving until SIGINT: every command below runs with TLS and the
+    admin key the stack made (auth is on by default)."""
     data_dir = tmp_path_factory.mktemp("up")
     process = subprocess.Popen(
-        [YIELDLOOP, "up", "--data-dir", str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [YIELDLOOP, "up", "--data-dir", str(data_dir), "--tls"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 300
     while len(list((data_dir / "run").glob("*.json"))) < 4:
@@ -63,9 +67,51 @@ def up(tmp_path_factory: pytest.TempPathFactory):
         assert service in output
 
 
-def run(data_dir: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "250", "YIELDLOOP_DATA_DIR": str(data_dir)}
+def run(data_dir: pathlib.Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "250", "YIELDLOOP_DATA_DIR": str(data_dir), **env}
     return subprocess.run([YIELDLOOP, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_up_serves_tls_and_auth(up: pathlib.Path) -> None:
+    """The stack's admin key is private to its owner; team keys come from `yieldloop keys`; a client without
+    the stack's CA, or without a key, is refused."""
+    import asyncio
+
+    from yieldloop import errors
+    from yieldloop.client import Client
+    from yieldloop.training import connect, stack_addresses
+
+    assert (up / "api_key").stat().st_mode & 0o777 == 0o600
+    assert (up / "tls" / "server.key").stat().st_mode & 0o777 == 0o600
+    made = run(up, "keys", "create", "--team", "cli-team", "--role", "sample", "--name", "from the cli")
+    assert made.returncode == 0, made.stderr
+    team_key = made.stdout.strip().splitlines()[-1]
+    key_id = team_key.split("_")[1]
+    listed = run(up, "keys", "list")
+    assert key_id in listed.stdout and "cli-team" in listed.stdout and team_key not in listed.stdout
+    # The team key sees the public base; it may not train (a sample key) nor manage keys.
+    assert "tiny" in run(up, "models", "list", YIELDLOOP_API_KEY=team_key).stdout
+    refused = run(up, "keys", "list", YIELDLOOP_API_KEY=team_key)
+    assert refused.returncode == 1 and "ROLE_NOT_ALLOWED" in refused.stderr
+    assert run(up, "keys", "revoke", key_id).returncode == 0
+    time.sleep(5.5)  # the key cache
+    gone = run(up, "models", "list", YIELDLOOP_API_KEY=team_key)
+    assert gone.returncode == 1 and "API_KEY_INVALID" in gone.stderr
+
+    async def refused_without_ca_or_key() -> None:
+        addresses = stack_addresses(up)
+        async with Client(**addresses, api_key=(up / "api_key").read_text().strip(), timeout=5,
+                          retry_within_s=0) as plaintext:  # no CA: a plaintext client to TLS servers
+            with pytest.raises(errors.UnavailableError):
+                await plaintext.list_models()
+        async with connect(up, timeout=30) as client:
+            assert client.transport.tls_ca and (await client.list_models()).models
+        keyless_transport = dataclasses.replace(client.transport, api_key="")
+        async with Client(**addresses, transport=keyless_transport, timeout=30) as keyless:
+            with pytest.raises(errors.UnauthenticatedError):
+                await keyless.list_models()
+
+    asyncio.run(refused_without_ca_or_key())
 
 
 def test_eval_jobs_export_and_trace(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -244,7 +290,10 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
                 done = await client.generate([1, 40, 41], model=fork, sampling=sampling_params(max_tokens=3))
                 assert done.weight_version == head
                 base_url = (await client.get_serving_info(model=fork)).openai_base_url
-                async with aiohttp.ClientSession() as http:
+                assert base_url.startswith("https://")
+                tls = ssl.create_default_context(cafile=client.transport.tls_ca)
+                async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"},
+                                                 connector=aiohttp.TCPConnector(ssl=tls)) as http:
                     body = {"model": fork, "prompt": [1, 40, 41], "max_tokens": 3}
                     async with http.post(f"{base_url}/completions", json=body) as response:
                         assert (await response.json())["choices"][0]["weight_version"] == head

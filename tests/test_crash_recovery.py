@@ -26,7 +26,7 @@ from yieldloop.client import Client
 from yieldloop.transport import TransportConfig
 from yieldloop_server.config import ServeOptions, StackConfig
 from yieldloop_server.serve import build_service
-from yieldloop_server.stack import ServiceProcess, ensure_model
+from yieldloop_server.stack import ServiceProcess, ensure_model, ensure_stack_keys
 from yieldloop_server.store import open_store
 
 from test_training_safety import fingerprint, good_batch
@@ -65,14 +65,15 @@ async def crashing(tmp_path_factory):
     killer = KillTrainer()
     config = StackConfig(data_dir=data_dir, transport=TransportConfig(server_interceptors=(killer,)))
     await asyncio.to_thread(ensure_model, open_store(config.store_url), "tiny")
+    admin_key, service_key = ensure_stack_keys(open_store(config.store_url), data_dir)
     start, stop = await build_service(ServeOptions.of(config, "checkpoint", {}))
     checkpoint = await start()
     options = ServeOptions.of(StackConfig(data_dir=data_dir), "trainer", {"checkpoint": checkpoint})
     options.ready_file = data_dir / "run" / "trainer.json"
     options.ready_file.parent.mkdir(parents=True, exist_ok=True)
-    killer.trainer = trainer = ServiceProcess(options, data_dir / "logs")
+    killer.trainer = trainer = ServiceProcess(options, data_dir / "logs", service_key=service_key)
     await trainer.start()
-    async with Client(trainer=trainer.address, checkpoint=checkpoint, timeout=120) as client:
+    async with Client(trainer=trainer.address, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
         yield client, killer, trainer
     await trainer.stop()
     await stop(1.0)
@@ -162,7 +163,7 @@ async def test_kill_9_of_the_rollout_loses_no_acknowledged_run(tmp_path) -> None
     addresses = await stack.start()
     rollout = stack.services["rollout"]
     try:
-        async with Client(**addresses, timeout=60) as client:
+        async with Client(**addresses, timeout=60, api_key=stack.api_key) as client:
             received = []
             with pytest.raises(errors.UnavailableError):
                 async for run in client.stream_rollouts(tasks(), group_size=8, max_concurrent=16):

@@ -40,10 +40,11 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
     from yieldloop.proto.common.v1 import common_pb2 as common_pb
     from yieldloop_server.config import ServeOptions, TrainerOptions
     from yieldloop_server.serve import build_service
-    from yieldloop_server.stack import ensure_base_model
+    from yieldloop_server.stack import ensure_base_model, ensure_stack_keys
     from yieldloop_server.store import open_store
 
     ensure_base_model(open_store(str(tmp_path / "store")), "tiny")
+    admin_key, _ = ensure_stack_keys(open_store(str(tmp_path / "store")), tmp_path)
     start_checkpoint, stop_checkpoint = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
     checkpoint = await start_checkpoint()
     start_trainer, stop_trainer = await build_service(
@@ -52,7 +53,7 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
     )
     trainer = await start_trainer()
     try:
-        async with Client(trainer=trainer, checkpoint=checkpoint, timeout=120) as client:
+        async with Client(trainer=trainer, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
             datums = [common_pb.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
                                       sampling_logprobs=d.sampling_logprobs, advantages=d.advantages)
                       for d in batch(3, 384)]

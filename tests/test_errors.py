@@ -132,12 +132,13 @@ async def test_health_and_reflection(stack) -> None:
 
 
 async def test_rollout_server_for_unknown_model_fails_fast(stack, tmp_path) -> None:
+    from yieldloop.transport import TransportConfig
     from yieldloop_server.rollout.server import RolloutServer
     from yieldloop_server.store import open_store
 
     server = RolloutServer(
         "no-such-model", open_store(stack.config.store_url), stack.addresses["checkpoint"],
-        stack.addresses["env"], tmp_path,
+        stack.addresses["env"], tmp_path, transport=TransportConfig(api_key=stack.api_key),
     )
     with pytest.raises(errors.NotFoundError) as err:
         await server.start()

@@ -26,7 +26,7 @@ async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
                          trainer=TrainerOptions(dtype="float32"))
     stack = InProcessStack(config)
     await stack.start()
-    async with Client(**stack.addresses, timeout=120) as client:
+    async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
         yield client
     await stack.stop()
 

@@ -142,7 +142,7 @@ async def test_a_stack_started_on_a_folder_imports_serves_and_trains_it(tmp_path
     await stack.start()
     try:
         assert stack.config.model == "tiny-llama"  # the slug is named after the folder
-        async with Client(**stack.addresses, timeout=120) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
             completion = await client.generate([1, 40, 41, 42], sampling=sampling_params(max_tokens=6, ignore_eos=True))
             assert len(completion.token_ids) == 6 and completion.weight_version == "base"
             runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2)]
@@ -158,7 +158,7 @@ async def test_a_stack_started_on_a_folder_imports_serves_and_trains_it(tmp_path
     again = InProcessStack(StackConfig(data_dir=data_dir, model=str(llama), env=EnvOptions(workers=0)))
     await again.start()
     try:
-        async with Client(**again.addresses, timeout=60) as client:
+        async with Client(**again.addresses, api_key=again.api_key, timeout=60) as client:
             assert (await client.get_head("tiny-llama")).checkpoint_id == step.checkpoint.checkpoint_id
     finally:
         await again.stop()
@@ -184,7 +184,7 @@ async def test_a_model_without_chat_template_rolls_out_raw_text(tmp_path_factory
                                        env=EnvOptions(workers=0)))
     await stack.start()
     try:
-        async with Client(**stack.addresses, timeout=120) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
             runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2)]
             assert all(r.status == RunStatus.GRADED and r.prompt_format == PromptFormat.RAW for r in runs)
             assert all(len(r.turns) == 1 for r in runs)
@@ -194,7 +194,7 @@ async def test_a_model_without_chat_template_rolls_out_raw_text(tmp_path_factory
             completion = await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=3, ignore_eos=True))
             assert len(completion.token_ids) == 3
             base_url = (await client.get_serving_info()).openai_base_url
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"}) as http:
             body = {"model": "plain-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
             async with http.post(f"{base_url}/chat/completions", json=body) as response:
                 assert response.status == 400
@@ -211,7 +211,7 @@ async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too
     stack = InProcessStack(StackConfig(data_dir=data_dir, env=EnvOptions(workers=0)))
     await stack.start()
     try:
-        async with Client(**stack.addresses, timeout=120) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
             tiny = next(m for m in (await client.list_models()).models if m.slug == "tiny")
             big = build_llama(tmp_path_factory.mktemp("src") / "big-llama", num_hidden_layers=8)
             await client.import_model(str(big), "big-llama")
@@ -225,7 +225,7 @@ async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too
     stack = InProcessStack(budget)
     await stack.start()
     try:
-        async with Client(**stack.addresses, timeout=120) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
             fork = await client.generate([1, 40, 41], model="budget-fork", sampling=sampling_params(max_tokens=2))
             again = await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=2))  # the default, reloaded
             assert fork.weight_version and again.weight_version
@@ -237,7 +237,7 @@ async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too
             base_url = (await client.get_serving_info()).openai_base_url
         import aiohttp
 
-        async with aiohttp.ClientSession() as http, http.get(f"{base_url}/models") as response:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"}) as http, http.get(f"{base_url}/models") as response:
             loaded = {card["id"] for card in (await response.json())["data"] if card["weight_version"]}
         assert loaded == {"tiny"}  # budget-fork was unloaded to make room
     finally:

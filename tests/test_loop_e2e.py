@@ -213,7 +213,7 @@ async def test_one_rollout_service_serves_every_slug_by_name(stack, client: Clie
     assert (await client.get_serving_info()).weight_version == tiny_head.checkpoint_id
 
     base_url = info.openai_base_url
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"}) as http:
         body = {"model": "served-fork", "prompt": PROMPT, "max_tokens": 3}
         async with http.post(f"{base_url}/completions", json=body) as response:
             assert response.status == 200 and (await response.json())["choices"][0]["weight_version"] == new

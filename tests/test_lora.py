@@ -105,7 +105,7 @@ async def test_two_forks_trained_concurrently_from_two_clients(stack, client: Cl
     runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2)]
 
     async def train(slug: str) -> list[str]:
-        async with Client(**stack.addresses, timeout=120) as own:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as own:
             steps = []
             for _ in range(2):
                 await own.forward_backward(runs=runs, model=slug)

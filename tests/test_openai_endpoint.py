@@ -17,7 +17,7 @@ PROMPT = [1, 40, 41, 42, 43, 44]
 async def oai(client: Client):
     info = await client.get_serving_info()
     assert info.openai_base_url.startswith("http://127.0.0.1:") and info.openai_base_url.endswith("/v1")
-    async with openai.AsyncOpenAI(base_url=info.openai_base_url, api_key="unused", max_retries=0) as oai:
+    async with openai.AsyncOpenAI(base_url=info.openai_base_url, api_key=client.transport.api_key, max_retries=0) as oai:
         yield oai
 
 

@@ -53,7 +53,7 @@ async def test_a_poisoned_http_request_beside_eight_good_ones(client: Client, bo
     import aiohttp
 
     base_url = (await client.get_serving_info()).openai_base_url
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"}) as http:
         async def post(data: str):
             async with http.post(f"{base_url}/completions", data=data,
                                  headers={"content-type": "application/json"}) as response:

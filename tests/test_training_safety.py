@@ -58,7 +58,7 @@ async def safety_stack(tmp_path_factory, faults):
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def sc(safety_stack):
     # No retries of repeatable calls: these tests look at each failure the client would otherwise retry.
-    async with Client(**safety_stack.addresses, timeout=120, retry_within_s=0) as client:
+    async with Client(**safety_stack.addresses, api_key=safety_stack.api_key, timeout=120, retry_within_s=0) as client:
         yield client
 
 

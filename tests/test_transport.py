@@ -41,9 +41,10 @@ async def _health(address: str) -> None:
         watch.cancel()
 
 
-def _http(url: str) -> tuple[int, dict]:
+def _http(url: str, key: str) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=30) as response:
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
@@ -69,7 +70,7 @@ async def test_one_interceptor_sees_every_rpc_kind_of_every_service_and_http(sta
     await client.forward_scored(runs=runs)  # trainer: client stream
     await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=2))  # rollout: server stream
     info = await client.get_serving_info()
-    assert (await asyncio.to_thread(_http, info.openai_base_url + "/models"))[0] == 200  # HTTP
+    assert (await asyncio.to_thread(_http, info.openai_base_url + "/models", stack.api_key))[0] == 200  # HTTP
 
     counts = _count(call_recorder, since)
     assert counts[HEALTH_CHECK] == 4 and counts[HEALTH_WATCH] == 4
@@ -118,7 +119,7 @@ async def refusing_stack(tmp_path_factory: pytest.TempPathFactory):
 
 
 async def test_an_interceptor_refuses_with_typed_errors(refusing_stack) -> None:
-    async with Client(**refusing_stack.addresses, timeout=60) as client:
+    async with Client(**refusing_stack.addresses, api_key=refusing_stack.api_key, timeout=60) as client:
         with pytest.raises(errors.PermissionDeniedError) as refused:
             await client.list_models()
         assert refused.value.reason == "PERMISSION_DENIED"
@@ -132,7 +133,7 @@ async def test_an_interceptor_refuses_with_typed_errors(refusing_stack) -> None:
                 await client.forward_backward(datums=[Datum([1, 2, 3], [2, 3, 4])] * 64)
         assert (await client.get_head("tiny")).checkpoint_id  # what is not refused still works
         info = await client.get_serving_info()
-    status, body = await asyncio.to_thread(_http, info.openai_base_url + "/models")  # the loop serves it
+    status, body = await asyncio.to_thread(_http, info.openai_base_url + "/models", refusing_stack.api_key)
     assert status == 403 and body["error"]["type"] == "permission_error" and body["error"]["code"] == "permission_denied"
     async with open_channel(refusing_stack.addresses["checkpoint"]) as channel:  # health stays open
         health = health_pb2_grpc.HealthStub(channel)

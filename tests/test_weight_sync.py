@@ -54,7 +54,7 @@ async def synced(tmp_path_factory):
     stack = InProcessStack(config)
     await stack.start()
     try:
-        async with Client(**stack.addresses, timeout=120) as client:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
             yield client, hold, data_dir
     finally:
         await stack.stop()

@@ -81,12 +81,12 @@ class ModelFacts:
     weights: list[pathlib.Path]
     """The safetensors files (empty when the weights are PyTorch .bin files, converted on upload)."""
 
-    def base_info(self, slug: str, source: str, owner: str, size_bytes: int) -> ModelInfo:
+    def base_info(self, slug: str, source: str, owner: str, size_bytes: int, public: bool = False) -> ModelInfo:
         """The record of a base slug holding these weights."""
         return ModelInfo(
             slug=slug, base=slug, owner=owner, trainable=True, architecture=self.architecture,
             num_parameters=self.num_parameters, dtype=self.dtype, has_chat_template=self.has_chat_template,
-            source=source, size_bytes=size_bytes,
+            source=source, size_bytes=size_bytes, public=public,
         )
 
 
@@ -199,7 +199,7 @@ def _stage_converted(folder: pathlib.Path, staging: pathlib.Path) -> pathlib.Pat
 
 
 def import_model(
-    registry: CheckpointRegistry, source: str, name: str, owner: str = ""
+    registry: CheckpointRegistry, source: str, name: str, owner: str = "", public: bool = False
 ) -> tuple[ModelInfo, Head]:
     """Imports ``source`` as the base slug ``name``: checks first, then uploads, creates and commits.
 
@@ -232,7 +232,7 @@ def import_model(
         else:
             _stage_converted(folder, staging)
         objects = upload_folder(registry.store, name, BASE_CHECKPOINT, staging)
-    info = registry.create_model(facts.base_info(name, source, owner, sum(o.size for o in objects)))
+    info = registry.create_model(facts.base_info(name, source, owner, sum(o.size for o in objects), public))
     _, head = registry.commit(Manifest(model=name, checkpoint_id=BASE_CHECKPOINT, objects=objects), set_head=True)
     assert head is not None
     return info, head

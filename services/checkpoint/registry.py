@@ -135,7 +135,8 @@ class CheckpointRegistry:
                     f"config; fork {src.adapter_base_model!r} for another adapter",
                 )
         # The fork inherits what the weights are (architecture, size, chat template) from its source.
-        info = dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0)
+        info = dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0,
+                                   public=False)
         if lora is None or src.lora is not None:
             self._create_or_resume(info)
             forked = dataclasses.replace(manifest, model=name, created_time=time.time())

@@ -14,48 +14,92 @@ from google.protobuf import json_format
 
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as pb
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
-from yieldloop.errors import invalid_field
+from yieldloop.errors import PermissionDeniedError, invalid_field
 from yieldloop.convert import head_to_pb, lora_from_pb, manifest_from_pb, manifest_to_pb, model_to_pb
 from yieldloop_server.checkpoint.importer import import_model
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
+from yieldloop_server.common.auth import TRUSTED, KeyStore, ModelAccess, current_principal, may
 from yieldloop_server.common.grpc_server import rpc
 
 
+def key_to_pb(record) -> pb.ApiKeyInfo:
+    return pb.ApiKeyInfo(key_id=record.key_id, team=record.team, role=record.role, name=record.name,
+                         created_time=record.created_time, revoked_time=record.revoked_time)
+
+
+def _owner(requested: str, public: bool = False) -> str:
+    """The owner a new model gets: the caller's team (a team may not create models for another, or public ones);
+    an admin names any owner (default: its team); without auth, what was asked."""
+    principal = current_principal()
+    if principal is TRUSTED:
+        return requested
+    if not principal.is_admin:
+        if requested and requested != principal.team:
+            raise PermissionDeniedError(f"a key of team {principal.team!r} creates models for its team only, "
+                                        f"not {requested!r}", reason="ROLE_NOT_ALLOWED", field="owner")
+        if public:
+            raise PermissionDeniedError("only admin keys make public models", reason="ROLE_NOT_ALLOWED",
+                                        field="public")
+    return requested or principal.team
+
+
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
-    def __init__(self, registry: CheckpointRegistry) -> None:
+    def __init__(self, registry: CheckpointRegistry, keys: KeyStore | None = None) -> None:
         self.registry = registry
+        self.keys = keys or KeyStore(registry.store)
+        self.access = ModelAccess(lambda slug: asyncio.to_thread(self.registry.get_model, slug))
+        self.access.TTL_S = 0.0  # this service reads the records at the source: no stale owner
 
     @rpc
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        principal = current_principal()
         models = await asyncio.to_thread(self.registry.list_models, True)
-        return pb.ListModelsResponse(models=[model_to_pb(m) for m in models])
+        return pb.ListModelsResponse(models=[model_to_pb(m) for m in models if may(principal, m, "see")])
 
     @rpc
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.GetModelResponse:
+        await self.access.require(request.model, "see")
         return pb.GetModelResponse(model=model_to_pb(await asyncio.to_thread(self.registry.describe_model, request.model)))
 
     @rpc
     async def ForkModel(self, request: pb.ForkModelRequest, context: grpc.aio.ServicerContext) -> pb.ForkModelResponse:
         lora = lora_from_pb(request.lora) if request.HasField("lora") else None
-        info, head = await asyncio.to_thread(
-            self.registry.fork_model, request.source, request.name, request.owner, lora
-        )
+        owner = _owner(request.owner)
+        await self.access.require(request.source.partition("@")[0], "see")
+        info, head = await asyncio.to_thread(self.registry.fork_model, request.source, request.name, owner, lora)
         return pb.ForkModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc
     async def DeleteModel(self, request: pb.DeleteModelRequest, context: grpc.aio.ServicerContext) -> pb.DeleteModelResponse:
+        await self.access.require(request.model, "train")
         await asyncio.to_thread(self.registry.delete_model, request.model, request.force)
         return pb.DeleteModelResponse()
 
     @rpc
     async def ImportModel(self, request: pb.ImportModelRequest, context: grpc.aio.ServicerContext) -> pb.ImportModelResponse:
-        info, head = await asyncio.to_thread(import_model, self.registry, request.source, request.name, request.owner)
+        owner = _owner(request.owner, request.public)
+        info, head = await asyncio.to_thread(
+            import_model, self.registry, request.source, request.name, owner, request.public)
         return pb.ImportModelResponse(model=model_to_pb(info), head=head_to_pb(head))
+
+    @rpc
+    async def CreateApiKey(self, request: pb.CreateApiKeyRequest, context: grpc.aio.ServicerContext) -> pb.CreateApiKeyResponse:
+        record, key = await asyncio.to_thread(self.keys.create, request.team, request.role, request.name)
+        return pb.CreateApiKeyResponse(info=key_to_pb(record), api_key=key)
+
+    @rpc
+    async def ListApiKeys(self, request: pb.ListApiKeysRequest, context: grpc.aio.ServicerContext) -> pb.ListApiKeysResponse:
+        return pb.ListApiKeysResponse(keys=[key_to_pb(r) for r in await asyncio.to_thread(self.keys.list)])
+
+    @rpc
+    async def RevokeApiKey(self, request: pb.RevokeApiKeyRequest, context: grpc.aio.ServicerContext) -> pb.RevokeApiKeyResponse:
+        return pb.RevokeApiKeyResponse(info=key_to_pb(await asyncio.to_thread(self.keys.revoke, request.key_id)))
 
     @rpc
     async def ListCheckpoints(
         self, request: pb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListCheckpointsResponse:
+        await self.access.require(request.model, "see")
         manifests, head, promotions = await asyncio.to_thread(
             lambda: (self.registry.list_checkpoints(request.model), self.registry.find_head(request.model),
                      self.registry.promotions(request.model))
@@ -83,6 +127,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     ) -> pb.RecordPromotionResponse:
         if request.promotion.state == pb.PROMOTION_STATE_UNSPECIFIED:
             raise invalid_field("promotion.state", "give PROMOTED or REJECTED")
+        await self.access.require(request.model, "train")
         await asyncio.to_thread(
             self.registry.record_promotion, request.model, request.checkpoint_id,
             json_format.MessageToDict(request.promotion),
@@ -93,6 +138,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     async def GetCheckpoint(
         self, request: pb.GetCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetCheckpointResponse:
+        await self.access.require(request.model, "see")
         manifest = await asyncio.to_thread(self.registry.get_manifest, request.model, request.checkpoint_id)
         return pb.GetCheckpointResponse(manifest=manifest_to_pb(manifest))
 
@@ -100,6 +146,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     async def CommitCheckpoint(
         self, request: pb.CommitCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitCheckpointResponse:
+        await self.access.require(request.manifest.model, "train")
         manifest, head = await asyncio.to_thread(
             self.registry.commit,
             manifest_from_pb(request.manifest),
@@ -110,10 +157,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
 
     @rpc
     async def GetHead(self, request: pb.GetHeadRequest, context: grpc.aio.ServicerContext) -> pb.GetHeadResponse:
+        await self.access.require(request.model, "see")
         return pb.GetHeadResponse(head=head_to_pb(await asyncio.to_thread(self.registry.get_head, request.model)))
 
     @rpc
     async def SetHead(self, request: pb.SetHeadRequest, context: grpc.aio.ServicerContext) -> pb.SetHeadResponse:
+        await self.access.require(request.model, "train")
         head = await asyncio.to_thread(
             self.registry.set_head, request.model, request.checkpoint_id, request.expected_checkpoint_id,
             request.expected_sequence,
@@ -124,5 +173,6 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     async def WatchHead(
         self, request: pb.WatchHeadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchHeadResponse]:
+        await self.access.require(request.model, "see")
         async for head in self.registry.watch_head(request.model, request.after_sequence):
             yield pb.WatchHeadResponse(head=head_to_pb(head))

@@ -203,7 +203,12 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        credentials = self.transport.server_credentials()
+        if credentials is None:
+            self.transport.check_plaintext(self.host)
+            self.port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        else:
+            self.port = self._server.add_secure_port(f"{self.host}:{self.port}", credentials)
         await self._server.start()
         for name in ["", *self._service_names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

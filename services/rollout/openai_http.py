@@ -29,6 +29,8 @@ from typing import Any
 
 from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
+from yieldloop.convert import model_from_pb
+from yieldloop_server.common.auth import ModelAccess, current_principal, may
 from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
 from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta, whole_completion
 from yieldloop_server.rollout.models import ServedModel, ServedModels
@@ -138,9 +140,12 @@ class OpenAIEndpoint:
     def __init__(
         self, models: ServedModels, host: str = "127.0.0.1", port: int = 0,
         transport: TransportConfig = DEFAULT_TRANSPORT, stream_interval_s: float = 0.0,
+        access: ModelAccess | None = None,
     ) -> None:
         self.models, self.host, self.port = models, host, port
         self.stream_interval_s = stream_interval_s
+        self.access = access
+        """Checks the caller may sample the model it names (the RolloutService's own check)."""
         """``stream: true`` answers send at most one chunk per this many seconds (SamplingConfig.stream_interval_s)."""
         self.transport = transport
         self._runner: Any = None
@@ -162,10 +167,18 @@ class OpenAIEndpoint:
         # a header still incomplete counts as idle, so this is also the header timeout.
         self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.transport.http_idle_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        ssl_context = None
+        if self.transport.tls_cert:
+            import ssl
+
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(self.transport.tls_cert, self.transport.tls_key)
+        else:
+            self.transport.check_plaintext(self.host)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=ssl_context)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        self.base_url = f"http://{self.host}:{port}/v1"
+        self.base_url = f"{'https' if ssl_context else 'http'}://{self.host}:{port}/v1"
         log.info("OpenAI-compatible endpoint on %s", self.base_url)
         return self.base_url
 
@@ -192,8 +205,10 @@ class OpenAIEndpoint:
         # Every slug of the store is served on request: the default first; loaded ones with their weights.
         slugs = [self.models.default]
         if self.models.checkpoints is not None:
+            principal = current_principal()
             listed = await self.models.checkpoints.list_models()
-            slugs += sorted(m.slug for m in listed.models if m.slug != self.models.default)
+            visible = sorted(m.slug for m in listed.models if may(principal, model_from_pb(m), "see"))
+            slugs = [slug for slug in slugs if slug in visible] + [s for s in visible if s != self.models.default]
         loaded = {served.slug: served.engine for served in self.models.loaded}
         cards = []
         for slug in slugs:
@@ -234,6 +249,8 @@ class OpenAIEndpoint:
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
                 raise invalid_field("n", "n must be an integer in [1, 64]")
             sampling = _sampling(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+            if self.access is not None:
+                await self.access.require(model or self.models.default, "sample")
             async with self.models.use(model) as served:  # NOT_FOUND (MODEL_NOT_FOUND) for a missing slug
                 prompt_ids = await (self._chat_prompt(served, body) if chat else self._completion_prompt(served, body))
                 if body.get("stream"):

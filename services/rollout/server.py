@@ -74,13 +74,13 @@ class RolloutServer:
             store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
             memory_budget_bytes=memory_budget_bytes,
         )
-        self.http = None if http_port is None else OpenAIEndpoint(self.models, host, http_port, transport,
-                                                                     stream_interval_s)
         self.grpc = GrpcServer(host, port, transport)
         self.servicer = RolloutServicer(
             self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), limits, stream_interval_s
         )
         self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
+        self.http = None if http_port is None else OpenAIEndpoint(
+            self.models, host, http_port, transport, stream_interval_s, access=self.servicer.access)
 
     async def start(self) -> str:
         """Loads the default model (its first head), then serves."""

@@ -13,10 +13,11 @@ import grpc
 
 from yieldloop.client import Client
 from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
-from yieldloop.types import JobInfo
-from yieldloop.errors import check_json_object, invalid_field
+from yieldloop.types import JobInfo, ModelInfo
+from yieldloop.errors import NotFoundError, check_json_object, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from yieldloop_server.common.auth import ModelAccess, current_principal, require_job, sees_job
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.rollout.engines import SamplingConfig
 from yieldloop_server.rollout.models import ServedModels
@@ -51,7 +52,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """Episodes running at once over every StreamRollouts request."""
         self.openai_base_url = ""
         self.stream_interval_s = stream_interval_s
+        self.access = ModelAccess(self._model_info)
         """Generate streams at most one message per this many seconds (see SamplingConfig.stream_interval_s)."""
+
+    async def _model_info(self, slug: str) -> ModelInfo:
+        if self.models.checkpoints is None:
+            raise NotFoundError(f"this server serves only {self.models.default!r}", reason="MODEL_NOT_FOUND")
+        return await self.models.checkpoints.get_model(slug)
 
     @rpc
     async def Generate(
@@ -61,6 +68,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         kind = request.WhichOneof("prompt")
         if kind not in ("chat", "prompt_token_ids"):
             raise invalid_field("prompt", "give prompt_token_ids or chat")
+        await self.access.require(request.model or self.models.default, "sample")
         async with self.models.use(request.model) as served:
             engine = served.engine
             if kind == "chat":
@@ -111,7 +119,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             max_attempts=request.max_attempts or AgentConfig.max_attempts,
         )
         sampling = sampling_from_pb(request.sampling)
-        job_id = request.job_id or "default"
+        principal = current_principal()
+        # Each team's rollouts without a job go to its own default job.
+        job_id = request.job_id or ("default" if principal.is_admin else f"{principal.team}-default")
+        await self.access.require(request.model or self.models.default, "sample")
         async with contextlib.AsyncExitStack() as stack:
             served = await stack.enter_async_context(self.models.use(request.model))
             if request.checkpoint_id and served.pinned is None:
@@ -121,7 +132,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 engine = await stack.enter_async_context(served.pinned.engine(request.checkpoint_id))
             elif not engine.weight_version:
                 engine.validate_prompt([])  # raises ENGINE_NOT_READY
-            await asyncio.to_thread(self.traces.ensure_job, job_id, served.slug)
+            job = await asyncio.to_thread(self.traces.ensure_job, job_id, served.slug, principal.team)
+            require_job(job.team, job_id)
             async for run in stream_rollouts(
                 engine,
                 self.env,
@@ -139,6 +151,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     @rpc
     async def GetRuns(self, request: pb.GetRunsRequest, context: grpc.aio.ServicerContext) -> pb.GetRunsResponse:
+        # A trace id is a capability (random, only ever given to whoever ran the episode): no job lookup per run.
         runs = await asyncio.to_thread(lambda: [self.traces.get(trace_id) for trace_id in request.trace_ids])
         return pb.GetRunsResponse(runs=[run_to_pb(run) for run in runs])
 
@@ -146,6 +159,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def GetServingInfo(
         self, request: pb.GetServingInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetServingInfoResponse:
+        await self.access.require(request.model or self.models.default, "sample")
         async with self.models.use(request.model) as served:
             if request.wait_for_checkpoint_id:
                 if self.models.checkpoints is not None:  # NOT_FOUND now, rather than waiting for the deadline
@@ -167,23 +181,26 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     @rpc
     async def CreateJob(self, request: pb.CreateJobRequest, context: grpc.aio.ServicerContext) -> pb.CreateJobResponse:
         model = request.model or self.models.default
+        await self.access.require(model, "sample")
         if request.model and self.models.checkpoints is not None:
             await self.models.checkpoints.get_head(model)  # NOT_FOUND (MODEL_NOT_FOUND) for a missing slug
         if request.group_size < 0:
             raise invalid_field("group_size", "group_size must be >= 0")
         check_json_object(request.metadata_json, "metadata_json")
         job = JobInfo(model=model, name=request.name, group_size=request.group_size,
-                      metadata_json=request.metadata_json)
+                      metadata_json=request.metadata_json, team=current_principal().team)
         return pb.CreateJobResponse(job=job_to_pb(await asyncio.to_thread(self.traces.create_job, job)))
 
     @rpc
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[job_to_pb(job) for job in await asyncio.to_thread(self.traces.list_jobs)])
+        jobs = await asyncio.to_thread(self.traces.list_jobs)
+        return pb.ListJobsResponse(jobs=[job_to_pb(job) for job in jobs if sees_job(job.team)])
 
     @rpc
     async def StreamJobRuns(
         self, request: pb.StreamJobRunsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StreamJobRunsResponse]:
-        await asyncio.to_thread(self.traces.get_job, request.job_id)  # NOT_FOUND (JOB_NOT_FOUND)
+        job = await asyncio.to_thread(self.traces.get_job, request.job_id)  # NOT_FOUND (JOB_NOT_FOUND)
+        require_job(job.team, job.job_id)
         for trace_id in await asyncio.to_thread(self.traces.job_runs, request.job_id):
             yield pb.StreamJobRunsResponse(run=run_to_pb(await asyncio.to_thread(self.traces.get, trace_id)))

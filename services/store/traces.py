@@ -90,10 +90,14 @@ class TraceStore:
             pass
         return job
 
-    def ensure_job(self, job_id: str, model: str) -> None:
-        """Records ``job_id`` as a job of ``model`` unless it exists (rollouts name their job freely)."""
-        if self.store.stat(f"jobs/{_check(job_id, 'job_id')}/job.json") is None:
-            self.create_job(JobInfo(job_id=job_id, model=model, name=job_id))
+    def ensure_job(self, job_id: str, model: str, team: str = "") -> JobInfo:
+        """The job ``job_id``, recorded as a job of ``model`` by ``team`` unless it exists (rollouts name their
+        job freely)."""
+        try:
+            return self._read_job(job_id)
+        except NotFoundError:
+            self.create_job(JobInfo(job_id=job_id, model=model, name=job_id, team=team))
+            return self._read_job(job_id)
 
     def _read_job(self, job_id: str) -> JobInfo:
         try:

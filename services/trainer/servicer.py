@@ -13,7 +13,8 @@ from yieldloop.errors import NotFoundError, check_json_object, invalid_field
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
-from yieldloop.types import Datum, Run
+from yieldloop.types import Datum, ModelInfo, Run
+from yieldloop_server.common.auth import ModelAccess
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.trainer import losses
 from yieldloop_server.checkpoint.files import host_id
@@ -31,6 +32,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     def __init__(self, sessions: TrainingSessions, publisher: WeightPublisher | None = None) -> None:
         self.sessions = sessions
         self.publisher = publisher
+        self.access = ModelAccess(self._model_info)
+
+    async def _model_info(self, slug: str) -> ModelInfo:
+        if self.sessions.checkpoints is None:
+            raise NotFoundError(f"this trainer trains only {self.sessions.default!r}", reason="MODEL_NOT_FOUND")
+        return await self.sessions.checkpoints.get_model(slug)
 
     @rpc
     async def ForwardBackward(
@@ -44,6 +51,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             raise invalid_field("config", "the first message must be a ForwardBackwardConfig")
         config = first.config
         losses.resolve(config.loss_fn, dict(config.loss_fn_config))  # fail before the data arrives
+        await self.access.require(config.model or self.sessions.default, "train")
         async with self.sessions.use(config.model) as session:
             await session.follow_head()
             runs: list[Run] = []
@@ -93,6 +101,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         first = await anext(requests, None)
         if first is None:
             raise invalid_field("items", "the batch is empty")
+        await self.access.require(first.model or self.sessions.default, "train")
         async with self.sessions.use(first.model) as session:
             await session.follow_head()
             items: list[Datum | Run] = []
@@ -119,6 +128,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         first = await anext(requests, None)
         if first is None:
             raise invalid_field("items", "the batch is empty")
+        await self.access.require(first.model or self.sessions.default, "train")
         async with self.sessions.use(first.model) as session:
             await session.follow_head()
             datums: list[Datum] = []
@@ -145,6 +155,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         check_json_object(request.metadata_json, "metadata_json")
         if len(request.idempotency_key) > 128:
             raise invalid_field("idempotency_key", "an idempotency key has at most 128 characters")
+        await self.access.require(request.model or self.sessions.default, "train")
         async with self.sessions.use(request.model) as session:
             outcome = await session.optim_step(
                 config.validate(), skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
@@ -180,6 +191,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def GetTrainerInfo(
         self, request: pb.GetTrainerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetTrainerInfoResponse:
+        await self.access.require(request.model or self.sessions.default, "see")
         async with self.sessions.use(request.model) as session:
             assert session.trainer is not None
             return pb.GetTrainerInfoResponse(

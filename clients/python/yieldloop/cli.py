@@ -66,13 +66,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
                        "base slug; its weights become the checkpoint 'base'")
     imported.add_argument("source", help="a model folder the checkpoint service can read, or a hub id (org/name)")
     imported.add_argument("--name", required=True, help="the new slug")
-    imported.add_argument("--owner", default="")
+    imported.add_argument("--owner", default="", help="the owning team (admin keys; default: the key's team)")
+    imported.add_argument("--public", action="store_true", help="every team may sample and fork it (admin keys)")
     fork = model_commands.add_parser(
         "fork", help="a new model starting from a model's head: full fine-tuning (objects shared until its first "
                      "step), or with --lora-rank a LoRA fork training adapters only over the source's frozen weights")
     fork.add_argument("source", help="a model slug (its head) or SLUG@CHECKPOINT")
     fork.add_argument("--name", required=True)
-    fork.add_argument("--owner", default="")
+    fork.add_argument("--owner", default="", help="the owning team (admin keys; default: the key's team)")
     fork.add_argument("--lora-rank", type=int, default=None, metavar="R", help="train a LoRA adapter of rank R (> 0)")
     fork.add_argument("--lora-alpha", type=float, default=0.0, metavar="A",
                       help="LoRA alpha: the update is scaled by A / R (default 2 R)")
@@ -89,6 +90,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     head.add_argument("model")
     head.add_argument("--set", dest="set_to", metavar="CHECKPOINT")
     head.add_argument("--expect", default="", metavar="CHECKPOINT", help="only if the head is this (compare-and-swap)")
+
+    keys = commands.add_parser("keys", help="API keys of a running stack (needs an admin key)")
+    _add_attach(keys)
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    created = key_commands.add_parser("create", help="a new key for a team; printed once, stored only hashed")
+    created.add_argument("--team", required=True)
+    created.add_argument("--role", required=True, choices=("sample", "train", "admin"),
+                         help="sample: roll out and sample the team's and public models; train: also fork, import, "
+                              "train and move the head of the team's models; admin: keys and every model")
+    created.add_argument("--name", default="", help="a label for `keys list`")
+    key_commands.add_parser("list", help="every key (never a secret), revoked ones marked")
+    revoked = key_commands.add_parser("revoke", help="revoke a key: every service refuses it within seconds")
+    revoked.add_argument("key_id")
 
     evaluate = commands.add_parser("eval", help="run a taskset against a model as a job (group rollouts per task)")
     evaluate.add_argument("tasks", help="taskset: a .py/.json/.jsonl file or module:attr")
@@ -310,6 +324,31 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _keys(args: argparse.Namespace) -> None:
+    import datetime
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    async with _client(args, timeout=60) as client:
+        if args.keys_command == "create":
+            made = await client.create_api_key(args.team, args.role, args.name)
+            console.print(f"key {made.info.key_id} for team {made.info.team} ({made.info.role}); it is shown this "
+                          f"once (stored hashed):", markup=False)
+            print(made.api_key)
+        elif args.keys_command == "list":
+            table = Table("key id", "team", "role", "name", "created", "revoked")
+            for key in await client.list_api_keys():
+                when = [datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds") if t else "-"
+                        for t in (key.created_time, key.revoked_time)]
+                table.add_row(key.key_id, key.team, key.role, key.name or "-", *when)
+            console.print(table)
+        else:
+            revoked = await client.revoke_api_key(args.key_id)
+            console.print(f"revoked {revoked.key_id} (team {revoked.team}, {revoked.role})", markup=False)
+
+
 async def _models(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -319,15 +358,16 @@ async def _models(args: argparse.Namespace) -> None:
         if args.models_command == "list":
             from yieldloop.convert import model_from_pb
 
-            table = Table("model", "base", "parent", "owner", "trainable", "kind", "architecture", "parameters",
-                          "dtype", "chat template", "size")
+            table = Table("model", "base", "parent", "owner", "public", "trainable", "kind", "architecture",
+                          "parameters", "dtype", "chat template", "size")
             for m in map(model_from_pb, (await client.list_models()).models):
-                table.add_row(m.slug, m.base, m.parent or "-", m.owner or "-", "yes" if m.trainable else "no",
+                table.add_row(m.slug, m.base, m.parent or "-", m.owner or "-", "yes" if m.public else "no",
+                              "yes" if m.trainable else "no",
                               m.kind, m.architecture or "-", f"{m.num_parameters:,}", m.dtype or "-",
                               "yes" if m.has_chat_template else "no", f"{m.size_bytes / 1e6:.3f} MB")
             console.print(table)
         elif args.models_command == "import":
-            done = await client.import_model(args.source, args.name, args.owner)
+            done = await client.import_model(args.source, args.name, args.owner, args.public)
             m = done.model
             console.print(f"imported {args.source} as {m.slug}: {m.architecture}, {m.num_parameters:,} parameters "
                           f"({m.dtype}), chat template {'yes' if m.has_chat_template else 'no'}, "
@@ -409,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     if args.command == "report":
         return cmd_report(args)
-    commands = {"models": _models, "trace": _trace, "eval": _eval, "train": _train,
+    commands = {"models": _models, "keys": _keys, "trace": _trace, "eval": _eval, "train": _train,
                 "jobs": _jobs, "export": _export}
     return with_errors(commands[args.command](args))
 

@@ -210,6 +210,7 @@ class Client:
             are spread across them in turn.
         timeout: Default deadline in seconds for unary calls (None: no deadline).
         transport: How channels are built (message limits, interceptors; see :mod:`yieldloop.transport`).
+        api_key: Sent with every call (``authorization: Bearer``); overrides ``transport.api_key``.
         retry_within_s: How long calls that are safe to repeat (an OptimStep with its idempotency key, a
             CommitCheckpoint of the same manifest) are retried while their service is UNAVAILABLE (restarting),
             with backoff and jitter (:class:`yieldloop.retry.Backoff`); 0: never.
@@ -225,9 +226,10 @@ class Client:
         timeout: float | None = None,
         transport: TransportConfig = DEFAULT_TRANSPORT,
         retry_within_s: float = 120.0,
+        api_key: str | None = None,
     ) -> None:
         self.timeout = timeout
-        self.transport = transport
+        self.transport = transport if api_key is None else dataclasses.replace(transport, api_key=api_key)
         self.retry_within_s = retry_within_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         envs = [env] if isinstance(env, str) else list(env or ())
@@ -581,11 +583,30 @@ class Client:
         )
         return await _unary(self.checkpoint_stub.ForkModel, request, self.timeout)
 
-    async def import_model(self, source: str, name: str, owner: str = "") -> ckpt_pb.ImportModelResponse:
+    async def import_model(
+        self, source: str, name: str, owner: str = "", public: bool = False
+    ) -> ckpt_pb.ImportModelResponse:
         """Imports a Hugging Face model (a folder the checkpoint service reads, or a hub id in its local
-        Hugging Face cache) as the base slug ``name``; its weights become the checkpoint "base" (HEAD)."""
-        request = ckpt_pb.ImportModelRequest(source=source, name=name, owner=owner)
+        Hugging Face cache) as the base slug ``name``; its weights become the checkpoint "base" (HEAD). It belongs
+        to the key's team (an admin names any ``owner``, and may make it ``public``: every team samples and forks
+        it)."""
+        request = ckpt_pb.ImportModelRequest(source=source, name=name, owner=owner, public=public)
         return await _unary(self.checkpoint_stub.ImportModel, request, self.timeout)
+
+    # API keys (admin keys only) -------------------------------------------------------------------------
+
+    async def create_api_key(self, team: str, role: str, name: str = "") -> ckpt_pb.CreateApiKeyResponse:
+        """A new key for ``team`` with ``role`` (sample, train or admin); ``api_key`` is shown this once."""
+        request = ckpt_pb.CreateApiKeyRequest(team=team, role=role, name=name)
+        return await _unary(self.checkpoint_stub.CreateApiKey, request, self.timeout)
+
+    async def list_api_keys(self) -> list[ckpt_pb.ApiKeyInfo]:
+        return list((await _unary(self.checkpoint_stub.ListApiKeys, ckpt_pb.ListApiKeysRequest(), self.timeout)).keys)
+
+    async def revoke_api_key(self, key_id: str) -> ckpt_pb.ApiKeyInfo:
+        """Revokes a key: every service refuses it within seconds."""
+        request = ckpt_pb.RevokeApiKeyRequest(key_id=key_id)
+        return (await _unary(self.checkpoint_stub.RevokeApiKey, request, self.timeout)).info
 
     async def list_checkpoints(self, model: str) -> ckpt_pb.ListCheckpointsResponse:
         request = ckpt_pb.ListCheckpointsRequest(model=model)

@@ -126,7 +126,7 @@ def job_to_pb(job: JobInfo) -> rollout_pb.Job:
 
 def job_from_pb(message: rollout_pb.Job) -> JobInfo:
     return JobInfo(message.job_id, message.model, message.name, message.group_size, message.created_time,
-                   message.metadata_json, message.num_runs)
+                   message.metadata_json, message.num_runs, message.team)
 
 
 def datum_to_pb(datum: Datum | common_pb.Datum) -> common_pb.Datum:

@@ -43,6 +43,7 @@ from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
 from yieldloop.types import Datum, Head, JobInfo, Run, RunStatus
+from yieldloop.transport import TransportConfig
 
 log = logging.getLogger("yieldloop")
 
@@ -77,9 +78,41 @@ def stack_addresses(data_dir: str | pathlib.Path | None = None) -> dict[str, str
     return addresses
 
 
+def stack_api_key(data_dir: str | pathlib.Path | None = None) -> str:
+    """The API key to call a stack with: ``$YIELDLOOP_API_KEY``, else the admin key ``yieldloop up`` keeps in
+    ``<data_dir>/api_key`` (like a notebook's token), else "" (a stack started with ``--no-auth``)."""
+    key = os.environ.get("YIELDLOOP_API_KEY", "").strip()
+    if key:
+        return key
+    try:
+        return (data_dir_of(data_dir) / API_KEY_FILE).read_text().strip()
+    except OSError:
+        return ""
+
+
+API_KEY_FILE = "api_key"
+"""The admin key of a stack, in its data directory (file mode 0600)."""
+
+
+def stack_tls_ca(data_dir: str | pathlib.Path | None = None) -> str:
+    """The CA file to trust a stack's TLS by: ``$YIELDLOOP_TLS_CA``, else ``<data_dir>/tls/ca.pem`` when the
+    stack's ready files say it speaks TLS (``yieldloop up --tls``), else "" (plaintext)."""
+    ca = os.environ.get("YIELDLOOP_TLS_CA", "")
+    if ca:
+        return ca
+    folder = data_dir_of(data_dir)
+    try:
+        tls = json.loads((folder / "run" / "checkpoint.json").read_text()).get("tls", False)
+    except (OSError, ValueError):
+        tls = False
+    return str(folder / "tls" / "ca.pem") if tls else ""
+
+
 def connect(data_dir: str | pathlib.Path | None = None, timeout: float | None = 300.0) -> Client:
-    """A :class:`Client` for the running stack (see :func:`stack_addresses`)."""
-    return Client(**stack_addresses(data_dir), timeout=timeout)
+    """A :class:`Client` for the running stack (see :func:`stack_addresses`), with its key (:func:`stack_api_key`)
+    and, when it speaks TLS, its CA (:func:`stack_tls_ca`)."""
+    transport = TransportConfig(tls_ca=stack_tls_ca(data_dir))
+    return Client(**stack_addresses(data_dir), timeout=timeout, api_key=stack_api_key(data_dir), transport=transport)
 
 
 @dataclasses.dataclass

@@ -79,6 +79,41 @@ class TransportConfig:
     ends holds nothing), also between requests of a kept-alive connection."""
     http_body_timeout_s: float = 60.0
     """An HTTP request whose body has not fully arrived this long after its header is answered 408."""
+    api_key: str = dataclasses.field(default="", metadata={"cli": False}, repr=False)
+    """Sent as ``authorization: Bearer <key>`` with every call on channels built from this config."""
+    tls_cert: str = ""
+    """Servers: a PEM certificate (chain) file; with ``tls_key`` every server (gRPC and HTTP) speaks TLS only."""
+    tls_key: str = ""
+    """Servers: the certificate's PEM private key file."""
+    tls_ca: str = ""
+    """Clients: a PEM file of the certificate authorities to trust; set, channels are TLS (verifying the server's
+    certificate against them), else plaintext. Clients of a stack read it from $YIELDLOOP_TLS_CA."""
+    allow_plaintext: bool = False
+    """Servers: serve plaintext on an interface other than loopback (refused without it: give --tls-cert and
+    --tls-key, or run behind a TLS-terminating proxy and say so with this flag)."""
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials of a server built from this config (None: plaintext)."""
+        if not (self.tls_cert or self.tls_key):
+            return None
+        if not (self.tls_cert and self.tls_key):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        with open(self.tls_key, "rb") as key, open(self.tls_cert, "rb") as cert:
+            return grpc.ssl_server_credentials([(key.read(), cert.read())])
+
+    def check_plaintext(self, host: str) -> None:
+        """Refuses to serve plaintext on an interface other than loopback (unless ``allow_plaintext``)."""
+        import ipaddress
+
+        if self.tls_cert or self.allow_plaintext or host == "localhost":
+            return
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"refusing to serve plaintext on {host!r} (not loopback): give --tls-cert and --tls-key "
+                             f"(`yieldloop up --tls` makes them), or --allow-plaintext behind a TLS proxy")
 
     def channel_options(self) -> list[tuple[str, Any]]:
         """Channel options: large messages, keepalive, round-robin over DNS, a connection per channel."""
@@ -122,8 +157,44 @@ DEFAULT_TRANSPORT = TransportConfig()
 
 def open_channel(address: str, config: TransportConfig = DEFAULT_TRANSPORT) -> grpc.aio.Channel:
     """A channel to ``address`` (``host:port`` or ``dns:///host:port``) built from ``config``."""
-    interceptors: Sequence[grpc.aio.ClientInterceptor] | None = list(config.client_interceptors) or None
-    return grpc.aio.insecure_channel(address, options=config.channel_options(), interceptors=interceptors)
+    interceptors: list[grpc.aio.ClientInterceptor] = list(config.client_interceptors)
+    if config.api_key:
+        interceptors[:0] = bearer_key(config.api_key)
+    if config.tls_ca:
+        with open(config.tls_ca, "rb") as ca:
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca.read())
+        return grpc.aio.secure_channel(address, credentials, options=config.channel_options(),
+                                       interceptors=interceptors or None)
+    return grpc.aio.insecure_channel(address, options=config.channel_options(), interceptors=interceptors or None)
+
+
+def bearer_key(key: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors adding ``authorization: Bearer <key>`` to every call, one per call kind (grpc.aio files an
+    interceptor under the first kind it implements only)."""
+    header = ("authorization", f"Bearer {key}")
+
+    def details_with_key(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), header)
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            return await continuation(details_with_key(details), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+            return await continuation(details_with_key(details), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+            return await continuation(details_with_key(details), requests)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+            return await continuation(details_with_key(details), requests)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
 
 
 @contextlib.asynccontextmanager

@@ -77,6 +77,8 @@ class ModelInfo:
     adapter_base_model: str = ""
     """For a LoRA fork: the slug whose weights (at ``adapter_base_checkpoint_id``) the adapter applies to."""
     adapter_base_checkpoint_id: str = ""
+    public: bool = False
+    """Every team may see, sample and fork it; only its owner team trains it."""
 
     @property
     def kind(self) -> str:
@@ -274,6 +276,8 @@ class JobInfo:
     created_time: float = 0.0
     metadata_json: str = ""
     num_runs: int = 0
+    team: str = ""
+    """The team whose key created it; its runs are that team's."""
 
 
 @dataclasses.dataclass

@@ -16,6 +16,62 @@ PROMOTION_STATE_UNSPECIFIED: PromotionState
 PROMOTION_STATE_PROMOTED: PromotionState
 PROMOTION_STATE_REJECTED: PromotionState
 
+class ApiKeyInfo(_message.Message):
+    __slots__ = ("key_id", "team", "role", "name", "created_time", "revoked_time")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_TIME_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    team: str
+    role: str
+    name: str
+    created_time: float
+    revoked_time: float
+    def __init__(self, key_id: _Optional[str] = ..., team: _Optional[str] = ..., role: _Optional[str] = ..., name: _Optional[str] = ..., created_time: _Optional[float] = ..., revoked_time: _Optional[float] = ...) -> None: ...
+
+class CreateApiKeyRequest(_message.Message):
+    __slots__ = ("team", "role", "name")
+    TEAM_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    team: str
+    role: str
+    name: str
+    def __init__(self, team: _Optional[str] = ..., role: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class CreateApiKeyResponse(_message.Message):
+    __slots__ = ("info", "api_key")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    info: ApiKeyInfo
+    api_key: str
+    def __init__(self, info: _Optional[_Union[ApiKeyInfo, _Mapping]] = ..., api_key: _Optional[str] = ...) -> None: ...
+
+class ListApiKeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListApiKeysResponse(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[ApiKeyInfo]
+    def __init__(self, keys: _Optional[_Iterable[_Union[ApiKeyInfo, _Mapping]]] = ...) -> None: ...
+
+class RevokeApiKeyRequest(_message.Message):
+    __slots__ = ("key_id",)
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    def __init__(self, key_id: _Optional[str] = ...) -> None: ...
+
+class RevokeApiKeyResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ApiKeyInfo
+    def __init__(self, info: _Optional[_Union[ApiKeyInfo, _Mapping]] = ...) -> None: ...
+
 class Promotion(_message.Message):
     __slots__ = ("state", "reason", "heldout_reward", "baseline_checkpoint_id", "baseline_reward", "decided_time")
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -47,7 +103,7 @@ class RecordPromotionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time", "architecture", "num_parameters", "dtype", "has_chat_template", "source", "size_bytes", "lora", "adapter_base_model", "adapter_base_checkpoint_id")
+    __slots__ = ("slug", "base", "parent", "owner", "trainable", "created_time", "architecture", "num_parameters", "dtype", "has_chat_template", "source", "size_bytes", "lora", "adapter_base_model", "adapter_base_checkpoint_id", "public")
     SLUG_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +119,7 @@ class ModelInfo(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_BASE_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
     slug: str
     base: str
     parent: str
@@ -78,7 +135,8 @@ class ModelInfo(_message.Message):
     lora: LoraConfig
     adapter_base_model: str
     adapter_base_checkpoint_id: str
-    def __init__(self, slug: _Optional[str] = ..., base: _Optional[str] = ..., parent: _Optional[str] = ..., owner: _Optional[str] = ..., trainable: _Optional[bool] = ..., created_time: _Optional[float] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., source: _Optional[str] = ..., size_bytes: _Optional[int] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., adapter_base_model: _Optional[str] = ..., adapter_base_checkpoint_id: _Optional[str] = ...) -> None: ...
+    public: bool
+    def __init__(self, slug: _Optional[str] = ..., base: _Optional[str] = ..., parent: _Optional[str] = ..., owner: _Optional[str] = ..., trainable: _Optional[bool] = ..., created_time: _Optional[float] = ..., architecture: _Optional[str] = ..., num_parameters: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., source: _Optional[str] = ..., size_bytes: _Optional[int] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., adapter_base_model: _Optional[str] = ..., adapter_base_checkpoint_id: _Optional[str] = ..., public: _Optional[bool] = ...) -> None: ...
 
 class LoraConfig(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules")
@@ -193,14 +251,16 @@ class ForkModelResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
 
 class ImportModelRequest(_message.Message):
-    __slots__ = ("source", "name", "owner")
+    __slots__ = ("source", "name", "owner", "public")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
     source: str
     name: str
     owner: str
-    def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    public: bool
+    def __init__(self, source: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., public: _Optional[bool] = ...) -> None: ...
 
 class ImportModelResponse(_message.Message):
     __slots__ = ("model", "head")

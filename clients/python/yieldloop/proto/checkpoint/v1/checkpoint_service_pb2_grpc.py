@@ -95,6 +95,21 @@ class CheckpointServiceStub:
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionResponse.FromString,
                 _registered_method=True)
+        self.CreateApiKey = channel.unary_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/CreateApiKey',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.CreateApiKeyRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.CreateApiKeyResponse.FromString,
+                _registered_method=True)
+        self.ListApiKeys = channel.unary_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/ListApiKeys',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListApiKeysRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListApiKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeApiKey = channel.unary_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/RevokeApiKey',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RevokeApiKeyRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RevokeApiKeyResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -218,6 +233,30 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateApiKey(self, request, context):
+        """API keys (admin keys only). A key identifies a team and a role (sample < train < admin); it is returned
+        once, by CreateApiKey, and stored only hashed.
+        Returns: OK; INVALID_ARGUMENT (INVALID_FIELD) for a malformed team or an unknown role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApiKeys(self, request, context):
+        """Returns: OK (every key, revoked ones marked; never a secret).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeApiKey(self, request, context):
+        """Revokes a key: every service refuses it within seconds. Idempotent.
+        Returns: OK; NOT_FOUND (API_KEY_NOT_FOUND).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +319,21 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.RecordPromotion,
                     request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionRequest.FromString,
                     response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionResponse.SerializeToString,
+            ),
+            'CreateApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateApiKey,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.CreateApiKeyRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.CreateApiKeyResponse.SerializeToString,
+            ),
+            'ListApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApiKeys,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListApiKeysRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListApiKeysResponse.SerializeToString,
+            ),
+            'RevokeApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeApiKey,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RevokeApiKeyRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RevokeApiKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -607,6 +661,87 @@ class CheckpointService:
             '/yieldloop.checkpoint.v1.CheckpointService/RecordPromotion',
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionRequest.SerializeToString,
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RecordPromotionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/CreateApiKey',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.CreateApiKeyRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.CreateApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/ListApiKeys',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListApiKeysRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListApiKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/RevokeApiKey',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RevokeApiKeyRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.RevokeApiKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,6 +85,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_IN_USE: _ClassVar[ErrorReason]
     REQUEST_TIMEOUT: _ClassVar[ErrorReason]
     CHECKPOINT_PENDING: _ClassVar[ErrorReason]
+    API_KEY_MISSING: _ClassVar[ErrorReason]
+    API_KEY_INVALID: _ClassVar[ErrorReason]
+    ROLE_NOT_ALLOWED: _ClassVar[ErrorReason]
+    MODEL_NOT_OWNED: _ClassVar[ErrorReason]
+    API_KEY_NOT_FOUND: _ClassVar[ErrorReason]
+    JOB_NOT_OWNED: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -149,6 +155,12 @@ NON_FINITE: ErrorReason
 MODEL_IN_USE: ErrorReason
 REQUEST_TIMEOUT: ErrorReason
 CHECKPOINT_PENDING: ErrorReason
+API_KEY_MISSING: ErrorReason
+API_KEY_INVALID: ErrorReason
+ROLE_NOT_ALLOWED: ErrorReason
+MODEL_NOT_OWNED: ErrorReason
+API_KEY_NOT_FOUND: ErrorReason
+JOB_NOT_OWNED: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

@@ -142,7 +142,7 @@ class GetServingInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ..., adapter_base: _Optional[str] = ..., engine_weight_loads: _Optional[int] = ..., following: _Optional[bool] = ..., follow_error: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "model", "name", "group_size", "created_time", "num_runs", "metadata_json")
+    __slots__ = ("job_id", "model", "name", "group_size", "created_time", "num_runs", "metadata_json", "team")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class Job(_message.Message):
     CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNS_FIELD_NUMBER: _ClassVar[int]
     METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     name: str
@@ -157,7 +158,8 @@ class Job(_message.Message):
     created_time: float
     num_runs: int
     metadata_json: str
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., name: _Optional[str] = ..., group_size: _Optional[int] = ..., created_time: _Optional[float] = ..., num_runs: _Optional[int] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+    team: str
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., name: _Optional[str] = ..., group_size: _Optional[int] = ..., created_time: _Optional[float] = ..., num_runs: _Optional[int] = ..., metadata_json: _Optional[str] = ..., team: _Optional[str] = ...) -> None: ...
 
 class CreateJobRequest(_message.Message):
     __slots__ = ("model", "name", "group_size", "metadata_json")
