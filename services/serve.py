@@ -39,6 +39,18 @@ def secured_transport(opts: ServeOptions, store) -> TransportConfig:
                                server_interceptors=(Authenticator(keys), *opts.transport.server_interceptors))
 
 
+def traced_transport(service: str, transport: TransportConfig) -> TransportConfig:
+    """The transport with OpenTelemetry when the environment asks for it (OTEL_EXPORTER_OTLP_ENDPOINT, ...):
+    a span around every call served, outermost (refusals are traced too), and traceparent on every call made."""
+    from yieldloop_server.common import telemetry
+
+    if not telemetry.configure(service):
+        return transport
+    return dataclasses.replace(
+        transport, server_interceptors=(telemetry.Tracing(), *transport.server_interceptors),
+        client_interceptors=(*telemetry.client_interceptors(), *transport.client_interceptors))
+
+
 async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
     """Builds one service; returns its start (-> address) and stop(grace) coroutine functions."""
     from yieldloop_server.store import open_store
@@ -50,7 +62,8 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
     store = open_store(opts.store_url)
     work_dir = opts.data_dir / "work" / opts.service
-    opts = dataclasses.replace(opts, transport=await asyncio.to_thread(secured_transport, opts, store))
+    opts = dataclasses.replace(opts, transport=traced_transport(
+        opts.service, await asyncio.to_thread(secured_transport, opts, store)))
     if opts.service == "checkpoint":
         from yieldloop_server.checkpoint.server import build
 
@@ -116,6 +129,9 @@ async def serve(opts: ServeOptions) -> None:
     await stopping.wait()
     log.info("stopping %s", opts.service)
     await stop(opts.grace_s)
+    from yieldloop_server.common import telemetry
+
+    await asyncio.to_thread(telemetry.shutdown)  # the spans still queued are sent
 
 
 def write_ready_file(path: pathlib.Path, address: str, tls: bool = False) -> None:

@@ -18,6 +18,7 @@ from yieldloop.errors import PermissionDeniedError, invalid_field
 from yieldloop.convert import head_to_pb, lora_from_pb, manifest_from_pb, manifest_to_pb, model_to_pb
 from yieldloop_server.checkpoint.importer import import_model
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
+from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import TRUSTED, KeyStore, ModelAccess, current_principal, may
 from yieldloop_server.common.grpc_server import rpc
 
@@ -147,12 +148,15 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self, request: pb.CommitCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitCheckpointResponse:
         await self.access.require(request.manifest.model, "train")
-        manifest, head = await asyncio.to_thread(
-            self.registry.commit,
-            manifest_from_pb(request.manifest),
-            set_head=request.set_head,
-            expected_head=request.expected_head_checkpoint_id,
-        )
+        attributes = {"yieldloop.model": request.manifest.model, "yieldloop.checkpoint_id": request.manifest.checkpoint_id,
+                      "yieldloop.pending": request.manifest.pending, "yieldloop.set_head": request.set_head}
+        with telemetry.span("checkpoint.commit", attributes):
+            manifest, head = await asyncio.to_thread(
+                self.registry.commit,
+                manifest_from_pb(request.manifest),
+                set_head=request.set_head,
+                expected_head=request.expected_head_checkpoint_id,
+            )
         return pb.CommitCheckpointResponse(manifest=manifest_to_pb(manifest), head=head_to_pb(head) if head else None)
 
     @rpc
@@ -163,10 +167,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @rpc
     async def SetHead(self, request: pb.SetHeadRequest, context: grpc.aio.ServicerContext) -> pb.SetHeadResponse:
         await self.access.require(request.model, "train")
-        head = await asyncio.to_thread(
-            self.registry.set_head, request.model, request.checkpoint_id, request.expected_checkpoint_id,
-            request.expected_sequence,
-        )
+        with telemetry.span("head.move", {"yieldloop.model": request.model,
+                                          "yieldloop.checkpoint_id": request.checkpoint_id}):
+            head = await asyncio.to_thread(
+                self.registry.set_head, request.model, request.checkpoint_id, request.expected_checkpoint_id,
+                request.expected_sequence,
+            )
         return pb.SetHeadResponse(head=head_to_pb(head))
 
     @rpc

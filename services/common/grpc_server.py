@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from yieldloop._status import to_rpc_status
 from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, ServerInterceptor, TransportConfig, intercepting
+from yieldloop_server.common import telemetry
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if not isinstance(exc, YieldloopError):
             log.exception("unexpected error in %s", fn.__qualname__)
-        await context.abort_with_status(to_rpc_status(as_yieldloop_error(exc)))
+        await _abort(context, as_yieldloop_error(exc))
 
     if inspect.isasyncgenfunction(fn):
 
@@ -157,7 +158,14 @@ async def _refusals(context: grpc.aio.ServicerContext) -> Any:
     try:
         yield
     except YieldloopError as exc:
-        await context.abort_with_status(to_rpc_status(exc))
+        await _abort(context, exc)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: YieldloopError) -> None:
+    """Answers the call with ``error``'s status (and marks the call's span failed: grpc's AbortError says
+    nothing of the code)."""
+    telemetry.record_error(error.code, error.reason, error.message)
+    await context.abort_with_status(to_rpc_status(error))
 
 
 class GrpcServer:

@@ -23,6 +23,7 @@ from yieldloop.environment import FinalCompletion, RawText
 from yieldloop.episode import protocol_error
 from yieldloop.types import StopReason
 from yieldloop.errors import DeadlineExceededError, InvalidArgumentError
+from yieldloop_server.common import telemetry
 from yieldloop_server.common.grpc_server import Undecodable, rpc
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
 
@@ -162,7 +163,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     watch(me, min(deadline, loop.time() + info.tool_timeout_s), f"tool {call.name!r}", "TOOL_DEADLINE")
                     try:
                         arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
-                        content, is_error = await self.host.call_tool(key, call.name, arguments)
+                        with telemetry.span(f"tool {call.name}", {"yieldloop.tool": call.name}):
+                            content, is_error = await self.host.call_tool(key, call.name, arguments)
                     except InvalidArgumentError as err:
                         if not call.errors_as_results or err.reason not in ("TOOL_NOT_FOUND", "TOOL_ARGS_INVALID"):
                             raise
@@ -177,7 +179,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     deadline = min(deadline, loop.time() + info.episode_timeout_s)
                     watch(me, deadline, "the episode", "EPISODE_DEADLINE")
                     args = _json_object(task.args_json, "SCENARIO_ARGS_INVALID", "start.task.args_json")
-                    text, messages, raw = prompt_messages(await self.host.open(info.name, task.scenario, args, key))
+                    with telemetry.span("start", {"yieldloop.env": info.name, "yieldloop.scenario": task.scenario}):
+                        opened = await self.host.open(info.name, task.scenario, args, key)
+                    text, messages, raw = prompt_messages(opened)
                     await write(pb.StreamEpisodeResponse(
                         started=pb.EpisodeStarted(
                             episode_id=request.start.episode_id or key, prompt=text, messages=messages,
@@ -192,7 +196,10 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     if submit.stop_reason or submit.completion_token_ids:
                         completion = FinalCompletion(submit.answer, tuple(submit.completion_token_ids),
                                                 StopReason.label(submit.stop_reason))
-                    grade = await self.host.submit(key, submit.answer, completion)
+                    with telemetry.span("grade") as span:
+                        grade = await self.host.submit(key, submit.answer, completion)
+                        if span is not None:
+                            span.set_attribute("yieldloop.reward", grade.reward)
                     info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info
                     await write(pb.StreamEpisodeResponse(
                         graded=pb.EpisodeGraded(reward=grade.reward, info_json=json.dumps(info_json, default=str))

@@ -25,6 +25,7 @@ from typing import Any
 from yieldloop.environment import FinalCompletion, Grade, Prompt
 from yieldloop.episode import protocol_error
 from yieldloop.errors import UnavailableError, YieldloopError, as_yieldloop_error, error_from_wire
+from yieldloop_server.common import telemetry
 from yieldloop_server.env.host import EnvInfo, EpisodeHost
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,18 @@ async def _read_frame(reader: asyncio.StreamReader) -> Any:
 
 def worker_main(sock: socket.socket, env_specs: tuple[str, ...]) -> None:
     """Entry point of a worker process."""
-    try:
-        import uvloop
+    from yieldloop_server.common import telemetry
 
-        uvloop.run(_serve_worker(sock, env_specs))
-    except ImportError:
-        asyncio.run(_serve_worker(sock, env_specs))
+    telemetry.configure("env-worker")
+    try:
+        try:
+            import uvloop
+
+            uvloop.run(_serve_worker(sock, env_specs))
+        except ImportError:
+            asyncio.run(_serve_worker(sock, env_specs))
+    finally:
+        telemetry.shutdown()
 
 
 async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None:
@@ -63,12 +70,17 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
     in_flight: dict[str, set[asyncio.Task]] = {}
     tasks: set[asyncio.Task] = set()
 
-    async def handle(request_id: int, op: str, args: tuple) -> None:
+    async def handle(request_id: int, op: str, args: tuple, carrier: dict[str, str]) -> None:
         if op == "close":  # stop whatever this episode still runs before its teardown
             for task in in_flight.pop(args[0], set()):
                 task.cancel()
         try:
-            reply = (request_id, True, None if op == "ping" else await getattr(host, op)(*args))
+            if op == "ping":
+                result = None
+            else:
+                with telemetry.attached(carrier), telemetry.span(f"env-worker {op}"):
+                    result = await getattr(host, op)(*args)
+            reply = (request_id, True, result)
         except asyncio.CancelledError:
             return
         except Exception as err:  # report it to the service, keep the worker serving
@@ -84,8 +96,8 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
             break  # the service went away
         if message is None:
             break
-        request_id, op, args = message
-        task = asyncio.create_task(handle(request_id, op, args))
+        request_id, op, args, carrier = message
+        task = asyncio.create_task(handle(request_id, op, args, carrier))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         if op in ("open", "call_tool", "submit"):
@@ -217,7 +229,8 @@ class WorkerPoolHost(EpisodeHost):
         future = asyncio.get_running_loop().create_future()
         worker.pending[request_id] = future
         try:
-            worker.writer.write(_frame((request_id, op, args)))
+            # The caller's trace context travels with the request (the worker's spans are its children).
+            worker.writer.write(_frame((request_id, op, args, telemetry.inject())))
             ok, payload = await future
         finally:
             worker.pending.pop(request_id, None)

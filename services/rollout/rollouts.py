@@ -40,6 +40,7 @@ from yieldloop_server.rollout.agent import (
 )
 from yieldloop.retry import Backoff
 from yieldloop.types import AgentStopReason, PromptFormat, Run, RunStatus, StopReason, TaskRef, Turn
+from yieldloop_server.common import telemetry
 from yieldloop_server.rollout.engines import Engine, SamplingConfig, whole_completion
 from yieldloop_server.rollout.engines.base import chat_chars
 
@@ -148,7 +149,8 @@ async def agent_loop(
             run.agent_stop_reason = AgentStopReason.DEADLINE
             return answer
         try:
-            turn = await asyncio.wait_for(sample_turn(engine, prompt_ids, seeded(sampling, step)), remaining)
+            with telemetry.span("generate", {"yieldloop.turn": step, "yieldloop.prompt_tokens": len(prompt_ids)}):
+                turn = await asyncio.wait_for(sample_turn(engine, prompt_ids, seeded(sampling, step)), remaining)
         except TimeoutError:
             run.agent_stop_reason = AgentStopReason.DEADLINE
             return answer
@@ -169,10 +171,11 @@ async def agent_loop(
         if step == config.max_steps - 1:
             break
         # A bad call (unknown tool, invalid arguments) is part of the trajectory: the model sees the error.
-        results = [
-            {"role": "tool", "content": (await episode.call_tool(c.name, json.dumps(c.arguments), errors_as_results=True)).content}
-            for c in calls
-        ]
+        results = []
+        for c in calls:
+            with telemetry.span(f"tool {c.name}", {"yieldloop.tool": c.name}):
+                result = await episode.call_tool(c.name, json.dumps(c.arguments), errors_as_results=True)
+            results.append({"role": "tool", "content": result.content})
         added = sum(len(result["content"]) for result in results)
         if not engine.fits_text(added):
             run.agent_stop_reason = AgentStopReason.CONTEXT
@@ -196,21 +199,32 @@ async def run_episode(
     model: str,
     config: AgentConfig = AgentConfig(),
     budget: RetryBudget | None = None,
+    trace_id: str = "",
 ) -> Run:
     """One episode: start, the agent loop, submit; a graded (or failed) Run.
 
     An infrastructure failure is tried again, ``config.max_attempts`` times at most (``Run.attempts``), after a
-    backoff, while the request's retry ``budget`` lasts.
+    backoff, while the request's retry ``budget`` lasts. The episode is one trace, ``trace_id`` (default: a new
+    one), which is also the Run's.
     """
-    for attempt in range(1, config.max_attempts + 1):
-        run = Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt)
-        await _attempt(engine, env, run, sampling, config)
-        if run.status != RunStatus.INFRA_ERROR or attempt == config.max_attempts:
-            break
-        if budget is not None and not budget.take():
-            run.error += " (the request's retry budget is spent)"
-            break
-        await asyncio.sleep(config.backoff.delay(attempt - 1))
+    trace_id = trace_id or uuid.uuid4().hex
+    attributes = {"yieldloop.env": task.env, "yieldloop.scenario": task.scenario, "yieldloop.group_id": group_id,
+                  "yieldloop.model": model}
+    with telemetry.episode_span(trace_id, attributes) as span:
+        for attempt in range(1, config.max_attempts + 1):
+            run = Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt,
+                      trace_id=trace_id)
+            with telemetry.span("attempt", {"yieldloop.attempt": attempt}):
+                await _attempt(engine, env, run, sampling, config)
+            if run.status != RunStatus.INFRA_ERROR or attempt == config.max_attempts:
+                break
+            if budget is not None and not budget.take():
+                run.error += " (the request's retry budget is spent)"
+                break
+            await asyncio.sleep(config.backoff.delay(attempt - 1))
+        if span is not None:
+            span.set_attribute("yieldloop.status", run.status.name)
+            span.set_attribute("yieldloop.reward", run.reward)
     return run
 
 
@@ -221,8 +235,9 @@ async def _attempt(engine: Engine, env: Client, run: Run, sampling: SamplingConf
         run.prompt = started.prompt
         run.answer = await agent_loop(engine, episode, started, run, sampling, config)
         last = run.turns[-1] if run.turns else Turn()
-        graded = await episode.submit(run.answer, stop_reason=last.stop_reason,
-                                      completion_token_ids=last.completion_token_ids)
+        with telemetry.span("grade"):
+            graded = await episode.submit(run.answer, stop_reason=last.stop_reason,
+                                          completion_token_ids=last.completion_token_ids)
         run.reward, run.info_json, run.status = graded.reward, graded.info_json, RunStatus.GRADED
     except (NotFoundError, InvalidArgumentError):
         raise  # the task itself is bad: fail the request, do not record a run
@@ -261,12 +276,14 @@ async def stream_rollouts(
     budget = RetryBudget(max(8, len(tasks) * group_size // 10))
     finished: asyncio.Queue = asyncio.Queue()
     nonce = uuid.uuid4().hex[:8]
+    prefix = uuid.uuid4().hex[:16]
+    """Every episode of the request is a trace whose id starts with it (the trace store keeps them together)."""
 
     async def one(task: TaskRef, group_id: str, episode_sampling: SamplingConfig) -> None:
         async with limit, shared:
             try:
-                await finished.put(
-                    await run_episode(engine, env, task, group_id, episode_sampling, model, config, budget))
+                await finished.put(await run_episode(engine, env, task, group_id, episode_sampling, model, config,
+                                                     budget, trace_id=prefix + uuid.uuid4().hex[16:]))
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await finished.put(exc)
 

@@ -26,6 +26,7 @@ from yieldloop.errors import (
 )
 from yieldloop.retry import Backoff
 from yieldloop.types import Head, Manifest
+from yieldloop_server.common import telemetry
 from yieldloop_server.checkpoint.files import download_verified, host_id, link_objects, staged, verify_folder
 from yieldloop_server.rollout.engines import Engine
 from yieldloop_server.store import ObjectStore
@@ -191,7 +192,9 @@ class WeightFollower:
     async def load(self, head: Head) -> None:
         """Loads one head (or records why it was refused)."""
         try:
-            await self.engine.load_weights(await self.fetch(head.checkpoint_id, True), head.checkpoint_id)
+            with telemetry.span("weights.reload", {"yieldloop.model": self.model,
+                                                   "yieldloop.checkpoint_id": head.checkpoint_id}):
+                await self.engine.load_weights(await self.fetch(head.checkpoint_id, True), head.checkpoint_id)
             self.last_error = ""
         except Exception as err:  # deliberate degrade: refuse this head, keep serving the old weights
             log.error("refused checkpoint %s: %s", head.checkpoint_id, err, exc_info=not isinstance(err, YieldloopError))

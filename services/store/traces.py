@@ -3,9 +3,13 @@
 Runs are recorded in batches, one object per batch (a segment), so that making many runs durable costs one
 write, not one per run. Layout in the object store:
 
-- ``traces/<segment>.seg``: a batch of serialized Runs, written once. ``<segment>`` is 16 hex digits; every
-  trace id of the batch starts with it (``<segment><16 hex>``), so a run is found with one read. The object is
-  a 4-byte big-endian header length, a JSON header ``{"runs": [[trace_id, length], ...]}``, then the runs;
+- ``traces/<segment>.seg``: a batch of serialized Runs, written once. Every trace id of the batch starts with
+  the segment's first 16 hex digits, its prefix (``<prefix><16 hex>``). Runs recorded with no trace id get one
+  here, and the segment is the prefix alone (a run is found with one read); runs that carry theirs (a rollout
+  names each episode's trace before it starts: its OpenTelemetry trace) share their request's prefix, and the
+  segment is ``<prefix>.<8 hex>``, stored as ``traces/<prefix>/<8 hex>.seg`` (a run is found by listing
+  ``traces/<prefix>/``). The object is a 4-byte big-endian header length, a JSON header
+  ``{"runs": [[trace_id, length], ...]}``, then the runs;
 - ``jobs/<job_id>/job.json``: the job (model, name, group size, created time, metadata);
 - ``jobs/<job_id>/runs/<ns>-<segment>-<count>``: an empty marker per segment, ``<ns>`` the recording time,
   so listing them gives the job's runs in the order recorded (and how many, without reading them).
@@ -38,6 +42,16 @@ def parse_marker(name: str) -> tuple[str, int]:
     """(segment, run count) of a job's marker ``<ns>-<segment>-<count>``; (trace id, 1) of an older one."""
     parts = name.split("-")
     return (parts[1], int(parts[2])) if len(parts) == 3 else (parts[-1], 1)
+
+
+def _segment_key(segment: str) -> str:
+    prefix, _, batch = segment.partition(".")
+    return f"traces/{prefix}/{batch}.seg" if batch else f"traces/{segment}.seg"
+
+
+def named_trace(trace_id: str) -> bool:
+    """Whether ``trace_id`` is one of this store's kind (32 lowercase hex digits: also an OpenTelemetry trace id)."""
+    return len(trace_id) == 2 * SEGMENT_ID_CHARS and all(c in "0123456789abcdef" for c in trace_id)
 
 
 def encode_segment(runs: Sequence[tuple[str, bytes]]) -> bytes:
@@ -131,17 +145,21 @@ class TraceStore:
         return self.put_many([run], job_id)[0]
 
     def put_many(self, runs: Sequence[Run], job_id: str = "default") -> list[str]:
-        """Persists ``runs`` as one segment (one write, then the job's marker) under new trace ids (set on the
-        runs); returns the ids. Once this returns, every one of them is durable."""
+        """Persists ``runs`` (one write per trace-id prefix, usually one, then the job's marker each) under their
+        trace ids, or new ones (set on the runs) for runs without; returns the ids. Once this returns, every one
+        of them is durable."""
         _check(job_id, "job_id")
-        if not runs:
-            return []
-        segment = uuid.uuid4().hex[:SEGMENT_ID_CHARS]
+        by_prefix: dict[str, list[Run]] = {}
+        fresh = uuid.uuid4().hex[:SEGMENT_ID_CHARS]
         for run in runs:
-            run.trace_id = segment + uuid.uuid4().hex[SEGMENT_ID_CHARS:]
-        self.store.put_bytes(f"traces/{segment}.seg", encode_segment([(r.trace_id, self.encode(r)) for r in runs]),
-                             if_none_match=True)
-        self.store.put_bytes(f"jobs/{job_id}/runs/{time.time_ns():020d}-{segment}-{len(runs)}", b"")
+            if not named_trace(run.trace_id):
+                run.trace_id = fresh + uuid.uuid4().hex[SEGMENT_ID_CHARS:]
+            by_prefix.setdefault(run.trace_id[:SEGMENT_ID_CHARS], []).append(run)
+        for prefix, batch in by_prefix.items():
+            segment = prefix if prefix == fresh else f"{prefix}.{uuid.uuid4().hex[:8]}"
+            self.store.put_bytes(_segment_key(segment),
+                                 encode_segment([(r.trace_id, self.encode(r)) for r in batch]), if_none_match=True)
+            self.store.put_bytes(f"jobs/{job_id}/runs/{time.time_ns():020d}-{segment}-{len(batch)}", b"")
         return [run.trace_id for run in runs]
 
     def _segment(self, segment: str) -> dict[str, bytes] | None:
@@ -150,7 +168,7 @@ class TraceStore:
                 self._segments.move_to_end(segment)
                 return self._segments[segment][0]
         try:
-            blob, _ = self.store.get_bytes(f"traces/{segment}.seg")
+            blob, _ = self.store.get_bytes(_segment_key(segment))
         except ObjectNotFound:
             return None
         runs = decode_segment(blob)
@@ -165,9 +183,15 @@ class TraceStore:
 
     def get(self, trace_id: str) -> Run:
         _check(trace_id, "trace_id")
-        runs = self._segment(trace_id[:SEGMENT_ID_CHARS]) if len(trace_id) == 2 * SEGMENT_ID_CHARS else None
-        if runs is not None and trace_id in runs:
-            return self.decode(runs[trace_id])
+        if named_trace(trace_id):
+            prefix = trace_id[:SEGMENT_ID_CHARS]
+            runs = self._segment(prefix)
+            if runs is not None and trace_id in runs:
+                return self.decode(runs[trace_id])
+            for key in self.store.list(f"traces/{prefix}/"):
+                runs = self._segment(prefix + "." + key.rsplit("/", 1)[1].removesuffix(".seg"))
+                if runs is not None and trace_id in runs:
+                    return self.decode(runs[trace_id])
         try:  # recorded one run per object, before segments
             data, _ = self.store.get_bytes(f"traces/{trace_id}.pb")
         except ObjectNotFound:
@@ -183,7 +207,7 @@ class TraceStore:
         """Trace ids of a job's runs, in the order they were recorded."""
         ids = []
         for name, count in self._markers(job_id):
-            if len(name) == SEGMENT_ID_CHARS:
+            if len(name) == SEGMENT_ID_CHARS or "." in name:
                 runs = self._segment(name)
                 ids += list(runs) if runs is not None else []
             else:

@@ -14,6 +14,7 @@ from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, ModelInfo, Run
+from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.trainer import losses
@@ -83,7 +84,11 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 group_size=config.group_size,
                 allow_incomplete_groups=config.allow_incomplete_groups,
             )
-            metrics, num_datums, stats = await session.forward_backward(datums, runs, options)
+            # The step's span links to the trace of every run it trains on (one trace per episode).
+            with telemetry.span("forward_backward", {"yieldloop.model": session.model, "yieldloop.runs": len(runs),
+                                                     "yieldloop.datums": len(datums)},
+                                links=telemetry.run_links([run.trace_id for run in runs])):
+                metrics, num_datums, stats = await session.forward_backward(datums, runs, options)
         return pb.ForwardBackwardResponse(
             loss_sum=metrics.pop("loss_sum"),
             num_datums=num_datums,
@@ -157,12 +162,16 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             raise invalid_field("idempotency_key", "an idempotency key has at most 128 characters")
         await self.access.require(request.model or self.sessions.default, "train")
         async with self.sessions.use(request.model) as session:
-            outcome = await session.optim_step(
-                config.validate(), skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
-                metadata_json=request.metadata_json, idempotency_key=request.idempotency_key,
-                drop_gradients_if_refused=request.drop_gradients_if_refused, save_state=request.save_state,
-                wait_durable=request.wait_durable,
-            )
+            with telemetry.span("optim_step", {"yieldloop.model": session.model}) as span:
+                outcome = await session.optim_step(
+                    config.validate(), skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
+                    metadata_json=request.metadata_json, idempotency_key=request.idempotency_key,
+                    drop_gradients_if_refused=request.drop_gradients_if_refused, save_state=request.save_state,
+                    wait_durable=request.wait_durable,
+                )
+                if span is not None:
+                    span.set_attribute("yieldloop.checkpoint_id", outcome.checkpoint_id)
+                    span.set_attribute("yieldloop.step", outcome.step)
         response = pb.OptimStepResponse(step=outcome.step, grad_norm=outcome.grad_norm,
                                         parent_checkpoint_id=outcome.parent_checkpoint_id, timings=outcome.timings,
                                         durable=outcome.durable, has_state=outcome.has_state)

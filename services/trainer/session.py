@@ -35,6 +35,7 @@ from yieldloop.errors import (
 )
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, ObjectInfo, Run, RunStatus
+from yieldloop_server.common import telemetry
 from yieldloop_server.checkpoint.files import describe_folder, download_verified, upload_objects
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
@@ -138,7 +139,9 @@ class TrainingSession:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
 
     async def _run(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        # In the caller's context: the trainer thread's spans are children of the call's (run_in_executor
+        # alone would drop the context).
+        return await asyncio.get_running_loop().run_in_executor(self._executor, telemetry.in_context(fn), *args)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,330 @@
+"""OpenTelemetry in every service: traces configured by the standard variables, off at no cost when unset.
+
+- :func:`configure` installs the SDK once per process when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+  ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, or ``OTEL_TRACES_EXPORTER``) is set: a ``TracerProvider`` whose sampler
+  comes from ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` and whose spans go to the OTLP exporter (its
+  own variables: endpoint, headers, ``OTEL_EXPORTER_OTLP_INSECURE``, ...). ``service.name`` is
+  ``OTEL_SERVICE_NAME`` or ``yieldloop-<service>``. Unset, nothing is installed: no interceptor, no span.
+- :class:`Tracing` is the transport's server interceptor: one SERVER span per gRPC call and HTTP request, a child
+  of the caller's context (W3C ``traceparent`` in the metadata or headers). It wraps the handler as what it is,
+  so handlers written with ``context.read()/write()`` keep working (the stock aio server interceptor breaks
+  them), and refusals and ``abort_with_status`` set the span's status (:func:`record_error`).
+- Clients get a CLIENT span per call that ends with the call, and ``traceparent`` in its metadata
+  (:func:`client_interceptors`).
+- One episode is one trace whose id is the Run's ``trace_id`` (:func:`episode_span`); its root span's id is the
+  trace id's last 16 hex digits, so a training step links to the traces of the runs it trained on knowing only
+  their trace ids (:func:`run_link`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import os
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from yieldloop.transport import CallInfo
+
+_enabled = False
+_ending: set[asyncio.Task] = set()
+_preset: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("yieldloop_trace_ids", default=None)
+
+
+def wanted() -> bool:
+    """Whether the environment asks for traces."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    exporter = os.environ.get("OTEL_TRACES_EXPORTER", "")
+    if exporter == "none":
+        return False
+    return bool(exporter or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def enabled() -> bool:
+    """Whether this process records spans (:func:`configure` ran and the environment asked for them)."""
+    return _enabled
+
+
+def configure(service: str) -> bool:
+    """Installs the tracer provider once per process when the environment asks for traces; returns whether
+    tracing is on."""
+    global _enabled
+    if _enabled or not wanted():
+        return _enabled
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"yieldloop-{service}",
+                                "yieldloop.service": service})
+    provider = TracerProvider(resource=resource, id_generator=_run_ids())
+    exporters = os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
+    for name in (e.strip() for e in exporters.split(",")):
+        if name == "otlp":
+            protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                                      os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+            if protocol.startswith("http"):
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            else:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        elif name == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    trace.set_tracer_provider(provider)
+    _enabled = True
+    return True
+
+
+def shutdown() -> None:
+    """Flushes and stops the exporters (spans still queued are sent)."""
+    if _enabled:
+        from opentelemetry import trace
+
+        with contextlib.suppress(Exception):
+            trace.get_tracer_provider().shutdown()
+
+
+def tracer() -> Any:
+    from opentelemetry import trace
+
+    return trace.get_tracer("yieldloop")
+
+
+def _run_ids() -> Any:
+    """The SDK's random ids, except where :func:`episode_span` preset the next root span's (trace id, span id)
+    (those are random too: a run's trace id is a uuid4)."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class RunIds(RandomIdGenerator):
+        def generate_trace_id(self) -> int:
+            preset = _preset.get()
+            return preset[0] if preset else super().generate_trace_id()
+
+        def generate_span_id(self) -> int:
+            preset = _preset.get()
+            if preset:
+                _preset.set(None)  # only the root span of the episode
+                return preset[1]
+            return super().generate_span_id()
+
+    return RunIds()
+
+
+def ids_of(trace_id: str) -> tuple[int, int] | None:
+    """(trace id, root span id) of a run's 32-hex-digit trace id; None for another kind of id."""
+    if len(trace_id) != 32:
+        return None
+    try:
+        return int(trace_id, 16), int(trace_id[16:], 16) or 1
+    except ValueError:
+        return None
+
+
+@contextlib.contextmanager
+def span(name: str, attributes: dict[str, Any] | None = None, **options: Any) -> Iterator[Any]:
+    """A span (a no-op when tracing is off)."""
+    if not _enabled:
+        yield None
+        return
+    with tracer().start_as_current_span(name, attributes=attributes, **options) as current:
+        yield current
+
+
+@contextlib.contextmanager
+def episode_span(trace_id: str, attributes: dict[str, Any]) -> Iterator[Any]:
+    """The root span of an episode's own trace (its id is the run's ``trace_id``), linked to the span that
+    asked for it (StreamRollouts)."""
+    if not _enabled:
+        yield None
+        return
+    from opentelemetry import context, trace
+
+    parent = trace.get_current_span().get_span_context()
+    links = [trace.Link(parent)] if parent.is_valid else []
+    ids = ids_of(trace_id)
+    token = _preset.set(ids) if ids else None
+    try:
+        with tracer().start_as_current_span("episode", context=context.Context(), links=links,
+                                            attributes=attributes) as current:
+            if token is not None:
+                _preset.reset(token)
+                token = None
+            yield current
+    finally:
+        if token is not None:
+            _preset.reset(token)
+
+
+def run_links(trace_ids: Sequence[str]) -> list[Any]:
+    """Links to the episode traces of runs (a training step's spans point to what they trained on)."""
+    if not _enabled:
+        return []
+    from opentelemetry import trace
+
+    links = []
+    for trace_id in dict.fromkeys(trace_ids):
+        ids = ids_of(trace_id)
+        if ids:
+            links.append(trace.Link(trace.SpanContext(ids[0], ids[1], is_remote=True,
+                                                      trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))))
+    return links
+
+
+def record_error(code: str, reason: str, message: str) -> None:
+    """Marks the current span failed with a gRPC status (the servicer boundary calls it before aborting)."""
+    if not _enabled:
+        return
+    from opentelemetry import trace
+
+    current = trace.get_current_span()
+    current.set_status(trace.Status(trace.StatusCode.ERROR, f"{code}/{reason}: {message}"[:500]))
+    current.set_attribute("rpc.grpc.status_code", code)
+    current.set_attribute("yieldloop.error.reason", reason)
+
+
+def inject() -> dict[str, str]:
+    """The current context as W3C headers (to carry through a pipe or a queue)."""
+    if not _enabled:
+        return {}
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+@contextlib.contextmanager
+def attached(carrier: dict[str, str] | None) -> Iterator[None]:
+    """Runs the block in the context ``carrier`` carries (from :func:`inject`)."""
+    if not _enabled or not carrier:
+        yield
+        return
+    from opentelemetry import context, propagate
+
+    token = context.attach(propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def in_context(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` bound to the current context (``run_in_executor`` would drop it in the worker thread)."""
+    return functools.partial(contextvars.copy_context().run, fn)
+
+
+def client_interceptors() -> list[Any]:
+    """Client interceptors, one per call kind: a CLIENT span per call, ``traceparent`` in its metadata; [] when
+    off. The span ends when the call does (its done callback), whatever the caller does with the responses:
+    opentelemetry-instrumentation-grpc's aio client spans of a stream whose caller stops reading early and
+    cancels (Generate, WatchHead, StreamEpisode after the grade) never end, so the server side's parent would
+    never be exported."""
+    if not _enabled:
+        return []
+    import grpc
+    from opentelemetry import propagate, trace
+
+    def start(details: grpc.aio.ClientCallDetails) -> tuple[Any, grpc.aio.ClientCallDetails]:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        service, _, name = method.strip("/").partition("/")
+        span = tracer().start_span(f"{service}/{name}", kind=trace.SpanKind.CLIENT, attributes={
+            "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), *carrier.items())
+        return span, grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                                details.wait_for_ready)
+
+    def end_with(span: Any, call: Any) -> None:
+        async def finish(finished: Any) -> None:
+            try:
+                code = await finished.code()
+            except BaseException:  # noqa: BLE001 (a call torn down with its loop): end the span all the same
+                code = grpc.StatusCode.CANCELLED
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+                span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+            span.end()
+
+        def done(finished: Any) -> None:  # grpc.aio's code() is a coroutine: read it in a task
+            task = asyncio.get_running_loop().create_task(finish(finished))
+            _ending.add(task)
+            task.add_done_callback(_ending.discard)
+
+        call.add_done_callback(done)
+
+    async def intercept(continuation: Any, details: Any, request: Any) -> Any:
+        span, details = start(details)
+        try:
+            call = await continuation(details, request)
+        except BaseException:
+            span.end()
+            raise
+        end_with(span, call)
+        return call
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        intercept_unary_unary = staticmethod(intercept)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        intercept_unary_stream = staticmethod(intercept)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        intercept_stream_unary = staticmethod(intercept)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        intercept_stream_stream = staticmethod(intercept)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+
+
+class _MetadataGetter:
+    def get(self, carrier: Sequence[tuple[str, str]], key: str) -> list[str] | None:
+        values = [value for name, value in carrier if name == key]
+        return values or None
+
+    def keys(self, carrier: Sequence[tuple[str, str]]) -> list[str]:
+        return [name for name, _ in carrier]
+
+
+class Tracing:
+    """The transport interceptor: a SERVER span around every call (health checks excepted)."""
+
+    @contextlib.asynccontextmanager
+    async def intercept(self, call: CallInfo) -> AsyncIterator[None]:
+        from opentelemetry import propagate, trace
+
+        from yieldloop_server.common.auth import OPEN_METHODS
+
+        if call.method.startswith(OPEN_METHODS):  # probes: no span
+            yield
+            return
+
+        parent = propagate.extract(call.metadata, getter=_MetadataGetter())
+        if call.protocol == "grpc":
+            service, _, method = call.method.strip("/").partition("/")
+            name, attributes = f"{service}/{method}", {"rpc.system": "grpc", "rpc.service": service,
+                                                       "rpc.method": method}
+        else:
+            verb, _, path = call.method.partition(" ")
+            name, attributes = call.method, {"http.request.method": verb, "url.path": path}
+        with tracer().start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER,
+                                            attributes=attributes, record_exception=False,
+                                            set_status_on_exception=False) as current:
+            try:
+                yield
+            except BaseException as exc:
+                from yieldloop.errors import YieldloopError
+
+                if isinstance(exc, YieldloopError):
+                    record_error(exc.code, exc.reason, exc.message)
+                elif isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+                    current.set_attribute("yieldloop.cancelled", True)  # the caller went away: not a failure
+                elif current.status.is_unset:
+                    current.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+                raise
