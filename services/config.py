@@ -164,6 +164,9 @@ class ServeOptions(StackConfig):
     """Seconds in-flight calls get to finish on SIGTERM."""
     torch_threads: int = 0
     """torch's intra-op threads in this process (0: torch's default, one per core)."""
+    metrics_port: int = 0
+    """Port of the Prometheus /metrics endpoint when OTEL_METRICS_EXPORTER includes prometheus (0: a free one,
+    written to the ready file as "metrics")."""
     service_key: str = dataclasses.field(default="", metadata={"cli": False}, repr=False)
     """The key this service calls the others with (default: $YIELDLOOP_SERVICE_KEY; without either, the
     service makes its own service key in the store at start)."""

@@ -64,6 +64,9 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
     work_dir = opts.data_dir / "work" / opts.service
     opts = dataclasses.replace(opts, transport=traced_transport(
         opts.service, await asyncio.to_thread(secured_transport, opts, store)))
+    from yieldloop_server.common import telemetry
+
+    telemetry.configure_metrics(opts.service, opts.host, opts.metrics_port)
     if opts.service == "checkpoint":
         from yieldloop_server.checkpoint.server import build
 
@@ -120,7 +123,9 @@ async def serve(opts: ServeOptions) -> None:
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
     if opts.ready_file is not None:
-        write_ready_file(opts.ready_file, address, tls=bool(opts.transport.tls_cert))
+        from yieldloop_server.common import telemetry
+
+        write_ready_file(opts.ready_file, address, tls=bool(opts.transport.tls_cert), metrics=telemetry.metrics_address)
     print(f"yieldloop {opts.service} serving on {address}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -134,8 +139,8 @@ async def serve(opts: ServeOptions) -> None:
     await asyncio.to_thread(telemetry.shutdown)  # the spans still queued are sent
 
 
-def write_ready_file(path: pathlib.Path, address: str, tls: bool = False) -> None:
-    """Atomically records a started service's address (and whether it speaks TLS)."""
+def write_ready_file(path: pathlib.Path, address: str, tls: bool = False, metrics: str = "") -> None:
+    """Atomically records a started service's address (whether it speaks TLS, where it serves metrics)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "tls": tls}))
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics}))
     tmp.replace(path)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import urllib.request
 
 import grpc
 import pytest_asyncio
@@ -46,7 +48,8 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
                                                                   monkeypatch) -> None:
     received, port = receiver
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+            "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+            "OTEL_METRICS_EXPORTER": "prometheus"}
     for name, value in otel.items():
         monkeypatch.setenv(name, value)  # the stack's processes inherit them
     stack = ProcessStack(StackConfig(data_dir=tmp_path))
@@ -63,6 +66,11 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
             await client.forward_backward(runs=[run.trace_id for run in runs])
             step = await client.optim_step(learning_rate=1e-4)
             await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id)
+        scraped = {}  # each service's Prometheus endpoint (its address in the ready file)
+        for service in ("env", "trainer", "rollout"):
+            address = json.loads((tmp_path / "run" / f"{service}.json").read_text())["metrics"]
+            scraped[service] = await asyncio.to_thread(
+                lambda a=address: urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode())
     finally:
         await stack.stop()  # each service flushes its spans as it stops
     by_trace: dict[str, list] = collections.defaultdict(list)
@@ -92,3 +100,10 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
     assert any(a.value.string_value == step.checkpoint.checkpoint_id for s in commits for a in s.attributes)
     reloads = [s for service, s in received.spans if service == "yieldloop-rollout" and s.name == "weights.reload"]
     assert any(a.value.string_value == step.checkpoint.checkpoint_id for s in reloads for a in s.attributes)
+    # Metrics, scraped by Prometheus's text format.
+    for service, names in {"env": ["yieldloop_env_episodes", "yieldloop_env_tool_call_duration"],
+                           "rollout": ["yieldloop_rollout_episodes", "yieldloop_rollout_tokens",
+                                       "yieldloop_engine_queue_depth", "yieldloop_rollout_reload_duration"],
+                           "trainer": ["yieldloop_train_loss", "yieldloop_train_kl", "yieldloop_train_reward"]}.items():
+        for name in names:
+            assert name in scraped[service] or service == "env" and "tool_call" in name, (service, name)

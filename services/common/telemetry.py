@@ -81,12 +81,17 @@ def configure(service: str) -> bool:
 
 
 def shutdown() -> None:
-    """Flushes and stops the exporters (spans still queued are sent)."""
+    """Flushes and stops the exporters (spans and metrics still queued are sent)."""
     if _enabled:
         from opentelemetry import trace
 
         with contextlib.suppress(Exception):
             trace.get_tracer_provider().shutdown()
+    if _meter is not None:
+        from opentelemetry import metrics
+
+        with contextlib.suppress(Exception):
+            metrics.get_meter_provider().shutdown()
 
 
 def tracer() -> Any:
@@ -328,3 +333,127 @@ class Tracing:
                 elif current.status.is_unset:
                     current.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
                 raise
+
+
+# Metrics ---------------------------------------------------------------------------------------------------
+
+_meter: Any = None
+_instruments: dict[str, Any] = {}
+metrics_address = ""
+"""``host:port`` of this process's Prometheus endpoint ("" when none)."""
+
+
+def configure_metrics(service: str, host: str = "127.0.0.1", prometheus_port: int = 0) -> bool:
+    """Installs a meter provider when ``OTEL_METRICS_EXPORTER`` names exporters (``otlp``, ``prometheus``,
+    ``console``; default ``otlp`` when an OTLP endpoint is set): OTLP pushes every ``OTEL_METRIC_EXPORT_INTERVAL``
+    ms, ``prometheus`` serves ``/metrics`` for scraping on ``prometheus_port`` (0: a free one; see
+    :data:`metrics_address`). Returns whether metrics are on."""
+    global _meter, metrics_address  # noqa: PLW0603
+    if _meter is not None:
+        return True
+    default = "otlp" if (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                         or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")) else "none"
+    names = [n.strip() for n in os.environ.get("OTEL_METRICS_EXPORTER", default).split(",") if n.strip()]
+    names = [n for n in names if n != "none"]
+    if not names or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return False
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    readers: list[Any] = []
+    for name in names:
+        if name == "otlp":
+            protocol = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+                                      os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+            if protocol.startswith("http"):
+                from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            else:
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+        elif name == "prometheus":
+            import prometheus_client
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+            readers.append(PrometheusMetricReader())
+            server, _ = prometheus_client.start_http_server(prometheus_port, addr=host)
+            metrics_address = f"{host}:{server.server_port}"
+        elif name == "console":
+            readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"yieldloop-{service}",
+                                "yieldloop.service": service})
+    provider = MeterProvider(resource=resource, metric_readers=readers)
+    metrics.set_meter_provider(provider)
+    _meter = provider.get_meter("yieldloop")
+    return True
+
+
+def _instrument(kind: str, name: str, unit: str, description: str) -> Any:
+    instrument = _instruments.get(name)
+    if instrument is None:
+        instrument = _instruments[name] = getattr(_meter, f"create_{kind}")(name, unit=unit, description=description)
+    return instrument
+
+
+def count(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
+          description: str = "") -> None:
+    """Adds to a counter (a no-op without metrics)."""
+    if _meter is not None:
+        _instrument("counter", name, unit, description).add(value, attributes)
+
+
+def gauge_delta(name: str, delta: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
+                description: str = "") -> None:
+    """Moves an up-down counter (things in flight)."""
+    if _meter is not None:
+        _instrument("up_down_counter", name, unit, description).add(delta, attributes)
+
+
+def record(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
+           description: str = "") -> None:
+    """Records a value >= 0 in a histogram (latencies, sizes)."""
+    if _meter is not None:
+        _instrument("histogram", name, unit, description).record(value, attributes)
+
+
+def set_gauge(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
+              description: str = "") -> None:
+    """Sets a gauge to its latest value (losses, rewards: values that may be negative, which histograms drop)."""
+    if _meter is not None:
+        _instrument("gauge", name, unit, description).set(value, attributes)
+
+
+def observe(name: str, read: Callable[[], float], *, unit: str = "1", description: str = "") -> None:
+    """A gauge read when metrics are collected (queue depths)."""
+    if _meter is None:
+        return
+    from opentelemetry.metrics import Observation
+
+    _meter.create_observable_gauge(name, callbacks=[lambda options: [Observation(read())]], unit=unit,
+                                   description=description)
+
+
+@contextlib.contextmanager
+def in_flight(name: str, attributes: dict[str, Any] | None = None, description: str = "") -> Iterator[None]:
+    """Counts the block as in flight while it runs."""
+    gauge_delta(name, 1, attributes, description=description)
+    try:
+        yield
+    finally:
+        gauge_delta(name, -1, attributes, description=description)
+
+
+@contextlib.contextmanager
+def timed(name: str, attributes: dict[str, Any] | None = None, description: str = "") -> Iterator[None]:
+    """Records the block's duration in seconds."""
+    if _meter is None:
+        yield
+        return
+    import time
+
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        record(name, time.perf_counter() - started, attributes, unit="s", description=description)

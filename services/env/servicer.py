@@ -135,7 +135,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         # of messages per second every generator layer a message passes through shows.
         me = asyncio.current_task()
         try:
-            await self._episode(context, me)
+            with telemetry.in_flight("yieldloop.env.episodes", description="episodes open on EnvService"):
+                await self._episode(context, me)
         except asyncio.CancelledError:
             error = self.deadlines.expired(me)
             if error is None:
@@ -163,7 +164,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     watch(me, min(deadline, loop.time() + info.tool_timeout_s), f"tool {call.name!r}", "TOOL_DEADLINE")
                     try:
                         arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
-                        with telemetry.span(f"tool {call.name}", {"yieldloop.tool": call.name}):
+                        with telemetry.span(f"tool {call.name}", {"yieldloop.tool": call.name}), \
+                                telemetry.timed("yieldloop.env.tool_call.duration", {"tool": call.name},
+                                                "tool call latency in EnvService"):
                             content, is_error = await self.host.call_tool(key, call.name, arguments)
                     except InvalidArgumentError as err:
                         if not call.errors_as_results or err.reason not in ("TOOL_NOT_FOUND", "TOOL_ARGS_INVALID"):

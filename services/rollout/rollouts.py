@@ -117,6 +117,8 @@ async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingC
     except Exception as exc:  # an engine failure is infrastructure: retried, never scored
         raise UnavailableError(f"engine error: {type(exc).__name__}: {exc}", reason="ENGINE_ERROR") from exc
     turn.completion_text = engine.decode(turn.completion_token_ids)
+    telemetry.count("yieldloop.rollout.tokens", len(turn.completion_token_ids), {"kind": "completion"},
+                    description="tokens sampled (rate: tokens/s)")
     return turn
 
 
@@ -173,7 +175,8 @@ async def agent_loop(
         # A bad call (unknown tool, invalid arguments) is part of the trajectory: the model sees the error.
         results = []
         for c in calls:
-            with telemetry.span(f"tool {c.name}", {"yieldloop.tool": c.name}):
+            with telemetry.span(f"tool {c.name}", {"yieldloop.tool": c.name}), \
+                    telemetry.timed("yieldloop.rollout.tool_call.duration", {"tool": c.name}, "tool call latency"):
                 result = await episode.call_tool(c.name, json.dumps(c.arguments), errors_as_results=True)
             results.append({"role": "tool", "content": result.content})
         added = sum(len(result["content"]) for result in results)
@@ -210,7 +213,8 @@ async def run_episode(
     trace_id = trace_id or uuid.uuid4().hex
     attributes = {"yieldloop.env": task.env, "yieldloop.scenario": task.scenario, "yieldloop.group_id": group_id,
                   "yieldloop.model": model}
-    with telemetry.episode_span(trace_id, attributes) as span:
+    with telemetry.episode_span(trace_id, attributes) as span, \
+            telemetry.in_flight("yieldloop.rollout.episodes", {"model": model}, "episodes running"):
         for attempt in range(1, config.max_attempts + 1):
             run = Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt,
                       trace_id=trace_id)

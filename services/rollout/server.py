@@ -84,6 +84,11 @@ class RolloutServer:
 
     async def start(self) -> str:
         """Loads the default model (its first head), then serves."""
+        from yieldloop_server.common import telemetry
+
+        telemetry.observe("yieldloop.engine.queue_depth",
+                          lambda: sum(served.engine.num_unfinished() for served in self.models.loaded),
+                          description="requests waiting or decoding in the engines")
         try:
             await self.models.start()
         except BaseException:

@@ -193,7 +193,9 @@ class WeightFollower:
         """Loads one head (or records why it was refused)."""
         try:
             with telemetry.span("weights.reload", {"yieldloop.model": self.model,
-                                                   "yieldloop.checkpoint_id": head.checkpoint_id}):
+                                                   "yieldloop.checkpoint_id": head.checkpoint_id}), \
+                    telemetry.timed("yieldloop.rollout.reload.duration", {"model": self.model},
+                                    "head move seen -> new weights serving"):
                 await self.engine.load_weights(await self.fetch(head.checkpoint_id, True), head.checkpoint_id)
             self.last_error = ""
         except Exception as err:  # deliberate degrade: refuse this head, keep serving the old weights

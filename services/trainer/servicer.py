@@ -13,7 +13,7 @@ from yieldloop.errors import NotFoundError, check_json_object, invalid_field
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
-from yieldloop.types import Datum, ModelInfo, Run
+from yieldloop.types import Datum, ModelInfo, Run, RunStatus
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess
 from yieldloop_server.common.grpc_server import rpc
@@ -89,6 +89,16 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                                                      "yieldloop.datums": len(datums)},
                                 links=telemetry.run_links([run.trace_id for run in runs])):
                 metrics, num_datums, stats = await session.forward_backward(datums, runs, options)
+            labels = {"model": session.model, "loss_fn": config.loss_fn}
+            telemetry.set_gauge("yieldloop.train.loss", metrics["loss_sum"] / max(1.0, metrics["num_action_tokens"]),
+                                labels, description="loss per action token of the last forward_backward")
+            if "kl_sampler_learner" in metrics:
+                telemetry.set_gauge("yieldloop.train.kl", metrics["kl_sampler_learner"], labels,
+                                    description="KL(sampler || learner) per action token, last forward_backward")
+            rewards = [run.reward for run in runs if run.status == RunStatus.GRADED]
+            if rewards:
+                telemetry.set_gauge("yieldloop.train.reward", sum(rewards) / len(rewards), {"model": session.model},
+                                    description="mean reward of the runs of the last forward_backward")
         return pb.ForwardBackwardResponse(
             loss_sum=metrics.pop("loss_sum"),
             num_datums=num_datums,
