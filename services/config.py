@@ -123,6 +123,9 @@ class StackConfig:
     auth: bool = True
     """Every call needs an API key, and a team acts on its own models only; --no-auth lets anyone who reaches a
     port do anything (benchmarks on a private machine)."""
+    record_spans: bool = False
+    """Record the spans of each episode's trace in the store, for `yieldloop trace ID` (tracing is then on even
+    without an OTLP endpoint; OTEL_TRACES_SAMPLER picks the episodes kept)."""
     tls: bool = False
     """Every service (gRPC and the HTTP endpoint) and every internal client speaks TLS, with a private CA made in
     DATA_DIR/tls (clients of the stack trust DATA_DIR/tls/ca.pem, or $YIELDLOOP_TLS_CA). Your own certificates:

@@ -39,11 +39,13 @@ def secured_transport(opts: ServeOptions, store) -> TransportConfig:
                                server_interceptors=(Authenticator(keys), *opts.transport.server_interceptors))
 
 
-def traced_transport(service: str, transport: TransportConfig) -> TransportConfig:
+def traced_transport(service: str, transport: TransportConfig, record_spans_url: str = "") -> TransportConfig:
     """The transport with OpenTelemetry when the environment asks for it (OTEL_EXPORTER_OTLP_ENDPOINT, ...):
     a span around every call served, outermost (refusals are traced too), and traceparent on every call made."""
     from yieldloop_server.common import telemetry
 
+    if record_spans_url:  # read by configure, here and in the env's worker processes
+        os.environ[telemetry.RECORD_SPANS_VARIABLE] = record_spans_url
     if not telemetry.configure(service):
         return transport
     return dataclasses.replace(
@@ -63,7 +65,8 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
     store = open_store(opts.store_url)
     work_dir = opts.data_dir / "work" / opts.service
     opts = dataclasses.replace(opts, transport=traced_transport(
-        opts.service, await asyncio.to_thread(secured_transport, opts, store)))
+        opts.service, await asyncio.to_thread(secured_transport, opts, store),
+        opts.store_url if opts.record_spans else ""))
     from yieldloop_server.common import telemetry
 
     telemetry.configure_metrics(opts.service, opts.host, opts.metrics_port)

@@ -64,6 +64,7 @@ CASES: list[tuple[str, str, Any, Any]] = [
      {"tasks": [TASK], "groupSize": 1, "maxConcurrent": 1, "sampling": {"maxTokens": 3}, "jobId": "fuzz-job",
       "maxSteps": 2, "episodeTimeoutS": 30, "maxAttempts": 1}),
     ("rollout", "GetRuns", rollout.GetRunsRequest, {"traceIds": ["no-such-trace"]}),
+    ("rollout", "GetTraceSpans", rollout.GetTraceSpansRequest, {"traceId": "0" * 32}),
     ("rollout", "GetServingInfo", rollout.GetServingInfoRequest, {"model": "tiny"}),
     ("rollout", "CreateJob", rollout.CreateJobRequest,
      {"model": "tiny", "name": "fuzz", "groupSize": 2, "metadataJson": "{}"}),

@@ -52,7 +52,7 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
             "OTEL_METRICS_EXPORTER": "prometheus"}
     for name, value in otel.items():
         monkeypatch.setenv(name, value)  # the stack's processes inherit them
-    stack = ProcessStack(StackConfig(data_dir=tmp_path))
+    stack = ProcessStack(StackConfig(data_dir=tmp_path, record_spans=True))
     await stack.start()
     try:
         env = {**os.environ, "YIELDLOOP_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
@@ -66,6 +66,15 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
             await client.forward_backward(runs=[run.trace_id for run in runs])
             step = await client.optim_step(learning_rate=1e-4)
             await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id)
+        # --record-spans: `yieldloop trace ID` shows where the episode's time went, every service's spans.
+        await asyncio.sleep(1.0)  # the batch span processors export every 200 ms here
+        shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "yieldloop.cli", "trace",
+                                                         runs[0].trace_id], capture_output=True, text=True, env=env)
+        assert shown.returncode == 0, shown.stderr
+        timeline = shown.stdout[shown.stdout.index("spans ("):]
+        for name in ("episode [rollout]", "generate [rollout]", "EnvService/StreamEpisode [env]",
+                     "grade [env]", "env-worker submit [env-worker]"):
+            assert name in timeline, timeline
         scraped = {}  # each service's Prometheus endpoint (its address in the ready file)
         for service in ("env", "trainer", "rollout"):
             address = json.loads((tmp_path / "run" / f"{service}.json").read_text())["metrics"]
@@ -107,3 +116,21 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
                            "trainer": ["yieldloop_train_loss", "yieldloop_train_kl", "yieldloop_train_reward"]}.items():
         for name in names:
             assert name in scraped[service] or service == "env" and "tool_call" in name, (service, name)
+
+
+def test_the_timeline_nests_spans_under_their_parents() -> None:
+    from yieldloop.cli import span_timeline
+    from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
+
+    spans = [pb.TraceSpan(span_id="a", name="episode", service="rollout", start_time_unix_nano=0,
+                          end_time_unix_nano=100_000_000, status="UNSET"),
+             pb.TraceSpan(span_id="b", parent_span_id="a", name="generate", service="rollout",
+                          start_time_unix_nano=10_000_000, end_time_unix_nano=60_000_000, status="UNSET"),
+             pb.TraceSpan(span_id="c", parent_span_id="a", name="grade", service="env",
+                          start_time_unix_nano=60_000_000, end_time_unix_nano=100_000_000, status="ERROR",
+                          error="boom")]
+    lines = span_timeline(spans, width=10).splitlines()
+    assert lines[0] == "spans (3, 100.0 ms):"
+    assert lines[1].endswith("|##########| episode [rollout]")
+    assert "10.0 ms" in lines[2] and "50.0 ms" in lines[2] and lines[2].endswith("| #####    |   generate [rollout]")
+    assert lines[3].endswith("grade [env]  ERROR: boom") and "|      ####|" in lines[3]

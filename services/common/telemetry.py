@@ -49,11 +49,17 @@ def enabled() -> bool:
     return _enabled
 
 
+RECORD_SPANS_VARIABLE = "YIELDLOOP_RECORD_SPANS"
+"""Set to a store URL: every process of the stack records the spans of episode traces there (``--record-spans``;
+the env worker processes inherit it)."""
+
+
 def configure(service: str) -> bool:
-    """Installs the tracer provider once per process when the environment asks for traces; returns whether
-    tracing is on."""
-    global _enabled
-    if _enabled or not wanted():
+    """Installs the tracer provider once per process when the environment asks for traces, or for spans
+    recorded in the store (:data:`RECORD_SPANS_VARIABLE`); returns whether tracing is on."""
+    global _enabled  # noqa: PLW0603
+    record_url = os.environ.get(RECORD_SPANS_VARIABLE, "")
+    if _enabled or not (wanted() or record_url):
         return _enabled
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
@@ -62,8 +68,15 @@ def configure(service: str) -> bool:
 
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"yieldloop-{service}",
                                 "yieldloop.service": service})
-    provider = TracerProvider(resource=resource, id_generator=_run_ids())
-    exporters = os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
+    from opentelemetry.sdk.trace.sampling import _get_from_env_or_default
+
+    provider = TracerProvider(resource=resource, id_generator=_run_ids(),
+                              sampler=_marking_runs(_get_from_env_or_default()))
+    if record_url:
+        from yieldloop_server.store import open_store
+
+        provider.add_span_processor(BatchSpanProcessor(_store_exporter(open_store(record_url), service)))
+    exporters = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if wanted() else "none")
     for name in (e.strip() for e in exporters.split(",")):
         if name == "otlp":
             protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
@@ -80,6 +93,83 @@ def configure(service: str) -> bool:
     return True
 
 
+RUN_STATE = ("yl", "run")
+"""The tracestate entry an episode's root span starts its trace with; every span of the trace, in every process,
+inherits it (W3C tracestate), so a recorder keeps the spans of episodes and nothing else."""
+
+
+def _marking_runs(sampler: Any) -> Any:
+    """``sampler`` (from OTEL_TRACES_SAMPLER), whose sampled episode roots carry :data:`RUN_STATE`."""
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+    from opentelemetry.trace import TraceState, get_current_span
+
+    class MarkRuns(Sampler):
+        def should_sample(self, parent_context: Any, trace_id: int, name: str, kind: Any = None,
+                          attributes: Any = None, links: Any = None, trace_state: Any = None) -> SamplingResult:
+            result = sampler.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+            parent = get_current_span(parent_context).get_span_context()
+            if name == "episode" and not parent.is_valid and result.decision == Decision.RECORD_AND_SAMPLE:
+                state = (result.trace_state or TraceState()).add(*RUN_STATE)
+                return SamplingResult(result.decision, result.attributes, state)
+            return result
+
+        def get_description(self) -> str:
+            return f"MarkRuns({sampler.get_description()})"
+
+    return MarkRuns()
+
+
+def _store_exporter(store: Any, service: str) -> Any:
+    """A span exporter writing the spans of episode traces to the store, one object per trace prefix and batch
+    (``spans/<trace id's first 16 hex>/<service>-<8 hex>.json``), where :func:`read_spans` finds them."""
+    import json
+    import logging
+    import uuid
+
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class StoreSpans(SpanExporter):
+        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            by_prefix: dict[str, list[dict]] = {}
+            for span in spans:
+                context = span.get_span_context()
+                if context.trace_state.get(RUN_STATE[0]) != RUN_STATE[1]:
+                    continue
+                trace_id = f"{context.trace_id:032x}"
+                by_prefix.setdefault(trace_id[:16], []).append({
+                    "trace_id": trace_id, "span_id": f"{context.span_id:016x}",
+                    "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else "",
+                    "name": span.name, "service": service, "start_ns": span.start_time, "end_ns": span.end_time,
+                    "status": span.status.status_code.name, "error": span.status.description or "",
+                    "attributes": {k: v if isinstance(v, (str, int, float, bool)) else str(v)
+                                   for k, v in (span.attributes or {}).items()},
+                })
+            try:
+                for prefix, records in by_prefix.items():
+                    store.put_bytes(f"spans/{prefix}/{service}-{uuid.uuid4().hex[:8]}.json",
+                                    json.dumps(records).encode())
+            except Exception:  # noqa: BLE001 (telemetry never fails the service)
+                logging.getLogger(__name__).warning("recording spans in the store failed", exc_info=True)
+                return SpanExportResult.FAILURE
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            pass
+
+    return StoreSpans()
+
+
+def read_spans(store: Any, trace_id: str) -> list[dict]:
+    """The recorded spans of one trace (every service's), oldest first; [] when none were recorded."""
+    import json
+
+    spans = []
+    for key in store.list(f"spans/{trace_id[:16]}/"):
+        with contextlib.suppress(Exception):
+            spans += [s for s in json.loads(store.get_bytes(key)[0]) if s.get("trace_id") == trace_id]
+    return sorted(spans, key=lambda s: s["start_ns"])
+
+
 def shutdown() -> None:
     """Flushes and stops the exporters (spans and metrics still queued are sent)."""
     if _enabled:
@@ -94,10 +184,17 @@ def shutdown() -> None:
             metrics.get_meter_provider().shutdown()
 
 
-def tracer() -> Any:
-    from opentelemetry import trace
+_tracer: Any = None
 
-    return trace.get_tracer("yieldloop")
+
+def tracer() -> Any:
+    """This process's tracer (made once: a tracer per span would cost every call)."""
+    global _tracer  # noqa: PLW0603
+    if _tracer is None:
+        from opentelemetry import trace
+
+        _tracer = trace.get_tracer("yieldloop")
+    return _tracer
 
 
 def _run_ids() -> Any:

@@ -118,13 +118,14 @@ class _NoFollower:
 
 
 async def serve_engine(
-    model: str, engine, host: str = "127.0.0.1", port: int = 0, stream_interval_s: float = 0.0
+    model: str, engine, host: str = "127.0.0.1", port: int = 0, stream_interval_s: float = 0.0,
+    transport: TransportConfig = DEFAULT_TRANSPORT,
 ) -> GrpcServer:
     """Serves an already-loaded engine's ``Generate`` over gRPC, with no head to follow and no EnvService.
 
     For benchmarks and tests that compare the engine in process with the same engine behind gRPC.
     """
-    server = GrpcServer(host, port)
+    server = GrpcServer(host, port, transport)
     server.add(
         pb_grpc.add_RolloutServiceServicer_to_server,
         RolloutServicer(ServedModels.fixed(model, engine, _NoFollower()), Client(), traces=None,

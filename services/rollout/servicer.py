@@ -17,12 +17,13 @@ from yieldloop.types import JobInfo, ModelInfo
 from yieldloop.errors import NotFoundError, check_json_object, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess, current_principal, require_job, sees_job
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.rollout.engines import SamplingConfig
 from yieldloop_server.rollout.models import ServedModels
 from yieldloop_server.rollout.rollouts import STOP_REASONS, AgentConfig, RolloutLimits, stream_rollouts
-from yieldloop_server.store.traces import TraceStore
+from yieldloop_server.store.traces import TraceStore, named_trace
 
 
 def sampling_from_pb(message: pb.SamplingParams) -> SamplingConfig:
@@ -154,6 +155,18 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         # A trace id is a capability (random, only ever given to whoever ran the episode): no job lookup per run.
         runs = await asyncio.to_thread(lambda: [self.traces.get(trace_id) for trace_id in request.trace_ids])
         return pb.GetRunsResponse(runs=[run_to_pb(run) for run in runs])
+
+    @rpc
+    async def GetTraceSpans(
+        self, request: pb.GetTraceSpansRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetTraceSpansResponse:
+        if not named_trace(request.trace_id):
+            raise invalid_field("trace_id", "a trace id is 32 lowercase hex digits")
+        spans = await asyncio.to_thread(telemetry.read_spans, self.traces.store, request.trace_id)
+        return pb.GetTraceSpansResponse(spans=[pb.TraceSpan(
+            span_id=s["span_id"], parent_span_id=s["parent_span_id"], name=s["name"], service=s["service"],
+            start_time_unix_nano=s["start_ns"], end_time_unix_nano=s["end_ns"], status=s["status"], error=s["error"],
+            attributes={k: str(v) for k, v in s["attributes"].items()}) for s in spans])
 
     @rpc
     async def GetServingInfo(

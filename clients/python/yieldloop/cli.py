@@ -123,7 +123,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     jobs = commands.add_parser("jobs", help="recorded jobs (evals and training sessions), oldest first")
     _add_attach(jobs)
 
-    trace = commands.add_parser("trace", help="print a recorded run (prompt, turns, reward) by trace id")
+    trace = commands.add_parser("trace", help="print a recorded run (prompt, turns, reward) by trace id, and where its time went when spans were recorded")
     trace.add_argument("trace_id")
     trace.add_argument("--json", action="store_true", help="the run as JSON")
     _add_attach(trace)
@@ -414,6 +414,7 @@ async def _trace(args: argparse.Namespace) -> None:
 
     async with _client(args, timeout=60) as client:
         [run] = await client.get_runs([args.trace_id])
+        spans = await client.get_trace_spans(run.trace_id) if len(run.trace_id) == 32 else []
     if args.json:
         print(json_format.MessageToJson(run_to_pb(run)))
         return
@@ -425,6 +426,35 @@ async def _trace(args: argparse.Namespace) -> None:
         console.print(f"turn {i}: {len(turn.prompt_token_ids)} prompt + {len(turn.completion_token_ids)} completion "
                       f"tokens, weights {turn.weight_version}: {turn.completion_text!r}", markup=False)
     console.print(f"answer: {run.answer!r}  reward {run.reward:.3f}  info {run.info_json}", markup=False)
+    if spans:
+        console.print(span_timeline(spans), markup=False, soft_wrap=True)
+    else:
+        console.print("no spans recorded for this trace (a stack started with --record-spans records them)")
+
+
+def span_timeline(spans: list[Any], width: int = 40) -> str:
+    """Where the episode's time went: each span (children under their parent) with its start offset, its
+    duration, a bar on the episode's time axis, and the service that recorded it."""
+    start = min(s.start_time_unix_nano for s in spans)
+    total = max(1, max(s.end_time_unix_nano for s in spans) - start)
+    children: dict[str, list[Any]] = {}
+    ids = {s.span_id for s in spans}
+    for s in spans:
+        children.setdefault(s.parent_span_id if s.parent_span_id in ids else "", []).append(s)
+    lines = [f"spans ({len(spans)}, {total / 1e6:.1f} ms):"]
+
+    def walk(parent: str, depth: int) -> None:
+        for s in sorted(children.get(parent, []), key=lambda s: s.start_time_unix_nano):
+            begin = (s.start_time_unix_nano - start) * width // total
+            length = max(1, (s.end_time_unix_nano - s.start_time_unix_nano) * width // total)
+            bar = " " * begin + "#" * min(length, width - begin)
+            status = f"  {s.status}: {s.error}" if s.status == "ERROR" else ""
+            lines.append(f"  {(s.start_time_unix_nano - start) / 1e6:8.1f} ms {(s.end_time_unix_nano - s.start_time_unix_nano) / 1e6:8.1f} ms"
+                         f" |{bar:<{width}}| {'  ' * depth}{s.name} [{s.service}]{status}")
+            walk(s.span_id, depth + 1)
+
+    walk("", 0)
+    return "\n".join(lines)
 
 
 def with_errors(coro: Any) -> int:

@@ -392,6 +392,11 @@ class Client:
         request = rollout_pb.GetRunsRequest(trace_ids=list(trace_ids))
         return [run_from_pb(run) for run in (await _unary(self.rollout_stub.GetRuns, request, self.timeout)).runs]
 
+    async def get_trace_spans(self, trace_id: str) -> list[rollout_pb.TraceSpan]:
+        """The spans recorded for a run's trace (a stack started with ``--record-spans``), oldest first."""
+        request = rollout_pb.GetTraceSpansRequest(trace_id=trace_id)
+        return list((await _unary(self.rollout_stub.GetTraceSpans, request, self.timeout)).spans)
+
     async def get_serving_info(
         self, wait_for_checkpoint_id: str = "", timeout: float | None = None, model: str = ""
     ) -> rollout_pb.GetServingInfoResponse:

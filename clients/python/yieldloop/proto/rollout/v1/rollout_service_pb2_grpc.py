@@ -72,6 +72,11 @@ class RolloutServiceStub:
                 request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsResponse.FromString,
                 _registered_method=True)
+        self.GetTraceSpans = channel.unary_unary(
+                '/yieldloop.rollout.v1.RolloutService/GetTraceSpans',
+                request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -145,6 +150,15 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTraceSpans(self, request, context):
+        """The spans recorded for one run's trace (its episode, in every service), oldest first: a stack started with
+        --record-spans records the spans of the episodes its sampler keeps. Empty when none were recorded.
+        Returns: OK; INVALID_ARGUMENT (INVALID_FIELD) for a malformed trace id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +196,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.StreamJobRuns,
                     request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsRequest.FromString,
                     response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsResponse.SerializeToString,
+            ),
+            'GetTraceSpans': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTraceSpans,
+                    request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansRequest.FromString,
+                    response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -376,6 +395,33 @@ class RolloutService:
             '/yieldloop.rollout.v1.RolloutService/StreamJobRuns',
             yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsRequest.SerializeToString,
             yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.StreamJobRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTraceSpans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.rollout.v1.RolloutService/GetTraceSpans',
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansRequest.SerializeToString,
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansResponse.FromString,
             options,
             channel_credentials,
             insecure,
