@@ -62,9 +62,15 @@ def otel_environment(setting: str, sink: str) -> dict[str, str]:
             "OTEL_TRACES_SAMPLER": sampler, "OTEL_TRACES_SAMPLER_ARG": arg, "OTEL_METRICS_EXPORTER": "none"}
 
 
-async def env_round(servers: dict, keys: dict, args: argparse.Namespace) -> dict[str, float]:
+def rotated(round_no: int) -> tuple[str, ...]:
+    """The settings in a different order each round (no setting always runs first, or right after another)."""
+    shift = round_no % len(SETTINGS)
+    return SETTINGS[shift:] + SETTINGS[:shift]
+
+
+async def env_round(servers: dict, keys: dict, args: argparse.Namespace, round_no: int) -> dict[str, float]:
     out = {}
-    for setting in SETTINGS:
+    for setting in rotated(round_no):
         from yieldloop.client import Client
 
         clients = [Client(env=servers[setting].address, api_key=keys[setting])]
@@ -81,11 +87,12 @@ async def env_round(servers: dict, keys: dict, args: argparse.Namespace) -> dict
     return out
 
 
-async def generate_round(clients: dict, prompt: list[int], args: argparse.Namespace) -> dict[str, float]:
+async def generate_round(clients: dict, prompt: list[int], args: argparse.Namespace, round_no: int
+                         ) -> dict[str, float]:
     from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio, ALWAYS_ON
 
     out = {}
-    for setting in SETTINGS:
+    for setting in rotated(round_no):
         if setting in SAMPLERS:  # the in-process server's sampler for this setting
             from yieldloop_server.common import telemetry
 
@@ -149,8 +156,8 @@ async def bench(args: argparse.Namespace) -> dict:
 
         env_rounds, generate_rounds = [], []
         for round_no in range(args.rounds):
-            env_rounds.append(await env_round(servers, keys, args))
-            generate_rounds.append(await generate_round(clients, prompt, args))
+            env_rounds.append(await env_round(servers, keys, args, round_no))
+            generate_rounds.append(await generate_round(clients, prompt, args, round_no))
             print(f"round {round_no + 1}: env calls/s {env_rounds[-1]}; generate tok/s "
                   f"{ {k: round(v) for k, v in generate_rounds[-1].items()} }", flush=True)
         for client in clients.values():

@@ -75,7 +75,9 @@ def configure(service: str) -> bool:
     if record_url:
         from yieldloop_server.store import open_store
 
-        provider.add_span_processor(BatchSpanProcessor(_store_exporter(open_store(record_url), service)))
+        # Written within a second: `yieldloop trace` right after an eval finds them.
+        provider.add_span_processor(BatchSpanProcessor(_store_exporter(open_store(record_url), service),
+                                                       schedule_delay_millis=1000))
     exporters = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if wanted() else "none")
     for name in (e.strip() for e in exporters.split(",")):
         if name == "otlp":
@@ -227,10 +229,19 @@ def ids_of(trace_id: str) -> tuple[int, int] | None:
         return None
 
 
+def _unsampled_parent(parent: Any = None) -> bool:
+    """Whether the current (or ``parent``) context is a trace the sampler dropped: its children are dropped too
+    (parent-based sampling), so they are not even made (a span per tool call costs every call otherwise)."""
+    from opentelemetry import trace
+
+    context = trace.get_current_span(parent).get_span_context()
+    return context.is_valid and not context.trace_flags.sampled
+
+
 @contextlib.contextmanager
 def span(name: str, attributes: dict[str, Any] | None = None, **options: Any) -> Iterator[Any]:
-    """A span (a no-op when tracing is off)."""
-    if not _enabled:
+    """A span (a no-op when tracing is off or the trace is not sampled)."""
+    if not _enabled or _unsampled_parent():
         yield None
         return
     with tracer().start_as_current_span(name, attributes=attributes, **options) as current:
@@ -408,6 +419,15 @@ class Tracing:
             return
 
         parent = propagate.extract(call.metadata, getter=_MetadataGetter())
+        if _unsampled_parent(parent):  # the caller's trace is not sampled: carry its context, make no span
+            from opentelemetry import context
+
+            token = context.attach(parent)
+            try:
+                yield
+            finally:
+                context.detach(token)
+            return
         if call.protocol == "grpc":
             service, _, method = call.method.strip("/").partition("/")
             name, attributes = f"{service}/{method}", {"rpc.system": "grpc", "rpc.service": service,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import time
 import uuid
@@ -199,6 +200,16 @@ class EpisodeSession:
         await self.close()
 
 
+class _Keyed:
+    """A stub whose methods add call metadata (the API key) to every call."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub, self._metadata = stub, metadata
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(self._stub, name), metadata=self._metadata)
+
+
 class Client:
     """Async client for EnvService, RolloutService, TrainerService and CheckpointService.
 
@@ -230,6 +241,7 @@ class Client:
     ) -> None:
         self.timeout = timeout
         self.transport = transport if api_key is None else dataclasses.replace(transport, api_key=api_key)
+        self._metadata = (("authorization", f"Bearer {self.transport.api_key}"),) if self.transport.api_key else ()
         self.retry_within_s = retry_within_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         envs = [env] if isinstance(env, str) else list(env or ())
@@ -261,25 +273,32 @@ class Client:
             self._channels[address] = open_channel(address, self.transport)
         return self._channels[address]
 
+    def _stub(self, kind: Any, channel: grpc.aio.Channel) -> Any:
+        """A stub whose every call carries the API key (``authorization: Bearer``) as call metadata: gRPC's core
+        sends it with the call's headers, nothing per message (an interceptor would put Python on every message
+        of every stream)."""
+        stub = kind(channel)
+        return _Keyed(stub, self._metadata) if self._metadata else stub
+
     @property
     def env_stub(self) -> env_grpc.EnvServiceStub:
         """A stub for the next EnvService replica (round robin)."""
         if not self._env_addresses:
-            return env_grpc.EnvServiceStub(self._channel("env"))  # raises: no address
+            return self._stub(env_grpc.EnvServiceStub, self._channel("env"))  # raises: no address
         address = self._env_addresses[next(self._next_env) % len(self._env_addresses)]
-        return env_grpc.EnvServiceStub(self._channel("env", address))
+        return self._stub(env_grpc.EnvServiceStub, self._channel("env", address))
 
     @property
     def rollout_stub(self) -> rollout_grpc.RolloutServiceStub:
-        return rollout_grpc.RolloutServiceStub(self._channel("rollout"))
+        return self._stub(rollout_grpc.RolloutServiceStub, self._channel("rollout"))
 
     @property
     def trainer_stub(self) -> trainer_grpc.TrainerServiceStub:
-        return trainer_grpc.TrainerServiceStub(self._channel("trainer"))
+        return self._stub(trainer_grpc.TrainerServiceStub, self._channel("trainer"))
 
     @property
     def checkpoint_stub(self) -> ckpt_grpc.CheckpointServiceStub:
-        return ckpt_grpc.CheckpointServiceStub(self._channel("checkpoint"))
+        return self._stub(ckpt_grpc.CheckpointServiceStub, self._channel("checkpoint"))
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -80,7 +80,8 @@ class TransportConfig:
     http_body_timeout_s: float = 60.0
     """An HTTP request whose body has not fully arrived this long after its header is answered 408."""
     api_key: str = dataclasses.field(default="", metadata={"cli": False}, repr=False)
-    """Sent as ``authorization: Bearer <key>`` with every call on channels built from this config."""
+    """Sent as ``authorization: Bearer <key>`` with every call a :class:`yieldloop.client.Client` built from this
+    config makes (as call metadata)."""
     tls_cert: str = ""
     """Servers: a PEM certificate (chain) file; with ``tls_key`` every server (gRPC and HTTP) speaks TLS only."""
     tls_key: str = ""
@@ -157,44 +158,12 @@ DEFAULT_TRANSPORT = TransportConfig()
 
 def open_channel(address: str, config: TransportConfig = DEFAULT_TRANSPORT) -> grpc.aio.Channel:
     """A channel to ``address`` (``host:port`` or ``dns:///host:port``) built from ``config``."""
-    interceptors: list[grpc.aio.ClientInterceptor] = list(config.client_interceptors)
-    if config.api_key:
-        interceptors[:0] = bearer_key(config.api_key)
+    interceptors = list(config.client_interceptors) or None
     if config.tls_ca:
         with open(config.tls_ca, "rb") as ca:
             credentials = grpc.ssl_channel_credentials(root_certificates=ca.read())
-        return grpc.aio.secure_channel(address, credentials, options=config.channel_options(),
-                                       interceptors=interceptors or None)
-    return grpc.aio.insecure_channel(address, options=config.channel_options(), interceptors=interceptors or None)
-
-
-def bearer_key(key: str) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors adding ``authorization: Bearer <key>`` to every call, one per call kind (grpc.aio files an
-    interceptor under the first kind it implements only)."""
-    header = ("authorization", f"Bearer {key}")
-
-    def details_with_key(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), header)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
-
-    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-        async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-            return await continuation(details_with_key(details), request)
-
-    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-        async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-            return await continuation(details_with_key(details), request)
-
-    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-            return await continuation(details_with_key(details), requests)
-
-    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
-        async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-            return await continuation(details_with_key(details), requests)
-
-    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+        return grpc.aio.secure_channel(address, credentials, options=config.channel_options(), interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=config.channel_options(), interceptors=interceptors)
 
 
 @contextlib.asynccontextmanager
