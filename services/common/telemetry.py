@@ -248,6 +248,34 @@ def span(name: str, attributes: dict[str, Any] | None = None, **options: Any) ->
         yield current
 
 
+class _Nothing:
+    """A context manager that does nothing (cheaper than an empty generator-based one)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+_NOTHING = _Nothing()
+
+
+def tool_call(tool: str, metric: str) -> contextlib.AbstractContextManager[Any]:
+    """A ``tool <name>`` span and a latency sample in ``metric`` for one tool call; when neither would be recorded
+    (tracing off or the trace not sampled, metrics off), a do-nothing context: tool calls are the messages a
+    loaded EnvService handles thousands of per second."""
+    if (not _enabled or _unsampled_parent()) and _meter is None:
+        return _NOTHING
+    return _tool_call(tool, metric)
+
+
+@contextlib.contextmanager
+def _tool_call(tool: str, metric: str) -> Iterator[None]:
+    with span(f"tool {tool}", {"yieldloop.tool": tool}), timed(metric, {"tool": tool}, "tool call latency"):
+        yield
+
+
 @contextlib.contextmanager
 def episode_span(trace_id: str, attributes: dict[str, Any]) -> Iterator[Any]:
     """The root span of an episode's own trace (its id is the run's ``trace_id``), linked to the span that

@@ -164,9 +164,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     watch(me, min(deadline, loop.time() + info.tool_timeout_s), f"tool {call.name!r}", "TOOL_DEADLINE")
                     try:
                         arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
-                        with telemetry.span(f"tool {call.name}", {"yieldloop.tool": call.name}), \
-                                telemetry.timed("yieldloop.env.tool_call.duration", {"tool": call.name},
-                                                "tool call latency in EnvService"):
+                        with telemetry.tool_call(call.name, "yieldloop.env.tool_call.duration"):
                             content, is_error = await self.host.call_tool(key, call.name, arguments)
                     except InvalidArgumentError as err:
                         if not call.errors_as_results or err.reason not in ("TOOL_NOT_FOUND", "TOOL_ARGS_INVALID"):

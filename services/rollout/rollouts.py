@@ -175,8 +175,7 @@ async def agent_loop(
         # A bad call (unknown tool, invalid arguments) is part of the trajectory: the model sees the error.
         results = []
         for c in calls:
-            with telemetry.span(f"tool {c.name}", {"yieldloop.tool": c.name}), \
-                    telemetry.timed("yieldloop.rollout.tool_call.duration", {"tool": c.name}, "tool call latency"):
+            with telemetry.tool_call(c.name, "yieldloop.rollout.tool_call.duration"):
                 result = await episode.call_tool(c.name, json.dumps(c.arguments), errors_as_results=True)
             results.append({"role": "tool", "content": result.content})
         added = sum(len(result["content"]) for result in results)
