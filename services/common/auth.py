@@ -26,7 +26,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Literal
+from typing import Any, Literal
 
 from yieldloop.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError, UnauthenticatedError
 from yieldloop.transport import CallInfo
@@ -297,6 +297,17 @@ class ModelAccess:
     def __init__(self, get_model: Callable[[str], Awaitable[ModelInfo]]) -> None:
         self.get_model = get_model
         self._infos: dict[str, tuple[ModelInfo, float]] = {}
+
+    @classmethod
+    def through(cls, checkpoints: Any, default: str) -> ModelAccess:
+        """Model records read through a CheckpointService client (None: a service of ``default`` alone, e.g. an
+        engine served for a benchmark, knows no other model)."""
+        async def get_model(slug: str) -> ModelInfo:
+            if checkpoints is None:
+                raise NotFoundError(f"this service serves only {default!r}", reason="MODEL_NOT_FOUND")
+            return await checkpoints.get_model(slug)
+
+        return cls(get_model)
 
     async def info(self, slug: str) -> ModelInfo:
         entry = self._infos.get(slug)

@@ -13,8 +13,8 @@ import grpc
 
 from yieldloop.client import Client
 from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
-from yieldloop.types import JobInfo, ModelInfo
-from yieldloop.errors import NotFoundError, check_json_object, invalid_field
+from yieldloop.types import JobInfo
+from yieldloop.errors import check_json_object, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop_server.common import telemetry
@@ -53,13 +53,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """Episodes running at once over every StreamRollouts request."""
         self.openai_base_url = ""
         self.stream_interval_s = stream_interval_s
-        self.access = ModelAccess(self._model_info)
         """Generate streams at most one message per this many seconds (see SamplingConfig.stream_interval_s)."""
-
-    async def _model_info(self, slug: str) -> ModelInfo:
-        if self.models.checkpoints is None:
-            raise NotFoundError(f"this server serves only {self.models.default!r}", reason="MODEL_NOT_FOUND")
-        return await self.models.checkpoints.get_model(slug)
+        self.access = ModelAccess.through(models.checkpoints, models.default)
 
     @rpc
     async def Generate(

@@ -13,7 +13,7 @@ from yieldloop.errors import NotFoundError, check_json_object, invalid_field
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
-from yieldloop.types import Datum, ModelInfo, Run, RunStatus
+from yieldloop.types import Datum, Run, RunStatus
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess
 from yieldloop_server.common.grpc_server import rpc
@@ -33,12 +33,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     def __init__(self, sessions: TrainingSessions, publisher: WeightPublisher | None = None) -> None:
         self.sessions = sessions
         self.publisher = publisher
-        self.access = ModelAccess(self._model_info)
-
-    async def _model_info(self, slug: str) -> ModelInfo:
-        if self.sessions.checkpoints is None:
-            raise NotFoundError(f"this trainer trains only {self.sessions.default!r}", reason="MODEL_NOT_FOUND")
-        return await self.sessions.checkpoints.get_model(slug)
+        self.access = ModelAccess.through(sessions.checkpoints, sessions.default)
 
     @rpc
     async def ForwardBackward(
