@@ -210,9 +210,18 @@ async def test_two_teams_on_one_stack(stack, client: Client, keys: Keys) -> None
                 pass
         assert job.job_id not in {j.job_id for j in await b.list_jobs()}
         assert job.job_id in {j.job_id for j in await a.list_jobs()}
-        # B forks the public base for itself: its own fork, private to B.
+        # B forks the public base for itself: its own fork, private to B; A's runs stay A's, even by trace id.
         mine = await b.fork_model("tiny", "team-b-own")
         assert mine.model.owner == "team-b"
+        assert all(run.team == "team-a" for run in await a.get_runs([r.trace_id for r in runs]))
+        with pytest.raises(errors.PermissionDeniedError) as caught:
+            await b.get_runs([runs[0].trace_id])
+        assert caught.value.reason == "RUN_NOT_OWNED"
+        with pytest.raises(errors.PermissionDeniedError) as caught:
+            await b.forward_backward(runs=[r.trace_id for r in runs], model="team-b-own")
+        assert caught.value.reason == "RUN_NOT_OWNED"
+        with pytest.raises(errors.PermissionDeniedError):
+            await b.get_trace_spans(runs[0].trace_id)
         # The admin does anything.
         assert len([run async for run in client.job_runs(job.job_id)]) == 4
         await client.set_head("team-a-private", step.checkpoint.checkpoint_id)

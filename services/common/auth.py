@@ -342,6 +342,14 @@ def require_job(team: str, job_id: str) -> None:
                                     field="job_id")
 
 
+def require_run(team: str, trace_id: str) -> None:
+    """PERMISSION_DENIED (RUN_NOT_OWNED) unless the caller's team ran it (admins: any run)."""
+    principal = current_principal()
+    if not principal.is_admin and team != principal.team:
+        raise PermissionDeniedError(f"run {trace_id!r} belongs to another team", reason="RUN_NOT_OWNED",
+                                    field="trace_id")
+
+
 def sees_job(team: str) -> bool:
     principal = current_principal()
     return principal.is_admin or team == principal.team

@@ -14,11 +14,11 @@ import grpc
 from yieldloop.client import Client
 from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
 from yieldloop.types import JobInfo
-from yieldloop.errors import check_json_object, invalid_field
+from yieldloop.errors import NotFoundError, check_json_object, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop_server.common import telemetry
-from yieldloop_server.common.auth import ModelAccess, current_principal, require_job, sees_job
+from yieldloop_server.common.auth import ModelAccess, current_principal, require_job, require_run, sees_job
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.rollout.engines import SamplingConfig
 from yieldloop_server.rollout.models import ServedModels
@@ -141,14 +141,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 config=config,
                 shared_limit=self.episodes,
                 # Durable before it is streamed (a run the client saw always has its trace), in batches.
-                record=functools.partial(asyncio.to_thread, self.traces.put_many, job_id=job_id),
+                record=functools.partial(self._record, job_id=job_id, team=principal.team),
             ):
                 yield pb.StreamRolloutsResponse(run=run_to_pb(run))
 
+    async def _record(self, runs: list, job_id: str, team: str) -> None:
+        for run in runs:
+            run.team = team
+        await asyncio.to_thread(self.traces.put_many, runs, job_id)
+
     @rpc
     async def GetRuns(self, request: pb.GetRunsRequest, context: grpc.aio.ServicerContext) -> pb.GetRunsResponse:
-        # A trace id is a capability (random, only ever given to whoever ran the episode): no job lookup per run.
         runs = await asyncio.to_thread(lambda: [self.traces.get(trace_id) for trace_id in request.trace_ids])
+        for run in runs:
+            require_run(run.team, run.trace_id)
         return pb.GetRunsResponse(runs=[run_to_pb(run) for run in runs])
 
     @rpc
@@ -157,6 +163,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     ) -> pb.GetTraceSpansResponse:
         if not named_trace(request.trace_id):
             raise invalid_field("trace_id", "a trace id is 32 lowercase hex digits")
+        try:
+            run = await asyncio.to_thread(self.traces.get, request.trace_id)
+            require_run(run.team, run.trace_id)
+        except NotFoundError:
+            pass  # spans of a trace whose run was not recorded (yet): nothing names a team
         spans = await asyncio.to_thread(telemetry.read_spans, self.traces.store, request.trace_id)
         return pb.GetTraceSpansResponse(spans=[pb.TraceSpan(
             span_id=s["span_id"], parent_span_id=s["parent_span_id"], name=s["name"], service=s["service"],

@@ -15,7 +15,7 @@ from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, Run, RunStatus
 from yieldloop_server.common import telemetry
-from yieldloop_server.common.auth import ModelAccess
+from yieldloop_server.common.auth import ModelAccess, require_run
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.trainer import losses
 from yieldloop_server.checkpoint.files import host_id
@@ -62,7 +62,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 elif item == "run":
                     runs.append(run_from_pb(request.run))
                 elif item == "trace_id":
-                    runs.append(await session.get_run(request.trace_id))
+                    run = await session.get_run(request.trace_id)
+                    require_run(run.team, run.trace_id)
+                    runs.append(run)
                 else:
                     raise invalid_field("item", "empty request")
             if not math.isfinite(config.reward_scale) or config.reward_scale < 0:

@@ -107,7 +107,7 @@ def run_from_pb(message: common_pb.Run) -> Run:
         prompt=message.prompt, turns=[turn_from_pb(t) for t in message.turns], answer=message.answer,
         reward=message.reward, info_json=message.info_json, status=RunStatus(message.status), error=message.error,
         model=message.model, trace_id=message.trace_id, agent_stop_reason=AgentStopReason(message.agent_stop_reason),
-        attempts=message.attempts, prompt_format=PromptFormat(message.prompt_format),
+        attempts=message.attempts, prompt_format=PromptFormat(message.prompt_format), team=message.team,
     )
 
 

@@ -263,6 +263,8 @@ class Run:
     agent_stop_reason: AgentStopReason = AgentStopReason.UNSPECIFIED
     attempts: int = 0
     prompt_format: PromptFormat = PromptFormat.UNSPECIFIED
+    team: str = ""
+    """The team whose key ran it (set when recorded); only that team and admins read it back by trace id."""
 
 
 @dataclasses.dataclass

@@ -91,6 +91,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_NOT_OWNED: _ClassVar[ErrorReason]
     API_KEY_NOT_FOUND: _ClassVar[ErrorReason]
     JOB_NOT_OWNED: _ClassVar[ErrorReason]
+    RUN_NOT_OWNED: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -161,6 +162,7 @@ ROLE_NOT_ALLOWED: ErrorReason
 MODEL_NOT_OWNED: ErrorReason
 API_KEY_NOT_FOUND: ErrorReason
 JOB_NOT_OWNED: ErrorReason
+RUN_NOT_OWNED: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
@@ -209,7 +211,7 @@ class Turn(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., completion_token_ids: _Optional[_Iterable[int]] = ..., completion_logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., completion_text: _Optional[str] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "task", "group_id", "prompt", "turns", "answer", "reward", "info_json", "status", "error", "model", "trace_id", "agent_stop_reason", "attempts", "prompt_format")
+    __slots__ = ("run_id", "task", "group_id", "prompt", "turns", "answer", "reward", "info_json", "status", "error", "model", "trace_id", "agent_stop_reason", "attempts", "prompt_format", "team")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +227,7 @@ class Run(_message.Message):
     AGENT_STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TEAM_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     task: Task
     group_id: str
@@ -240,7 +243,8 @@ class Run(_message.Message):
     agent_stop_reason: AgentStopReason
     attempts: int
     prompt_format: PromptFormat
-    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_id: _Optional[str] = ..., prompt: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., answer: _Optional[str] = ..., reward: _Optional[float] = ..., info_json: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., trace_id: _Optional[str] = ..., agent_stop_reason: _Optional[_Union[AgentStopReason, str]] = ..., attempts: _Optional[int] = ..., prompt_format: _Optional[_Union[PromptFormat, str]] = ...) -> None: ...
+    team: str
+    def __init__(self, run_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_id: _Optional[str] = ..., prompt: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., answer: _Optional[str] = ..., reward: _Optional[float] = ..., info_json: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., error: _Optional[str] = ..., model: _Optional[str] = ..., trace_id: _Optional[str] = ..., agent_stop_reason: _Optional[_Union[AgentStopReason, str]] = ..., attempts: _Optional[int] = ..., prompt_format: _Optional[_Union[PromptFormat, str]] = ..., team: _Optional[str] = ...) -> None: ...
 
 class Datum(_message.Message):
     __slots__ = ("input_tokens", "target_tokens", "sampling_logprobs", "advantages", "weights")
