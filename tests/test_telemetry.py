@@ -105,6 +105,8 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
     trained = [s for service, s in received.spans if service == "yieldloop-trainer" and s.name == "forward_backward"]
     linked = {link.trace_id.hex() for span in trained for link in span.links}
     assert {run.trace_id for run in runs} <= linked
+    stepped = [s for service, s in received.spans if service == "yieldloop-trainer" and s.name == "optim_step"]
+    assert {run.trace_id for run in runs} <= {link.trace_id.hex() for span in stepped for link in span.links}
     commits = [s for _, s in received.spans if s.name == "checkpoint.commit"]
     assert any(a.value.string_value == step.checkpoint.checkpoint_id for s in commits for a in s.attributes)
     reloads = [s for service, s in received.spans if service == "yieldloop-rollout" and s.name == "weights.reload"]

@@ -86,6 +86,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                                                      "yieldloop.datums": len(datums)},
                                 links=telemetry.run_links([run.trace_id for run in runs])):
                 metrics, num_datums, stats = await session.forward_backward(datums, runs, options)
+            session.trained_traces += [run.trace_id for run in runs if run.trace_id]
             labels = {"model": session.model, "loss_fn": config.loss_fn}
             telemetry.set_gauge("yieldloop.train.loss", metrics["loss_sum"] / max(1.0, metrics["num_action_tokens"]),
                                 labels, description="loss per action token of the last forward_backward")
@@ -169,13 +170,16 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             raise invalid_field("idempotency_key", "an idempotency key has at most 128 characters")
         await self.access.require(request.model or self.sessions.default, "train")
         async with self.sessions.use(request.model) as session:
-            with telemetry.span("optim_step", {"yieldloop.model": session.model}) as span:
+            trained = list(session.trained_traces)
+            with telemetry.span("optim_step", {"yieldloop.model": session.model},
+                                links=telemetry.run_links(trained)) as span:
                 outcome = await session.optim_step(
                     config.validate(), skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
                     metadata_json=request.metadata_json, idempotency_key=request.idempotency_key,
                     drop_gradients_if_refused=request.drop_gradients_if_refused, save_state=request.save_state,
                     wait_durable=request.wait_durable,
                 )
+                del session.trained_traces[:len(trained)]  # applied: a refused step keeps them for the next
                 if span is not None:
                     span.set_attribute("yieldloop.checkpoint_id", outcome.checkpoint_id)
                     span.set_attribute("yieldloop.step", outcome.step)

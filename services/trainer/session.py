@@ -135,6 +135,8 @@ class TrainingSession:
         """Keys of steps whose commit failed in a way that may have committed (the answer lost)."""
         self._in_flight = 0
         """Gradient computations running now (a head-following reload waits for them)."""
+        self.trained_traces: list[str] = []
+        """Trace ids of the runs whose gradients wait for the next optimizer step (its span links to them)."""
         # One thread owns the weights, so calls apply in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
 
