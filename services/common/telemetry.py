@@ -229,9 +229,16 @@ def ids_of(trace_id: str) -> tuple[int, int] | None:
         return None
 
 
+_quiet: contextvars.ContextVar[bool] = contextvars.ContextVar("yieldloop_unsampled", default=False)
+"""Set for the whole of a call or an episode whose trace the sampler dropped: one lookup then answers
+:func:`_unsampled_parent` for each of its spans (the generic answer costs microseconds per tool call)."""
+
+
 def _unsampled_parent(parent: Any = None) -> bool:
     """Whether the current (or ``parent``) context is a trace the sampler dropped: its children are dropped too
     (parent-based sampling), so they are not even made (a span per tool call costs every call otherwise)."""
+    if parent is None and _quiet.get():
+        return True
     from opentelemetry import trace
 
     context = trace.get_current_span(parent).get_span_context()
@@ -295,7 +302,11 @@ def episode_span(trace_id: str, attributes: dict[str, Any]) -> Iterator[Any]:
             if token is not None:
                 _preset.reset(token)
                 token = None
-            yield current
+            quiet = _quiet.set(not current.is_recording())  # the episode's own sampling, not its caller's
+            try:
+                yield current
+            finally:
+                _quiet.reset(quiet)
     finally:
         if token is not None:
             _preset.reset(token)
@@ -450,10 +461,11 @@ class Tracing:
         if _unsampled_parent(parent):  # the caller's trace is not sampled: carry its context, make no span
             from opentelemetry import context
 
-            token = context.attach(parent)
+            token, quiet = context.attach(parent), _quiet.set(True)
             try:
                 yield
             finally:
+                _quiet.reset(quiet)
                 context.detach(token)
             return
         if call.protocol == "grpc":
@@ -466,6 +478,7 @@ class Tracing:
         with tracer().start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER,
                                             attributes=attributes, record_exception=False,
                                             set_status_on_exception=False) as current:
+            quiet = _quiet.set(not current.is_recording())
             try:
                 yield
             except BaseException as exc:
@@ -478,6 +491,8 @@ class Tracing:
                 elif current.status.is_unset:
                     current.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
                 raise
+            finally:
+                _quiet.reset(quiet)
 
 
 # Metrics ---------------------------------------------------------------------------------------------------
