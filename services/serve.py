@@ -13,7 +13,10 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from yieldloop.transport import TransportConfig
+from yieldloop_server.common import telemetry
+from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore
 from yieldloop_server.config import ServeOptions
+from yieldloop_server.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -22,28 +25,25 @@ Starter = Callable[[], Awaitable[str]]
 Stopper = Callable[[float], Awaitable[None]]
 
 
-def secured_transport(opts: ServeOptions, store) -> TransportConfig:
-    """The service's transport with auth: its servers check every call's key (:class:`Authenticator`), and its
-    clients call the other services with the service key. Unchanged with ``--no-auth`` (and said loudly)."""
-    from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore
-
+def secured_transport(opts: ServeOptions, store: ObjectStore) -> tuple[TransportConfig, KeyStore | None]:
+    """The service's transport with auth, and the key store it checks keys against: its servers check every
+    call's key (:class:`Authenticator`), and its clients call the other services with the service key.
+    Unchanged (and no key store) with ``--no-auth``, which is said loudly."""
     if not opts.auth:
         log.warning("%s: AUTH IS OFF (--no-auth): anyone who reaches %s:%s may call every RPC, train and move the "
                     "head of any model and read every run", opts.service, opts.host, opts.port or "its port")
-        return opts.transport
+        return opts.transport, None
     keys = KeyStore(store)
     service_key = opts.service_key or os.environ.get("YIELDLOOP_SERVICE_KEY", "")
     if not service_key or keys.check(service_key) is None:
         _, service_key = keys.create(SERVICE_TEAM, "service", name=f"{opts.service} service (made at its start)")
     return dataclasses.replace(opts.transport, api_key=service_key,
-                               server_interceptors=(Authenticator(keys), *opts.transport.server_interceptors))
+                               server_interceptors=(Authenticator(keys), *opts.transport.server_interceptors)), keys
 
 
 def traced_transport(service: str, transport: TransportConfig, record_spans_url: str = "") -> TransportConfig:
     """The transport with OpenTelemetry when the environment asks for it (OTEL_EXPORTER_OTLP_ENDPOINT, ...):
     a span around every call served, outermost (refusals are traced too), and traceparent on every call made."""
-    from yieldloop_server.common import telemetry
-
     if record_spans_url:  # read by configure, here and in the env's worker processes
         os.environ[telemetry.RECORD_SPANS_VARIABLE] = record_spans_url
     if not telemetry.configure(service):
@@ -64,18 +64,13 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
     store = open_store(opts.store_url)
     work_dir = opts.data_dir / "work" / opts.service
+    transport, keys = await asyncio.to_thread(secured_transport, opts, store)
     opts = dataclasses.replace(opts, transport=traced_transport(
-        opts.service, await asyncio.to_thread(secured_transport, opts, store),
-        opts.store_url if opts.record_spans else ""))
-    from yieldloop_server.common import telemetry
-
+        opts.service, transport, opts.store_url if opts.record_spans else ""))
     telemetry.configure_metrics(opts.service, opts.host, opts.metrics_port)
     if opts.service == "checkpoint":
         from yieldloop_server.checkpoint.server import build
 
-        from yieldloop_server.common.auth import Authenticator
-
-        keys = next((i.keys for i in opts.transport.server_interceptors if isinstance(i, Authenticator)), None)
         server = build(store, opts.host, opts.port, opts.checkpoint.keep_last, opts.transport, keys)
         return server.start, server.stop
     if opts.service == "env":
@@ -126,8 +121,6 @@ async def serve(opts: ServeOptions) -> None:
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
     if opts.ready_file is not None:
-        from yieldloop_server.common import telemetry
-
         write_ready_file(opts.ready_file, address, tls=bool(opts.transport.tls_cert), metrics=telemetry.metrics_address)
     print(f"yieldloop {opts.service} serving on {address}", flush=True)
     stopping = asyncio.Event()
@@ -137,8 +130,6 @@ async def serve(opts: ServeOptions) -> None:
     await stopping.wait()
     log.info("stopping %s", opts.service)
     await stop(opts.grace_s)
-    from yieldloop_server.common import telemetry
-
     await asyncio.to_thread(telemetry.shutdown)  # the spans still queued are sent
 
 

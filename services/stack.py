@@ -129,6 +129,21 @@ def ensure_stack_keys(store: ObjectStore, data_dir: pathlib.Path) -> tuple[str, 
     return found[0], found[1]
 
 
+async def prepare_stack(config: StackConfig) -> tuple[StackConfig, str, str]:
+    """What every stack does before its services start: the model it serves (created or imported on first use),
+    its TLS certificates (``--tls``) and its keys (with auth). Returns the config the services get, the admin key
+    and the services' key ("" and "" without auth)."""
+    from yieldloop_server.store import open_store
+
+    store = open_store(config.store_url)
+    slug = await asyncio.to_thread(ensure_model, store, config.model)
+    config = dataclasses.replace(await asyncio.to_thread(config.with_tls), model=slug)
+    if not config.auth:
+        return config, "", ""
+    admin_key, service_key = await asyncio.to_thread(ensure_stack_keys, store, config.data_dir)
+    return config, admin_key, service_key
+
+
 class InProcessStack:
     """All four services in the current event loop, on free ports (for tests and embedding)."""
 
@@ -140,14 +155,7 @@ class InProcessStack:
         """The stack's admin key ("" without auth)."""
 
     async def start(self) -> dict[str, str]:
-        from yieldloop_server.store import open_store
-
-        store = open_store(self.config.store_url)
-        slug = await asyncio.to_thread(ensure_model, store, self.config.model)
-        self.config = dataclasses.replace(await asyncio.to_thread(self.config.with_tls), model=slug)
-        service_key = ""
-        if self.config.auth:
-            self.api_key, service_key = await asyncio.to_thread(ensure_stack_keys, store, self.config.data_dir)
+        self.config, self.api_key, service_key = await prepare_stack(self.config)
         for service in SERVICES:  # in dependency order
             options = dataclasses.replace(ServeOptions.of(self.config, service, self.addresses), service_key=service_key)
             start, stop = await build_service(options)
@@ -281,13 +289,7 @@ class ProcessStack:
         self.addresses[service] = await process.start()
 
     async def start(self) -> dict[str, str]:
-        from yieldloop_server.store import open_store
-
-        store = open_store(self.config.store_url)
-        slug = await asyncio.to_thread(ensure_model, store, self.config.model)
-        self.config = dataclasses.replace(await asyncio.to_thread(self.config.with_tls), model=slug)
-        if self.config.auth:
-            self.api_key, self._service_key = await asyncio.to_thread(ensure_stack_keys, store, self.config.data_dir)
+        self.config, self.api_key, self._service_key = await prepare_stack(self.config)
         try:
             await asyncio.gather(self._spawn("checkpoint"), self._spawn("env"))
             await asyncio.gather(self._spawn("trainer"), self._spawn("rollout"))

@@ -32,6 +32,10 @@ class CountingStore(FsStore):
         self.gets += 1
         return super().get_bytes(key)
 
+    def list(self, prefix):
+        self.lists = getattr(self, "lists", 0) + 1
+        return super().list(prefix)
+
 
 def test_a_batch_is_one_segment_and_each_run_is_found_by_its_trace_id(tmp_path) -> None:
     store = CountingStore(tmp_path)
@@ -65,3 +69,28 @@ def test_runs_recorded_before_segments_are_still_read(tmp_path) -> None:
     new = traces.put_many(runs(2, "n"), "j")
     assert traces.job_runs("j") == [old.trace_id, *new]
     assert traces.get(old.trace_id).answer == "old" and traces.get_job("j").num_runs == 3
+
+
+def test_runs_that_carry_their_trace_ids_keep_them_and_are_read_with_one_listing(tmp_path) -> None:
+    """A rollout names each episode's trace before it starts (its request's prefix + 16 random digits): the store
+    keeps those ids, one segment per batch under the prefix; a reader lists the prefix once and reads each batch
+    once, however many of the request's runs it looks up."""
+    store = CountingStore(tmp_path)
+    prefix = "0123456789abcdef"
+    first, second = runs(3, "a"), runs(2, "b")
+    for i, run in enumerate(first + second):
+        run.trace_id = f"{prefix}{i:016x}"
+    writer = TraceStore(store, run_to_bytes, run_from_bytes)
+    writer.put_many(first, "j")
+    writer.put_many(second, "j")
+    assert [r.trace_id for r in first + second] == [f"{prefix}{i:016x}" for i in range(5)]
+    assert len(list(store.list(f"traces/{prefix}/"))) == 2
+    reader = TraceStore(store, run_to_bytes, run_from_bytes)
+    store.gets = store.lists = 0
+    assert [reader.get(r.trace_id).answer for r in first + second] == ["a0", "a1", "a2", "b0", "b1"]
+    assert store.lists <= 2 and store.gets == 2  # a second listing at most (a run not in the first batch read)
+    assert [reader.get(r.trace_id).answer for r in first + second] == ["a0", "a1", "a2", "b0", "b1"]
+    assert store.gets == 2  # all cached
+    assert sorted(reader.job_runs("j")) == sorted(r.trace_id for r in first + second)
+    with pytest.raises(NotFoundError):
+        reader.get(prefix + "f" * 16)

@@ -48,8 +48,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def __init__(self, registry: CheckpointRegistry, keys: KeyStore | None = None) -> None:
         self.registry = registry
         self.keys = keys or KeyStore(registry.store)
-        self.access = ModelAccess(lambda slug: asyncio.to_thread(self.registry.get_model, slug))
-        self.access.TTL_S = 0.0  # this service reads the records at the source: no stale owner
+        # This service reads the records at the source: never a stale owner.
+        self.access = ModelAccess(lambda slug: asyncio.to_thread(self.registry.get_model, slug), ttl_s=0.0)
 
     @rpc
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:

@@ -292,10 +292,10 @@ def may(principal: Principal, info: ModelInfo, action: Action) -> bool:
 class ModelAccess:
     """Checks the current principal against the models a call names (their records cached briefly)."""
 
-    TTL_S = 30.0
-
-    def __init__(self, get_model: Callable[[str], Awaitable[ModelInfo]]) -> None:
+    def __init__(self, get_model: Callable[[str], Awaitable[ModelInfo]], ttl_s: float = 30.0) -> None:
         self.get_model = get_model
+        self.ttl_s = ttl_s
+        """How long a model's record (its owner) is reused without reading it again."""
         self._infos: dict[str, tuple[ModelInfo, float]] = {}
 
     @classmethod
@@ -312,7 +312,7 @@ class ModelAccess:
     async def info(self, slug: str) -> ModelInfo:
         entry = self._infos.get(slug)
         if entry is None or entry[1] < time.monotonic():
-            entry = (await self.get_model(slug), time.monotonic() + self.TTL_S)
+            entry = (await self.get_model(slug), time.monotonic() + self.ttl_s)
             self._infos[slug] = entry
         return entry[0]
 

@@ -44,11 +44,6 @@ def wanted() -> bool:
                 or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
-def enabled() -> bool:
-    """Whether this process records spans (:func:`configure` ran and the environment asked for them)."""
-    return _enabled
-
-
 RECORD_SPANS_VARIABLE = "YIELDLOOP_RECORD_SPANS"
 """Set to a store URL: every process of the stack records the spans of episode traces there (``--record-spans``;
 the env worker processes inherit it)."""
@@ -556,32 +551,21 @@ def _instrument(kind: str, name: str, unit: str, description: str) -> Any:
     return instrument
 
 
-def count(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
-          description: str = "") -> None:
-    """Adds to a counter (a no-op without metrics)."""
-    if _meter is not None:
-        _instrument("counter", name, unit, description).add(value, attributes)
-
-
-def gauge_delta(name: str, delta: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
+def _measurer(kind: str, method: str, doc: str) -> Callable[..., None]:
+    def measure(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
                 description: str = "") -> None:
-    """Moves an up-down counter (things in flight)."""
-    if _meter is not None:
-        _instrument("up_down_counter", name, unit, description).add(delta, attributes)
+        if _meter is not None:
+            getattr(_instrument(kind, name, unit, description), method)(value, attributes)
+
+    measure.__doc__ = doc + " (a no-op without metrics)."
+    return measure
 
 
-def record(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
-           description: str = "") -> None:
-    """Records a value >= 0 in a histogram (latencies, sizes)."""
-    if _meter is not None:
-        _instrument("histogram", name, unit, description).record(value, attributes)
-
-
-def set_gauge(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
-              description: str = "") -> None:
-    """Sets a gauge to its latest value (losses, rewards: values that may be negative, which histograms drop)."""
-    if _meter is not None:
-        _instrument("gauge", name, unit, description).set(value, attributes)
+count = _measurer("counter", "add", "Adds to a counter")
+gauge_delta = _measurer("up_down_counter", "add", "Moves an up-down counter (things in flight)")
+record = _measurer("histogram", "record", "Records a value >= 0 in a histogram (latencies, sizes)")
+set_gauge = _measurer("gauge", "set", "Sets a gauge to its latest value (losses, rewards: values that may be "
+                                      "negative, which histograms drop)")
 
 
 def observe(name: str, read: Callable[[], float], *, unit: str = "1", description: str = "") -> None:

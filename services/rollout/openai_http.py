@@ -144,9 +144,9 @@ class OpenAIEndpoint:
     ) -> None:
         self.models, self.host, self.port = models, host, port
         self.stream_interval_s = stream_interval_s
+        """``stream: true`` answers send at most one chunk per this many seconds (SamplingConfig.stream_interval_s)."""
         self.access = access
         """Checks the caller may sample the model it names (the RolloutService's own check)."""
-        """``stream: true`` answers send at most one chunk per this many seconds (SamplingConfig.stream_interval_s)."""
         self.transport = transport
         self._runner: Any = None
         self.base_url = ""

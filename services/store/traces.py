@@ -35,6 +35,8 @@ from yieldloop_server.store.base import ObjectNotFound, ObjectStore, Preconditio
 
 SEGMENT_ID_CHARS = 16
 CACHE_BYTES = 64 << 20
+MAX_LISTED_PREFIXES = 4096
+"""Requests whose batch listings are kept (a few segment names each)."""
 """Recently read segments kept in memory (they never change): the runs of one batch are read together."""
 
 
@@ -90,6 +92,8 @@ class TraceStore:
         self.decode = decode
         self._segments: collections.OrderedDict[str, tuple[dict[str, bytes], int]] = collections.OrderedDict()
         self._cached_bytes = 0
+        self._batches: collections.OrderedDict[str, list[str]] = collections.OrderedDict()
+        """Trace-id prefix -> its batches' segments, as last listed."""
         self._lock = threading.Lock()
 
     def create_job(self, job: JobInfo) -> JobInfo:
@@ -183,20 +187,37 @@ class TraceStore:
 
     def get(self, trace_id: str) -> Run:
         _check(trace_id, "trace_id")
-        if named_trace(trace_id):
-            prefix = trace_id[:SEGMENT_ID_CHARS]
-            runs = self._segment(prefix)
-            if runs is not None and trace_id in runs:
-                return self.decode(runs[trace_id])
-            for key in self.store.list(f"traces/{prefix}/"):
-                runs = self._segment(prefix + "." + key.rsplit("/", 1)[1].removesuffix(".seg"))
-                if runs is not None and trace_id in runs:
-                    return self.decode(runs[trace_id])
+        found = self._find(trace_id) if named_trace(trace_id) else None
+        if found is not None:
+            return self.decode(found)
         try:  # recorded one run per object, before segments
             data, _ = self.store.get_bytes(f"traces/{trace_id}.pb")
         except ObjectNotFound:
             raise NotFoundError(f"no run with trace id {trace_id!r}", reason="TRACE_NOT_FOUND") from None
         return self.decode(data)
+
+    def _find(self, trace_id: str) -> bytes | None:
+        """A run's bytes from its segment. The batches of its prefix listed before are tried first (the runs of
+        one request are read together: one listing, each segment read once); the prefix is listed again only for
+        a run in none of them; a prefix with no batches is a segment of its own (runs recorded without ids)."""
+        prefix = trace_id[:SEGMENT_ID_CHARS]
+        with self._lock:
+            known = self._batches.get(prefix, [])
+        for segment in known:
+            runs = self._segment(segment)
+            if runs is not None and trace_id in runs:
+                return runs[trace_id]
+        listed = [f"{prefix}.{key.rsplit('/', 1)[1].removesuffix('.seg')}" for key in self.store.list(f"traces/{prefix}/")]
+        with self._lock:
+            self._batches[prefix] = listed
+            self._batches.move_to_end(prefix)
+            while len(self._batches) > MAX_LISTED_PREFIXES:
+                self._batches.popitem(last=False)
+        for segment in (s for s in listed if s not in known) if listed else [prefix]:
+            runs = self._segment(segment)
+            if runs is not None and trace_id in runs:
+                return runs[trace_id]
+        return None
 
     def _markers(self, job_id: str) -> list[tuple[str, int]]:
         """(segment or old-style trace id, run count) of each marker of a job, in recording order."""
