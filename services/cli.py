@@ -23,7 +23,7 @@ def register(commands: Any) -> dict[str, Any]:
     add_arguments(up, StackConfig)
 
     demo = commands.add_parser("demo", help=SERVER_COMMANDS["demo"])
-    add_arguments(demo, StackConfig, skip=("data_dir",))
+    add_arguments(demo, StackConfig, skip=("data_dir", "hud", "hud_port"))
     demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
     demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")
     demo.add_argument("--steps", type=int, default=30, help="optimizer steps at most (default 30)")
@@ -53,10 +53,14 @@ async def _up(config: StackConfig) -> None:
 
     console = Console()
     stack = ProcessStack(config)
-    with console.status("starting checkpoint, env, trainer and rollout services..."):
+    with console.status("starting checkpoint, env, trainer and rollout services (and the HUD front)..."):
         addresses = await stack.start()
     for service, address in addresses.items():
         console.print(f"  {service:<11} {address}")
+    if stack.hud_url:
+        console.print(f"  {'hud':<11} {stack.hud_url}")
+        console.print(f"HUD SDK: source {stack.config.data_dir / 'run' / 'hud.env'} (HUD_API_URL, HUD_RL_URL, "
+                      "HUD_GATEWAY_URL, HUD_TELEMETRY_URL, HUD_API_KEY) and run your HUD scripts unchanged")
     if stack.config.transport.tls_cert:
         console.print(f"TLS: clients trust {stack.config.transport.tls_ca} (YIELDLOOP_TLS_CA; connect() and the CLI "
                       "pick it up)")
@@ -102,7 +106,7 @@ async def _demo(args: argparse.Namespace) -> None:
         from yieldloop_server.stack import ProcessStack
 
         data_dir = args.data_dir or pathlib.Path(tempfile.mkdtemp(prefix="yieldloop-demo-"))
-        stack = ProcessStack(from_arguments(args, StackConfig, data_dir=pathlib.Path(data_dir).resolve()))
+        stack = ProcessStack(from_arguments(args, StackConfig, data_dir=pathlib.Path(data_dir).resolve(), hud=False))
         with console.status("starting the four services (creating the tiny model offline on first use)..."):
             addresses = await stack.start()
         api_key, ca = stack.api_key, stack.config.transport.tls_ca

@@ -126,6 +126,11 @@ class StackConfig:
     record_spans: bool = False
     """Record the spans of each episode's trace in the store, for `yieldloop trace ID` (tracing is then on even
     without an OTLP endpoint; OTEL_TRACES_SAMPLER picks the episodes kept)."""
+    hud: bool = True
+    """Serve the HTTP contracts of HUD's cloud (catalog, training, gateway, traces) from a fifth process, so scripts
+    written with the HUD SDK train here; `yieldloop up` writes the HUD_* variables to DATA_DIR/run/hud.env."""
+    hud_port: int = 0
+    """Port of the HUD front (0: a free one)."""
     tls: bool = False
     """Every service (gRPC and the HTTP endpoint) and every internal client speaks TLS, with a private CA made in
     DATA_DIR/tls (clients of the stack trust DATA_DIR/tls/ca.pem, or $YIELDLOOP_TLS_CA). Your own certificates:
@@ -151,7 +156,7 @@ class StackConfig:
 class ServeOptions(StackConfig):
     """One service process of a stack (``yieldloop serve <service>``)."""
 
-    service: Literal["checkpoint", "env", "trainer", "rollout"] = dataclasses.field(
+    service: Literal["checkpoint", "env", "trainer", "rollout", "hud"] = dataclasses.field(
         default="checkpoint", metadata={"positional": True}
     )
     """Which service to run."""
@@ -161,6 +166,10 @@ class ServeOptions(StackConfig):
     """CheckpointService host:port (trainer, rollout)."""
     env_address: str = ""
     """EnvService host:port (rollout)."""
+    trainer_address: str = ""
+    """TrainerService host:port (hud)."""
+    rollout_address: str = ""
+    """RolloutService host:port (hud)."""
     ready_file: pathlib.Path | None = None
     """Where to write {address} once serving."""
     grace_s: float = 5.0
@@ -179,7 +188,8 @@ class ServeOptions(StackConfig):
         """How ``service`` starts in a stack whose earlier services listen at ``addresses``."""
         shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(StackConfig)}
         return cls(**shared, service=service, checkpoint_address=addresses.get("checkpoint", ""),
-                   env_address=addresses.get("env", ""))
+                   env_address=addresses.get("env", ""), trainer_address=addresses.get("trainer", ""),
+                   rollout_address=addresses.get("rollout", ""), port=config.hud_port if service == "hud" else 0)
 
     def sharing_cores(self, cores: int | None = None) -> ServeOptions:
         """These options for a trainer or rollout service that shares a CPU machine with the other one (as

@@ -108,6 +108,19 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             stream_interval_s=max(0.0, opts.rollout.stream_interval_ms) / 1000,
         )
         return server.start, server.stop
+    if opts.service == "hud":
+        from yieldloop.client import Client
+        from yieldloop_server.hud.front import HudFront
+
+        client = Client(checkpoint=opts.checkpoint_address, trainer=opts.trainer_address, rollout=opts.rollout_address,
+                        transport=opts.transport)
+        front = HudFront(client, store, opts.host, opts.port, opts.transport, auth=opts.auth)
+
+        async def stop_front(grace: float) -> None:
+            await front.stop()
+            await client.close()
+
+        return front.start, stop_front
     raise ValueError(f"unknown service {opts.service!r}")
 
 

@@ -144,8 +144,27 @@ async def prepare_stack(config: StackConfig) -> tuple[StackConfig, str, str]:
     return config, admin_key, service_key
 
 
+HUD_ENV = "run/hud.env"
+"""Under DATA_DIR: ``export HUD_...=...`` lines that point the HUD SDK at the stack (the API key included)."""
+
+
+def write_hud_env(config: StackConfig, base_url: str, api_key: str) -> pathlib.Path:
+    """Writes DATA_DIR/run/hud.env (mode 0600: it holds a key) for ``source``-ing before a HUD SDK script."""
+    from yieldloop_server.hud.front import hud_settings
+
+    path = config.data_dir / HUD_ENV
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(f"export {name}={value}\n"
+                    for name, value in hud_settings(base_url, api_key, config.transport.tls_ca).items())
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(lines)
+    return path
+
+
 class InProcessStack:
-    """All four services in the current event loop, on free ports (for tests and embedding)."""
+    """All four services (and the HUD front) in the current event loop, on free ports (for tests and embedding)."""
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -153,14 +172,22 @@ class InProcessStack:
         self._stoppers: list[Stopper] = []
         self.api_key = ""
         """The stack's admin key ("" without auth)."""
+        self.hud_url = ""
+        """The HUD front's base URL ("" when not served)."""
 
     async def start(self) -> dict[str, str]:
+        """Starts the services; returns the four gRPC services' addresses (the HUD front's URL is :attr:`hud_url`)."""
         self.config, self.api_key, service_key = await prepare_stack(self.config)
-        for service in SERVICES:  # in dependency order
+        for service in (*SERVICES, "hud") if self.config.hud else SERVICES:  # in dependency order
             options = dataclasses.replace(ServeOptions.of(self.config, service, self.addresses), service_key=service_key)
             start, stop = await build_service(options)
-            self.addresses[service] = await start()
+            address = await start()
             self._stoppers.append(stop)
+            if service == "hud":
+                self.hud_url = address
+                write_hud_env(self.config, address, self.api_key)
+            else:
+                self.addresses[service] = address
         return self.addresses
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -277,6 +304,8 @@ class ProcessStack:
         self.services: dict[str, ServiceProcess] = {}
         self.api_key = ""
         """The stack's admin key ("" without auth)."""
+        self.hud_url = ""
+        """The HUD front's base URL ("" when not served)."""
         self._service_key = ""
 
     async def _spawn(self, service: str) -> None:
@@ -293,6 +322,10 @@ class ProcessStack:
         try:
             await asyncio.gather(self._spawn("checkpoint"), self._spawn("env"))
             await asyncio.gather(self._spawn("trainer"), self._spawn("rollout"))
+            if self.config.hud:
+                await self._spawn("hud")
+                self.hud_url = self.addresses.pop("hud")
+                write_hud_env(self.config, self.hud_url, self.api_key)
         except BaseException:
             await self.stop()
             raise

@@ -117,6 +117,7 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
                     promotion=json_format.ParseDict(promotions.get(m.checkpoint_id, {}), pb.Promotion()),
                     pending=m.pending,
                     has_state=m.has_state,
+                    metadata_json=m.metadata_json,
                 )
                 for m in manifests
             ]

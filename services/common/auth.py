@@ -221,6 +221,22 @@ METHOD_ROLES: dict[str, Role] = {
     "GET /v1/models": "sample",
     "POST /v1/completions": "sample",
     "POST /v1/chat/completions": "sample",
+    # The HUD front (HUD's cloud contracts; each call it makes for a request carries the request's key too).
+    "GET /v2/models": "sample",
+    "GET /v2/models/resolve": "sample",
+    "GET /v2/models/{model}": "sample",
+    "GET /v2/models/{model}/checkpoints": "sample",
+    "POST /v2/models/fork": "train",
+    "PUT /v2/models/{model}/head": "train",
+    "GET /v1/models/{model}/train/losses": "sample",
+    "POST /v1/models/{model}/train/forward-backward": "train",
+    "POST /v1/models/{model}/train/forward": "train",
+    "POST /v1/models/{model}/train/backward": "train",
+    "POST /v1/models/{model}/train/optim-step": "train",
+    "POST /v2/trace/job/{job_id}/enter": "sample",
+    "POST /v2/trace/{trace_id}/enter": "sample",
+    "POST /v2/trace/{trace_id}/exit": "sample",
+    "POST /v3/api/trace/{trace_id}/telemetry-upload": "sample",
 }
 """The least role each method needs. A gRPC method missing here needs admin (a new RPC is closed until it is
 listed); an unknown HTTP path needs a valid key (it answers 404)."""

@@ -10,7 +10,12 @@ from yieldloop.environment import Environment
 
 
 def load_environment(spec: str) -> Environment:
-    """Imports an :class:`Environment` named by ``module:attr`` or ``file.py:attr`` (attr defaults to ``env``)."""
+    """Imports an :class:`Environment` named by ``module:attr`` or ``file.py:attr`` (attr defaults to ``env``), or
+    serves a HUD environment: ``hud:path/to/env.py`` (see :mod:`yieldloop.hud`)."""
+    if spec.startswith("hud:"):
+        from yieldloop.hud import from_spec
+
+        return from_spec(spec)
     target, _, attr = spec.partition(":")
     attr = attr or "env"
     if target.endswith(".py"):

@@ -9,17 +9,19 @@ them, so any agent framework pointed at this base URL produces training
 rollouts. Tools are rendered with the model's chat template and tool calls
 parsed from Hermes/Qwen ``<tool_call>`` markup into ``message.tool_calls``.
 
-Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
-with the HTTP status of the error's gRPC code (:attr:`yieldloop.errors.YieldloopError.http_status`: 400 bad
-request, 401, 403, 404 unknown model, 409, 429, 503 engine not ready, ...). The transport's
-interceptors run around every request, as they do around every gRPC call.
+A multi-turn agent that keeps its token ids sends, with a chat request, the previous turn's ``prompt_token_ids``
++ ``token_ids`` as ``prompt_token_ids`` and the index of the first message that is new since then as
+``continuation_from`` (the HUD SDK's agents do): the prompt is then those ids and the rendering of the new
+messages only, as the rollout's own agent loop builds its turns, so the tokens trained on are the tokens the
+model saw (a whole conversation rendered again can tokenize differently).
+
+Errors are OpenAI-shaped with the HTTP status of their gRPC code (:mod:`yieldloop_server.common.http`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import time
@@ -27,28 +29,19 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
-from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
+from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
+from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop.convert import model_from_pb
 from yieldloop_server.common.auth import ModelAccess, current_principal, may
-from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, strip_tool_calls
+from yieldloop_server.common.http import (BodyTimeout, HttpServer, error_response, json_object, read_json,
+                                          timeout_response)
+from yieldloop_server.rollout.agent import MalformedToolCall, continuation_ids, parse_tool_calls, strip_tool_calls
 from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta, whole_completion
+from yieldloop_server.rollout.engines.base import chat_chars
 from yieldloop_server.rollout.models import ServedModel, ServedModels
 
 log = logging.getLogger(__name__)
 _FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length", "cancelled": "stop"}
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 429: "rate_limit_error"}
-
-
-def _error(err: YieldloopError, status: int = 0) -> Any:
-    """The OpenAI-shaped answer for a typed error (its HTTP status unless ``status``, reason as ``code``)."""
-    from aiohttp import web
-
-    status = status or err.http_status
-    kind = _ERROR_TYPES.get(status, "server_error")
-    body = {"error": {"message": err.message, "type": kind, "param": err.field or None, "code": err.reason.lower()}}
-    return web.json_response(body, status=status)
 
 
 def _typed(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any) -> Any:
@@ -89,19 +82,6 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         raise invalid_field(key if field == "max_tokens" else field, err.message) from None
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _strict_json(text: str) -> Any:
-    """JSON without NaN/Infinity literals (Python's json accepts them; no OpenAI client sends them) and not
-    nested past Python's recursion limit."""
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ValueError("the JSON is nested too deeply") from None
-
-
 def _message_text(message: dict[str, Any], index: int = 0) -> str:
     """A message's text; an assistant turn's ``tool_calls`` become the Hermes markup the template shows.
     INVALID_ARGUMENT naming the field for content or tool calls of the wrong shape (never coerced)."""
@@ -134,68 +114,55 @@ def _message_text(message: dict[str, Any], index: int = 0) -> str:
     return "\n".join(parts)
 
 
-class OpenAIEndpoint:
+def _continuation(body: dict[str, Any], rendered: list[dict[str, Any]]) -> tuple[list[int], int]:
+    """(the previous turn's ids, index of the first new message) of a continued chat request.
+
+    ``continuation_from`` counts the messages as sent, or as the agent keeps them when it prepends a system
+    prompt to every request; either way the message before the new ones is the assistant turn those ids end
+    with, which is how the two are told apart. INVALID_ARGUMENT naming the field otherwise."""
+    previous = body["prompt_token_ids"]
+    if not isinstance(previous, list) or not previous or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in previous):
+        raise invalid_field("prompt_token_ids", "prompt_token_ids must be a non-empty list of token ids")
+    start = body.get("continuation_from")
+    if isinstance(start, bool) or not isinstance(start, int):
+        raise invalid_field("continuation_from", "prompt_token_ids needs continuation_from: the index of the first "
+                                                 "message after the turn those ids end with")
+    if rendered[0]["role"] == "system" and 0 < start < len(rendered) and rendered[start]["role"] == "assistant":
+        start += 1  # counted without the system prompt
+    if not 1 <= start <= len(rendered) or rendered[start - 1]["role"] != "assistant":
+        raise invalid_field("continuation_from", f"messages[{start - 1}] must be the assistant turn the "
+                                                 "prompt_token_ids end with")
+    if start == len(rendered):
+        raise invalid_field("continuation_from", "there are no messages after the assistant turn to continue with")
+    return previous, start
+
+
+class OpenAIEndpoint(HttpServer):
     """The HTTP endpoint of one RolloutService (``base_url`` is ``http://host:port/v1``)."""
+
+    path_prefix = "/v1"
 
     def __init__(
         self, models: ServedModels, host: str = "127.0.0.1", port: int = 0,
         transport: TransportConfig = DEFAULT_TRANSPORT, stream_interval_s: float = 0.0,
         access: ModelAccess | None = None,
     ) -> None:
-        self.models, self.host, self.port = models, host, port
+        super().__init__(host, port, transport)
+        self.models = models
         self.stream_interval_s = stream_interval_s
         """``stream: true`` answers send at most one chunk per this many seconds (SamplingConfig.stream_interval_s)."""
         self.access = access
         """Checks the caller may sample the model it names (the RolloutService's own check)."""
-        self.transport = transport
-        self._runner: Any = None
-        self.base_url = ""
 
-    async def start(self) -> str:
+    def routes(self) -> list[Any]:
         from aiohttp import web
 
-        middlewares = []
-        if self.transport.server_interceptors:  # aiohttp takes a decorated function, not a bound method
-            middlewares.append(web.middleware(functools.partial(OpenAIEndpoint._intercept, self)))
-        app = web.Application(client_max_size=self.transport.max_message_bytes, middlewares=middlewares)
-        app.add_routes([
+        return [
             web.get("/v1/models", self._models),
             web.post("/v1/completions", self._completions),
             web.post("/v1/chat/completions", self._chat),
-        ])
-        # aiohttp closes a connection idle for keepalive_timeout, counting from its start and from each answer;
-        # a header still incomplete counts as idle, so this is also the header timeout.
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.transport.http_idle_timeout_s)
-        await self._runner.setup()
-        ssl_context = None
-        if self.transport.tls_cert:
-            import ssl
-
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(self.transport.tls_cert, self.transport.tls_key)
-        else:
-            self.transport.check_plaintext(self.host)
-        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=ssl_context)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        self.base_url = f"{'https' if ssl_context else 'http'}://{self.host}:{port}/v1"
-        log.info("OpenAI-compatible endpoint on %s", self.base_url)
-        return self.base_url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _intercept(self, request: Any, handler: Any) -> Any:
-        """aiohttp middleware: the transport's interceptors around each request, refusals answered typed."""
-        call = CallInfo(method=f"{request.method} {request.path}",
-                        metadata=tuple((k.lower(), v) for k, v in request.headers.items()), protocol="http")
-        try:
-            async with intercepting(self.transport.server_interceptors, call):
-                return await handler(request)
-        except YieldloopError as err:
-            return _error(err)
+        ]
 
     # Handlers ----------------------------------------------------------------------------
 
@@ -227,19 +194,7 @@ class OpenAIEndpoint:
 
     async def _handle(self, request: Any, chat: bool) -> Any:
         try:
-            async with asyncio.timeout(self.transport.http_body_timeout_s):
-                body = await request.json(loads=_strict_json)
-        except TimeoutError:
-            err = DeadlineExceededError(f"the request body did not arrive within {self.transport.http_body_timeout_s:g} s",
-                                        reason="REQUEST_TIMEOUT")
-            response = _error(err, 408)
-            response.force_close()  # the connection closes after this answer: the rest of the body is not awaited
-            return response
-        except (ValueError, UnicodeDecodeError):
-            return _error(InvalidArgumentError("the request body is not JSON", reason="INVALID_JSON"))
-        try:
-            if not isinstance(body, dict):
-                raise invalid_field("body", "the request body must be a JSON object")
+            body = json_object(await read_json(request, self.transport.http_body_timeout_s))
             model = body.get("model") or ""
             if not isinstance(model, str):
                 raise invalid_field("model", "model must be a model slug")
@@ -259,10 +214,12 @@ class OpenAIEndpoint:
                     return await self._stream(served, request, chat, body, prompt_ids, sampling)
                 choices = await asyncio.gather(*(self._collect(served, prompt_ids, sampling, i) for i in range(n)))
                 response = self._response(served, chat, body, prompt_ids, choices)
+        except BodyTimeout as err:
+            return timeout_response(err)
         except Exception as err:  # the request's boundary: a typed answer, the endpoint keeps serving
             if not isinstance(err, YieldloopError):
                 log.exception("unexpected error in %s", request.path)
-            return _error(as_yieldloop_error(err))
+            return error_response(as_yieldloop_error(err))
         from aiohttp import web
 
         return web.json_response(response)
@@ -287,7 +244,15 @@ class OpenAIEndpoint:
                 isinstance(t, dict) and isinstance(t.get("function"), dict)
                 and isinstance(t["function"].get("name"), str) for t in tools)):
             raise invalid_field("tools", "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}")
-        return await served.engine.render_chat_async(rendered, tools)
+        if body.get("prompt_token_ids") is None:
+            return await served.engine.render_chat_async(rendered, tools)
+        previous, start = _continuation(body, rendered)
+        engine = served.engine
+        added = chat_chars(rendered[start:], None)
+        engine.check_text(added)  # the whole prompt is checked (length, vocabulary) where every prompt is
+        # The new messages' tokens after the previous ids, exactly as the agent loop extends its own turns.
+        return [*previous, *await engine.off_loop(added, continuation_ids, engine, rendered[:start - 1], tools,
+                                                  previous[-1:], rendered[start:])]
 
     async def _collect(
         self, served: ServedModel, prompt_ids: list[int], sampling: SamplingConfig, index: int
@@ -350,9 +315,8 @@ class OpenAIEndpoint:
                       "total_tokens": len(prompt_ids) + completion_tokens},
             "prompt_token_ids": prompt_ids,
         }
-        if not chat:
-            for choice in response["choices"]:
-                choice["prompt_token_ids"] = prompt_ids
+        for choice in response["choices"]:  # also on each choice, where vLLM and the HUD SDK read it
+            choice["prompt_token_ids"] = prompt_ids
         return response
 
     async def _stream(

@@ -108,13 +108,15 @@ class TraceStore:
             pass
         return job
 
-    def ensure_job(self, job_id: str, model: str, team: str = "") -> JobInfo:
+    def ensure_job(self, job_id: str, model: str, team: str = "", *, name: str = "", group_size: int = 0,
+                   metadata_json: str = "") -> JobInfo:
         """The job ``job_id``, recorded as a job of ``model`` by ``team`` unless it exists (rollouts name their
         job freely)."""
         try:
             return self._read_job(job_id)
         except NotFoundError:
-            self.create_job(JobInfo(job_id=job_id, model=model, name=job_id, team=team))
+            self.create_job(JobInfo(job_id=job_id, model=model, name=name or job_id, team=team, group_size=group_size,
+                                    metadata_json=metadata_json))
             return self._read_job(job_id)
 
     def _read_job(self, job_id: str) -> JobInfo:

@@ -452,7 +452,7 @@ class TrainingSession:
             return self._remember(idempotency_key, StepOutcome(step, grad_norm, parent_checkpoint_id=parent,
                                                                timings=timings))
         checkpoint_id = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
-        metadata = json.loads(metadata_json) if metadata_json else {"grad_norm": grad_norm}
+        metadata = {"grad_norm": grad_norm, **(json.loads(metadata_json) if metadata_json else {})}
         if idempotency_key:
             metadata["idempotency_key"] = idempotency_key
         with_state = save_state or (self.state_every > 0 and step % self.state_every == 0)

@@ -19,6 +19,7 @@ Inputs take either form. A failed call raises a subclass of
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import itertools
@@ -244,10 +245,20 @@ class Client:
         self._metadata = (("authorization", f"Bearer {self.transport.api_key}"),) if self.transport.api_key else ()
         self.retry_within_s = retry_within_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._owns_channels = True
         envs = [env] if isinstance(env, str) else list(env or ())
         self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
         self._next_env = itertools.count()
         self._addresses = {"rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
+
+    def with_api_key(self, api_key: str) -> Client:
+        """This client calling with ``api_key`` instead, over the same channels (a front that acts for its callers
+        forwards each caller's key). Closing it closes nothing: the channels stay this client's."""
+        clone = copy.copy(self)
+        clone.transport = dataclasses.replace(self.transport, api_key=api_key)
+        clone._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        clone._owns_channels = False
+        return clone
 
     def has(self, service: str) -> bool:
         """Whether this client was given an address for ``service``."""
@@ -301,6 +312,8 @@ class Client:
         return self._stub(ckpt_grpc.CheckpointServiceStub, self._channel("checkpoint"))
 
     async def close(self) -> None:
+        if not self._owns_channels:
+            return
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -184,6 +184,12 @@ class Environment:
         self.mcp_servers: dict[str, dict[str, Any]] = {}
         self.mcp_connections: dict[str, Any] = {}
         """Live MCP sessions by server name (see yieldloop.mcp_tools)."""
+        self.start_hooks: list[Callable[[Environment], Any]] = []
+        """Run (with the environment) when a host loads it, before the first episode: what the environment serves
+        from comes up here, and may add scenarios and tools (:meth:`start`)."""
+        self.stop_hooks: list[Callable[[Environment], Any]] = []
+        self.reward_range: tuple[float, float] = (0.0, 1.0)
+        """Rewards a scenario may yield (finite, within these bounds)."""
 
     def tool(self, name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Registers a typed function (sync or async) as a tool; returns it unchanged."""
@@ -231,6 +237,22 @@ class Environment:
             return fn
 
         return register
+
+    async def start(self) -> None:
+        """Connects the MCP servers (registering their tools), then runs the start hooks; a host calls it once."""
+        from yieldloop.mcp_tools import connect_all
+
+        await connect_all(self)
+        for hook in self.start_hooks:
+            await call_maybe_async(hook, self)
+
+    async def stop(self) -> None:
+        """Runs the stop hooks (in reverse), then closes the MCP sessions."""
+        from yieldloop.mcp_tools import disconnect_all
+
+        for hook in reversed(self.stop_hooks):
+            await call_maybe_async(hook, self)
+        await disconnect_all(self)
 
     def connect_mcp_config(self, config: dict[str, Any]) -> None:
         """Adds the tools of MCP servers, in the common ``{"mcpServers": {name: {...}}}`` form.

@@ -28,8 +28,9 @@ def protocol_error(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(message, reason="EPISODE_PROTOCOL")
 
 
-def check_grade(value: Any, scenario: str) -> Grade:
-    """The Grade for a second-yield value, or ENVIRONMENT_ERROR saying what was wrong."""
+def check_grade(value: Any, scenario: str, bounds: tuple[float, float] = (0.0, 1.0)) -> Grade:
+    """The Grade for a second-yield value, or ENVIRONMENT_ERROR saying what was wrong (a reward is finite and
+    within the environment's ``bounds``)."""
     grade = value if isinstance(value, Grade) else None
     if grade is None and isinstance(value, (int, float)) and not isinstance(value, bool):
         grade = Grade(float(value))
@@ -38,8 +39,10 @@ def check_grade(value: Any, scenario: str) -> Grade:
             f"scenario {scenario!r}: the second yield must be a reward (float in [0, 1] or Grade), "
             f"got {type(value).__name__}"
         )
-    if not math.isfinite(grade.reward) or not 0.0 <= grade.reward <= 1.0:
-        raise environment_error(f"scenario {scenario!r}: reward {grade.reward!r} is not a finite number in [0, 1]")
+    low, high = bounds
+    if not math.isfinite(grade.reward) or not low <= grade.reward <= high:
+        raise environment_error(f"scenario {scenario!r}: reward {grade.reward!r} is not a finite number in "
+                                f"[{low:g}, {high:g}]")
     return grade
 
 
@@ -122,7 +125,7 @@ class Episode:
             raise environment_error(f"scenario {name!r} ended without yielding a reward (no second yield)") from None
         except Exception as exc:
             raise environment_error(f"scenario {name!r} raised while grading: {exc!r}") from exc
-        grade = check_grade(value, name)
+        grade = check_grade(value, name, self.env.reward_range)
         try:
             await self._gen.asend(None)
         except StopAsyncIteration:

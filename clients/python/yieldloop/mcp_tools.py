@@ -42,14 +42,15 @@ class McpConnection:
 
     async def open(self, timeout_s: float = 60.0) -> None:
         try:
-            from mcp import Client
+            import mcp
         except ImportError:
             raise ImportError("MCP tools need the mcp SDK: pip install 'yieldloop[mcp]'") from None
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        target = self._target()
 
         async def run() -> None:
             try:
-                async with Client(self._target()) as client:
+                async with (mcp.Client(target) if hasattr(mcp, "Client") else _Session1(target)) as client:
                     self.client = client
                     ready.set_result(None)
                     await self._stop.wait()
@@ -68,17 +69,63 @@ class McpConnection:
             with contextlib.suppress(Exception):
                 await self._task
 
+    async def list_tool_specs(self) -> list[ToolSpec]:
+        """The server's tools (name, description, JSON schema of the arguments)."""
+        return [ToolSpec(spec.name, spec.description or "", _field(spec, "input_schema", "inputSchema"))
+                for spec in (await self.client.list_tools()).tools]
+
     async def call(self, tool: str, arguments: dict[str, Any]) -> str:
         result = await self.client.call_tool(tool, arguments)
         text = "\n".join(getattr(block, "text", "") or json.dumps(block.model_dump(mode="json")) for block in result.content)
-        if not text and result.structured_content is not None:
-            text = json.dumps(result.structured_content)
-        if result.is_error:
+        structured = _field(result, "structured_content", "structuredContent")
+        if not text and structured is not None:
+            text = json.dumps(structured)
+        if _field(result, "is_error", "isError"):
             raise RuntimeError(text or f"MCP tool {tool!r} failed")
         return text
 
 
-def _mcp_tool(connection: McpConnection, spec: Any) -> Tool:
+@dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    input_schema: dict[str, Any] | None
+
+
+def _field(obj: Any, name: str, older: str) -> Any:
+    """A field of an MCP type by its name in mcp 2 or, failing that, in mcp 1 (camelCase)."""
+    value = getattr(obj, name, None)
+    return value if value is not None else getattr(obj, older, None)
+
+
+class _Session1:
+    """mcp 1.x's client (no ``mcp.Client`` there): a transport and an initialized ``ClientSession``. The HUD SDK
+    pins mcp < 2, so an environment that has both gets this one."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> Any:
+        from mcp import ClientSession
+
+        if isinstance(self.target, str):
+            from mcp.client.streamable_http import streamablehttp_client
+
+            read, write, _ = await self._stack.enter_async_context(streamablehttp_client(self.target))
+        else:
+            from mcp.client.stdio import stdio_client
+
+            read, write = await self._stack.enter_async_context(stdio_client(self.target))
+        session = await self._stack.enter_async_context(ClientSession(read, write))
+        await session.initialize()
+        return session
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._stack.__aexit__(*exc)
+
+
+def _mcp_tool(connection: McpConnection, spec: ToolSpec) -> Tool:
     async def call(ctx: EpisodeContext, **arguments: Any) -> str:
         return await connection.call(spec.name, arguments)
 
@@ -96,7 +143,7 @@ async def connect_all(env: Environment) -> None:
         connection = McpConnection(name, server)
         await connection.open()
         env.mcp_connections[name] = connection
-        for spec in (await connection.client.list_tools()).tools:
+        for spec in await connection.list_tool_specs():
             env.add_tool(_mcp_tool(connection, spec))
             connection.tool_names.append(spec.name)
 

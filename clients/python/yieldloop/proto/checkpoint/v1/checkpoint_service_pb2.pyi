@@ -277,7 +277,7 @@ class ListCheckpointsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class CheckpointSummary(_message.Message):
-    __slots__ = ("checkpoint_id", "parent_checkpoint_id", "step", "created_time", "is_head", "promotion", "pending", "has_state")
+    __slots__ = ("checkpoint_id", "parent_checkpoint_id", "step", "created_time", "is_head", "promotion", "pending", "has_state", "metadata_json")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class CheckpointSummary(_message.Message):
     PROMOTION_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     HAS_STATE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
     parent_checkpoint_id: str
     step: int
@@ -294,7 +295,8 @@ class CheckpointSummary(_message.Message):
     promotion: Promotion
     pending: bool
     has_state: bool
-    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., is_head: _Optional[bool] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ..., pending: _Optional[bool] = ..., has_state: _Optional[bool] = ...) -> None: ...
+    metadata_json: str
+    def __init__(self, checkpoint_id: _Optional[str] = ..., parent_checkpoint_id: _Optional[str] = ..., step: _Optional[int] = ..., created_time: _Optional[float] = ..., is_head: _Optional[bool] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ..., pending: _Optional[bool] = ..., has_state: _Optional[bool] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)

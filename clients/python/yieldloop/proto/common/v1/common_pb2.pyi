@@ -92,6 +92,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     API_KEY_NOT_FOUND: _ClassVar[ErrorReason]
     JOB_NOT_OWNED: _ClassVar[ErrorReason]
     RUN_NOT_OWNED: _ClassVar[ErrorReason]
+    FORWARD_NOT_FOUND: _ClassVar[ErrorReason]
+    GATEWAY_UNAVAILABLE: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -163,6 +165,8 @@ MODEL_NOT_OWNED: ErrorReason
 API_KEY_NOT_FOUND: ErrorReason
 JOB_NOT_OWNED: ErrorReason
 RUN_NOT_OWNED: ErrorReason
+FORWARD_NOT_FOUND: ErrorReason
+GATEWAY_UNAVAILABLE: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
