@@ -178,6 +178,7 @@ async def fuzz_client(tmp_path_factory):
     await stack.start()
     async with Client(**stack.addresses, api_key=stack.api_key, timeout=60) as client:
         await client.fork_model("tiny", "fuzz-trainee")
+        client.hud_url = stack.hud_url  # the HUD front's (see test_every_hud_route_answers_bad_input)
         yield client
     await stack.stop()
 
@@ -273,6 +274,60 @@ async def test_every_http_route_answers_bad_input_with_an_openai_error(fuzz_clie
             assert response.status == 200
     print(f"HTTP: {dict(statuses)}")
     assert not bad, f"{len(bad)} bad answers:\n" + "\n".join(bad[:40])
+
+
+_TRAJECTORY = {"samples": [{"prompt_token_ids": [1, 40, 41], "output_token_ids": [42], "output_logprobs": [-1.0]}],
+               "reward": 1.0}
+_TRAIN = "/v1/models/fuzz-trainee/train"
+HUD_BASELINES = {
+    ("POST", f"{_TRAIN}/forward-backward"): {"inputs": [_TRAJECTORY, {**_TRAJECTORY, "reward": 0.0}],
+                                           "loss_fn": "importance_sampling", "loss_fn_config": {"clip_low_threshold": 0.8},
+                                           "group_size": 2, "reward_scale": 1.0, "num_substeps": 1},
+    ("POST", f"{_TRAIN}/forward"): {"inputs": [_TRAJECTORY], "group_size": 1, "reward_scale": 1.0},
+    ("POST", f"{_TRAIN}/backward"): {"forward_id": "f" * 32, "weights": [[0.0, 0.0, 1.0]], "metrics": {"m": 1.0}},
+    ("POST", f"{_TRAIN}/optim-step"): {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+                                      "weight_decay": 0.0},
+    ("PUT", "/v2/models/fuzz-trainee/head"): {"checkpoint_id": "base"},
+    ("POST", "/v2/models/fork"): {"source_model_id": "tiny", "name": "fuzz-fork"},
+    ("POST", "/v2/trace/job/fuzz-job/enter"): {"name": "j", "group": 2, "taskset_id": "t"},
+    ("POST", "/v2/trace/" + "e" * 32 + "/enter"): {"job_id": "fuzz-job", "group_id": "g", "task_slug": "t",
+                                                   "model": "tiny"},
+    ("POST", "/v2/trace/" + "e" * 32 + "/exit"): {"status": "completed", "reward": 1.0, "error": "",
+                                                  "evaluation_result": {}, "metadata": {}},
+    ("POST", "/v3/api/trace/" + "e" * 32 + "/telemetry-upload"): {"telemetry": []},
+    ("POST", "/v1/chat/completions"): {"model": "tiny", "messages": [{"role": "user", "content": "Say a."}],
+                                       "max_tokens": 2, "prompt_token_ids": [1, 2], "continuation_from": 1},
+}
+
+
+async def test_every_hud_route_answers_bad_input(fuzz_client: Client) -> None:
+    """The HUD front: bodies that are not JSON, and each field set to each bad value, answer typed 4xx."""
+    import json
+
+    import aiohttp
+
+    bad, statuses = [], collections.Counter()
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {fuzz_client.transport.api_key}"}) as http:
+        for (method, route), baseline in HUD_BASELINES.items():
+            bodies = [("raw", text) for text in ("not json", "[1, 2]", "{", "\x00")]
+            for key in baseline:
+                for value in HTTP_VALUES:
+                    pairs = [f"{json.dumps(k)}: {value if k == key else json.dumps(v)}" for k, v in baseline.items()]
+                    bodies.append((f"{key}={value[:20]}", "{" + ", ".join(pairs) + "}"))
+            for what, body in bodies:
+                async with http.request(method, fuzz_client.hud_url + route, data=body.encode(),
+                                        headers={"content-type": "application/json"}) as response:
+                    statuses[response.status] += 1
+                    text = await response.text()
+                    if response.status >= 500:
+                        bad.append(f"{method} {route} {what}: {response.status} {text[:200]}")
+                    elif response.status >= 400:
+                        error = json.loads(text).get("error", {})
+                        if not (error.get("type") and error.get("code") and error.get("message")):
+                            bad.append(f"{route} {what}: not a typed error: {text[:200]}")
+    print(f"HUD front: {dict(statuses)}")
+    assert not bad, f"{len(bad)} bad answers:\n" + "\n".join(bad[:40])
+    await fuzz_client.list_models()  # every service still serves
 
 
 async def test_undecodable_messages_are_invalid_argument(fuzz_client: Client, caplog) -> None:

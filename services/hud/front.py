@@ -38,7 +38,8 @@ from typing import Any
 
 from yieldloop.client import Client
 from yieldloop.convert import run_from_bytes, run_to_bytes
-from yieldloop.errors import NotFoundError, UnavailableError, YieldloopError, as_yieldloop_error, invalid_field
+from yieldloop.errors import (InvalidArgumentError, NotFoundError, UnavailableError, YieldloopError, as_yieldloop_error,
+                              invalid_field)
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop.types import Datum, JobInfo, ModelInfo, Run, RunStatus, TaskRef, Turn
 from yieldloop_server.common.auth import current_principal, presented_key, require_job, require_run
@@ -325,8 +326,8 @@ class HudFront(HttpServer):
         scale = _number(1.0 if reward_scale is None else reward_scale, "reward_scale")
         size = group_size or len(inputs)
         if len(inputs) % size:
-            raise invalid_field("group_size", f"{len(inputs)} inputs do not divide into groups of {size}",
-                                "GROUP_INCOMPLETE")
+            raise InvalidArgumentError(f"{len(inputs)} inputs do not divide into groups of {size}",
+                                       reason="GROUP_INCOMPLETE", field="group_size")
         ids = [item for item in inputs if isinstance(item, str)]
         recorded = {run.trace_id: run for run in await client.get_runs(ids)} if ids else {}
         runs = []
@@ -402,7 +403,10 @@ class HudFront(HttpServer):
     async def _backward(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         _fields(body, {"forward_id", "weights", "metrics"}, "a backward")
         model = request.match_info["model"]
-        forward = self._forwards.get(body.get("forward_id") or "")
+        forward_id = body.get("forward_id")
+        if not isinstance(forward_id, str):
+            raise invalid_field("forward_id", "forward_id must be the id a forward pass answered")
+        forward = self._forwards.get(forward_id)
         if forward is None or forward.model != model or (self.auth and forward.team != self._team()
                                                           and not current_principal().is_admin):
             raise NotFoundError("no forward pass with this forward_id for this model (each is used once, and the "
@@ -422,7 +426,7 @@ class HudFront(HttpServer):
         if not isinstance(metrics, dict):
             raise invalid_field("metrics", "metrics must be an object of numbers")
         response = await client.backward(datums, model=model)
-        del self._forwards[body["forward_id"]]
+        del self._forwards[forward_id]
         return {"metrics": _finite_metrics({**metrics, "num_tokens": response.num_tokens}),
                 "num_datums": response.num_datums}
 
