@@ -58,9 +58,13 @@ async def _up(config: StackConfig) -> None:
     for service, address in addresses.items():
         console.print(f"  {service:<11} {address}")
     if stack.hud_url:
+        from yieldloop_server.hud.front import hud_settings
+
         console.print(f"  {'hud':<11} {stack.hud_url}")
-        console.print(f"HUD SDK: source {stack.config.data_dir / 'run' / 'hud.env'} (HUD_API_URL, HUD_RL_URL, "
-                      "HUD_GATEWAY_URL, HUD_TELEMETRY_URL, HUD_API_KEY) and run your HUD scripts unchanged")
+        console.print(f"HUD SDK scripts run here unchanged with (source {stack.config.data_dir / 'run' / 'hud.env'}):")
+        for name, value in hud_settings(stack.hud_url, stack.api_key, stack.config.transport.tls_ca).items():
+            shown = "(the admin key; see hud.env)" if name == "HUD_API_KEY" and stack.api_key else value
+            console.print(f"  export {name}={shown}", soft_wrap=True)
     if stack.config.transport.tls_cert:
         console.print(f"TLS: clients trust {stack.config.transport.tls_ca} (YIELDLOOP_TLS_CA; connect() and the CLI "
                       "pick it up)")

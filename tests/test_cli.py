@@ -63,8 +63,26 @@ def up(tmp_path_factory: pytest.TempPathFactory):
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
-    for service in ("checkpoint", "env", "trainer", "rollout"):
+    for service in ("checkpoint", "env", "trainer", "rollout", "hud"):
         assert service in output
+    assert "export HUD_GATEWAY_URL=https://" in output
+
+
+def test_up_serves_the_hud_front_over_tls(up: pathlib.Path) -> None:
+    """The HUD front speaks TLS with the stack's certificate; hud.env points the SDK (httpx) at the stack's CA."""
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while not (up / "run" / "hud.env").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    settings = dict(re.findall(r"^export (\w+)=(.*)$", (up / "run" / "hud.env").read_text(), re.M))
+    assert settings["HUD_API_URL"].startswith("https://") and settings["SSL_CERT_FILE"] == str(up / "tls" / "ca.pem")
+    context = ssl.create_default_context(cafile=settings["SSL_CERT_FILE"])
+    request = urllib.request.Request(settings["HUD_API_URL"] + "/v2/models",
+                                     headers={"Authorization": f"Bearer {settings['HUD_API_KEY']}"})
+    with urllib.request.urlopen(request, context=context, timeout=30) as response:
+        assert "tiny" in {item["id"] for item in json.loads(response.read())["items"]}
 
 
 def run(data_dir: pathlib.Path, *args: str, **env: str) -> subprocess.CompletedProcess:

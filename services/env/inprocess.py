@@ -16,16 +16,22 @@ class InProcessHost(EpisodeHost):
         self._episodes: dict[str, Episode] = {}
 
     async def start(self) -> None:
+        from yieldloop.mcp_tools import connect_all
+
         for env in self._environments.values():
-            await env.start()  # its MCP servers, a HUD environment's process (which may name it)
+            await connect_all(env)
+            await env.start()  # e.g. a HUD environment's process (which may name the environment)
         self._environments = {env.name: env for env in self._environments.values()}
         self.envs = {env.name: EnvInfo.of(env) for env in self._environments.values()}
 
     async def stop(self) -> None:
         for episode_id in list(self._episodes):
             await self.close(episode_id)
+        from yieldloop.mcp_tools import disconnect_all
+
         for env in self._environments.values():
             await env.stop()
+            await disconnect_all(env)
 
     def _episode(self, episode_id: str) -> Episode:
         episode = self._episodes.get(episode_id)

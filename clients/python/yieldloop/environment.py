@@ -239,20 +239,15 @@ class Environment:
         return register
 
     async def start(self) -> None:
-        """Connects the MCP servers (registering their tools), then runs the start hooks; a host calls it once."""
-        from yieldloop.mcp_tools import connect_all
-
-        await connect_all(self)
+        """Runs the start hooks; a host calls it once, after connecting the MCP servers
+        (:func:`yieldloop.mcp_tools.connect_all`)."""
         for hook in self.start_hooks:
             await call_maybe_async(hook, self)
 
     async def stop(self) -> None:
-        """Runs the stop hooks (in reverse), then closes the MCP sessions."""
-        from yieldloop.mcp_tools import disconnect_all
-
+        """Runs the stop hooks, in reverse."""
         for hook in reversed(self.stop_hooks):
             await call_maybe_async(hook, self)
-        await disconnect_all(self)
 
     def connect_mcp_config(self, config: dict[str, Any]) -> None:
         """Adds the tools of MCP servers, in the common ``{"mcpServers": {name: {...}}}`` form.
