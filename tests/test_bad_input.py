@@ -239,37 +239,51 @@ HTTP_VALUES = ["NaN", "Infinity", "1e300", "-1", "0", "18446744073709551616", '"
                "[1]", '[true]', '{"a": 1}', "5", '"' + "x" * 100_000 + '"', "[" * 5000 + "]" * 5000]
 
 
-async def test_every_http_route_answers_bad_input_with_an_openai_error(fuzz_client: Client) -> None:
+def _mutations(baseline: dict, raw: tuple[str, ...] = ("", "not json", "[1, 2]", "{", "\x00")) -> list[tuple[str, str]]:
+    """(what, body): bodies that are not JSON objects, then the baseline with each field set to each bad value."""
     import json
 
+    bodies = [("raw", text) for text in raw]
+    for key in baseline:
+        for value in HTTP_VALUES:
+            pairs = [f"{json.dumps(k)}: {value if k == key else json.dumps(v)}" for k, v in baseline.items()]
+            bodies.append((f"{key}={value[:20]}", "{" + ", ".join(pairs) + "}"))
+    return bodies
+
+
+async def _send_all(http, method: str, url: str, bodies: list[tuple[str, str]], statuses: collections.Counter) -> list[str]:
+    """Sends each body; returns what was answered wrong: a 5xx, or a 4xx that is not a typed (OpenAI-shaped) error."""
+    import json
+
+    bad = []
+    for what, body in bodies:
+        async with http.request(method, url, data=body.encode(), headers={"content-type": "application/json"}) as response:
+            statuses[response.status] += 1
+            text = await response.text()
+            if response.status >= 500:
+                bad.append(f"{method} {url} {what}: {response.status} {text[:200]}")
+            elif response.status >= 400:
+                error = json.loads(text).get("error", {})
+                if not (error.get("type") and error.get("code") and error.get("message")):
+                    bad.append(f"{url} {what}: not an OpenAI-shaped error: {text[:200]}")
+    return bad
+
+
+async def test_every_http_route_answers_bad_input_with_an_openai_error(fuzz_client: Client) -> None:
     import aiohttp
 
     base_url = (await fuzz_client.get_serving_info()).openai_base_url
     bad, statuses = [], collections.Counter()
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {fuzz_client.transport.api_key}"}) as http:
         for route, baseline in HTTP_BASELINES.items():
-            bodies = [("raw", text) for text in ("", "not json", "[1, 2]", "{", "\x00")]
+            bodies = _mutations(baseline)
             if route == "/chat/completions":  # inside a message
                 for message in ('{"role": "user", "content": 5}', '{"role": 5, "content": "a"}',
                                 '{"role": "user", "content": [5]}', '{"role": "assistant", "tool_calls": 5}',
                                 '{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}',
                                 '{"role": "assistant", "tool_calls": [{"function": 5}]}', "5"):
                     bodies.append((f"messages=[{message[:30]}]", '{"model": "tiny", "messages": [%s]}' % message))
-            for key in baseline:
-                for value in HTTP_VALUES:
-                    pairs = [f"{json.dumps(k)}: {value if k == key else json.dumps(v)}" for k, v in baseline.items()]
-                    bodies.append((f"{key}={value[:20]}", "{" + ", ".join(pairs) + "}"))
-            for what, body in bodies:
-                async with http.post(base_url + route, data=body.encode(),
-                                     headers={"content-type": "application/json"}) as response:
-                    statuses[response.status] += 1
-                    text = await response.text()
-                    if response.status >= 500:
-                        bad.append(f"{route} {what}: {response.status} {text[:200]}")
-                    elif response.status >= 400:
-                        error = json.loads(text).get("error", {})
-                        if not (error.get("type") and error.get("code") and error.get("message")):
-                            bad.append(f"{route} {what}: not an OpenAI-shaped error: {text[:200]}")
+            bad += await _send_all(http, "POST", base_url + route, bodies, statuses)
         async with http.get(base_url + "/models") as response:
             assert response.status == 200
     print(f"HTTP: {dict(statuses)}")
@@ -302,29 +316,12 @@ HUD_BASELINES = {
 
 async def test_every_hud_route_answers_bad_input(fuzz_client: Client) -> None:
     """The HUD front: bodies that are not JSON, and each field set to each bad value, answer typed 4xx."""
-    import json
-
     import aiohttp
 
     bad, statuses = [], collections.Counter()
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {fuzz_client.transport.api_key}"}) as http:
         for (method, route), baseline in HUD_BASELINES.items():
-            bodies = [("raw", text) for text in ("not json", "[1, 2]", "{", "\x00")]
-            for key in baseline:
-                for value in HTTP_VALUES:
-                    pairs = [f"{json.dumps(k)}: {value if k == key else json.dumps(v)}" for k, v in baseline.items()]
-                    bodies.append((f"{key}={value[:20]}", "{" + ", ".join(pairs) + "}"))
-            for what, body in bodies:
-                async with http.request(method, fuzz_client.hud_url + route, data=body.encode(),
-                                        headers={"content-type": "application/json"}) as response:
-                    statuses[response.status] += 1
-                    text = await response.text()
-                    if response.status >= 500:
-                        bad.append(f"{method} {route} {what}: {response.status} {text[:200]}")
-                    elif response.status >= 400:
-                        error = json.loads(text).get("error", {})
-                        if not (error.get("type") and error.get("code") and error.get("message")):
-                            bad.append(f"{route} {what}: not a typed error: {text[:200]}")
+            bad += await _send_all(http, method, fuzz_client.hud_url + route, _mutations(baseline), statuses)
     print(f"HUD front: {dict(statuses)}")
     assert not bad, f"{len(bad)} bad answers:\n" + "\n".join(bad[:40])
     await fuzz_client.list_models()  # every service still serves

@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import re
-import signal
 import ssl
 import subprocess
 import sys
@@ -16,8 +15,7 @@ import time
 
 import pytest
 
-BIN_DIR = pathlib.Path(sys.executable).parent
-YIELDLOOP = str(BIN_DIR / "yieldloop") if (BIN_DIR / "yieldloop").exists() else "yieldloop"
+from up_harness import YIELDLOOP, start_up, stop_up
 
 
 def test_demo_learns_and_writes_a_report(tmp_path: pathlib.Path) -> None:
@@ -50,19 +48,9 @@ def up(tmp_path_factory: pytest.TempPathFactory):
     """`yieldloop up --tls` in a subprocess, serving until SIGINT: every command below runs with TLS and the
     admin key the stack made (auth is on by default)."""
     data_dir = tmp_path_factory.mktemp("up")
-    process = subprocess.Popen(
-        [YIELDLOOP, "up", "--data-dir", str(data_dir), "--tls"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 300
-    while len(list((data_dir / "run").glob("*.json"))) < 4:
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, "services not up in time"
-        time.sleep(0.2)
+    process = start_up(data_dir, "--tls", ready=lambda d: len(list((d / "run").glob("*.json"))) >= 4)
     yield data_dir
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 0, output
+    output = stop_up(process)
     for service in ("checkpoint", "env", "trainer", "rollout", "hud"):
         assert service in output
     assert "export HUD_GATEWAY_URL=https://" in output

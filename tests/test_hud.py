@@ -15,12 +15,13 @@ import math
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from up_harness import YIELDLOOP, start_up, stop_up
 
 from yieldloop.training import connect
 from yieldloop.types import Datum
@@ -28,8 +29,6 @@ from yieldloop.types import Datum
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HUD_DIR = REPO / "tests" / "hud"
 HUD_VERSION = "0.6.21"
-BIN_DIR = pathlib.Path(sys.executable).parent
-YIELDLOOP = str(BIN_DIR / "yieldloop") if (BIN_DIR / "yieldloop").exists() else "yieldloop"
 TOOL_CALL = '<tool_call>\n{"name": "count", "arguments": {"letter": "a"}}\n</tool_call><|im_end|>'
 
 
@@ -62,20 +61,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, hud_python: str):
     """`yieldloop up` serving the letters environment and the HUD environment (through EnvService), with auth."""
     data_dir = tmp_path_factory.mktemp("hud-stack")
     spec = f"hud:{HUD_DIR / 'letters_env.py'}?python={hud_python}"
-    process = subprocess.Popen(
-        [YIELDLOOP, "up", "--data-dir", str(data_dir), "--env-spec", "yieldloop.envs.letters:env", "--env-spec", spec],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "250"},
-    )
-    deadline = time.monotonic() + 300
-    while not (data_dir / "run" / "hud.env").exists():
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, "the stack did not start in time"
-        time.sleep(0.2)
+    process = start_up(data_dir, "--env-spec", "yieldloop.envs.letters:env", "--env-spec", spec,
+                       ready=lambda d: (d / "run" / "hud.env").exists())
     yield data_dir
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 0, output
-    assert "hud.env" in output and "HUD SDK" in output
+    output = stop_up(process)
+    assert "hud.env" in output and "HUD SDK scripts run here" in output
 
 
 def hud_settings(data_dir: pathlib.Path) -> dict[str, str]:
