@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from yieldloop.transport import TransportConfig
 from yieldloop_server.common import telemetry
-from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore
+from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore, split_key
 from yieldloop_server.config import ServeOptions
 from yieldloop_server.store import ObjectStore
 
@@ -34,7 +34,13 @@ def secured_transport(opts: ServeOptions, store: ObjectStore) -> tuple[Transport
                     "head of any model and read every run", opts.service, opts.host, opts.port or "its port")
         return opts.transport, None
     keys = KeyStore(store)
+    # A deployment hands its keys in from Secrets (made with `yieldloop keys mint`): registered here when new.
+    admin_key = os.environ.get("YIELDLOOP_ADMIN_KEY", "")
+    if admin_key and keys.check(admin_key) is None:
+        keys.adopt(admin_key, SERVICE_TEAM, "admin", name="the deployment's admin key (YIELDLOOP_ADMIN_KEY)")
     service_key = opts.service_key or os.environ.get("YIELDLOOP_SERVICE_KEY", "")
+    if service_key and keys.check(service_key) is None and split_key(service_key) is not None:
+        keys.adopt(service_key, SERVICE_TEAM, "service", name="the deployment's service key (YIELDLOOP_SERVICE_KEY)")
     if not service_key or keys.check(service_key) is None:
         _, service_key = keys.create(SERVICE_TEAM, "service", name=f"{opts.service} service (made at its start)")
     return dataclasses.replace(opts.transport, api_key=service_key,

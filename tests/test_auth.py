@@ -265,3 +265,32 @@ async def test_admin_only_key_management(stack, keys: Keys) -> None:
             await admin.create_api_key("team-a", "superuser")
         with pytest.raises(errors.NotFoundError):
             await admin.revoke_api_key("000000000000")
+
+
+def test_a_deployments_keys_come_from_its_secrets(tmp_path, monkeypatch) -> None:
+    """YIELDLOOP_ADMIN_KEY and YIELDLOOP_SERVICE_KEY (minted offline by `yieldloop keys mint`, kept in Secrets) are
+    registered by the first service that starts, once; a key whose id is taken by another is refused."""
+    import subprocess
+    import sys
+
+    from yieldloop.errors import AlreadyExistsError
+    from yieldloop_server.config import ServeOptions
+    from yieldloop_server.serve import secured_transport
+    from yieldloop_server.store.fs import FsStore
+
+    def mint() -> str:
+        return subprocess.run([sys.executable, "-m", "yieldloop.cli", "keys", "mint"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    store = FsStore(tmp_path / "store")
+    admin, service = mint(), mint()
+    monkeypatch.setenv("YIELDLOOP_ADMIN_KEY", admin)
+    monkeypatch.setenv("YIELDLOOP_SERVICE_KEY", service)
+    for name in ("checkpoint", "env"):  # every service of the deployment, each at its start
+        transport, keys = secured_transport(ServeOptions(service=name), store)
+        assert transport.api_key == service
+    assert keys.check(admin).role == "admin" and keys.check(service).role == "service"
+    assert len(keys.list()) == 2
+    forged = admin.rsplit("_", 1)[0] + "_another-secret"
+    with pytest.raises(AlreadyExistsError):
+        keys.adopt(forged, "team-x", "admin")

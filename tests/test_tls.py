@@ -75,3 +75,31 @@ async def test_plaintext_only_on_loopback(tmp_path) -> None:
     await secure.stop(0)
     again = ensure_stack_certs(tmp_path / "tls")  # still good: kept, not remade
     assert again == (ca, cert, key) and dataclasses.replace(TransportConfig(), tls_ca=str(ca)).tls_ca
+
+
+async def test_a_tls_server_answers_probes_on_its_plaintext_health_port(tmp_path) -> None:
+    """Kubernetes' gRPC probes speak no TLS: --health-port serves grpc.health.v1 alone, in plaintext, with the
+    server's own statuses (NOT_SERVING once it stops)."""
+    import socket
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    ca, cert, key = ensure_stack_certs(tmp_path / "tls")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        probe_port = sock.getsockname()[1]
+    server = GrpcServer(transport=TransportConfig(tls_cert=str(cert), tls_key=str(key), health_port=probe_port))
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        other = channel.unary_unary("/yieldloop.checkpoint.v1.CheckpointService/ListModels")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await other(b"", timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # nothing but health there
+    async with grpc.aio.insecure_channel(server.address) as channel:  # the service's own port: TLS only
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    await server.stop(0)

@@ -28,11 +28,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
-from yieldloop.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError, UnauthenticatedError
+from yieldloop.errors import (AlreadyExistsError, InvalidArgumentError, NotFoundError, PermissionDeniedError,
+                              UnauthenticatedError)
 from yieldloop.transport import CallInfo
 from yieldloop.types import ModelInfo
 from yieldloop_server.store import ObjectStore
-from yieldloop_server.store.base import ObjectNotFound, check_name
+from yieldloop_server.store.base import ObjectNotFound, PreconditionFailed, check_name
 
 Role = Literal["sample", "train", "admin", "service"]
 ROLES: tuple[Role, ...] = ("sample", "train", "admin", "service")
@@ -122,6 +123,26 @@ class KeyStore:
         record = ApiKeyRecord(key_id, team, role, _hash(secret), name[:200], time.time())
         self.store.put_bytes(self._key(key_id), json.dumps(dataclasses.asdict(record)).encode(), if_none_match=True)
         return record, f"{KEY_PREFIX}{key_id}_{secret}"
+
+    def adopt(self, key: str, team: str, role: str, name: str = "") -> ApiKeyRecord:
+        """Registers a key made elsewhere (a deployment's Secret: ``yl_<12 hex>_<secret>``) for ``team`` with
+        ``role``, unless it is registered already; INVALID_ARGUMENT for a malformed key, ALREADY_EXISTS when its id
+        belongs to another key."""
+        parts = split_key(key)
+        if parts is None:
+            raise InvalidArgumentError("a key is yl_<12 hex digits>_<secret>", reason="API_KEY_INVALID", field="key")
+        key_id, secret = parts
+        check_name(team, "team")
+        check_role(role)
+        record = ApiKeyRecord(key_id, team, role, _hash(secret), name[:200], time.time())
+        try:
+            self.store.put_bytes(self._key(key_id), json.dumps(dataclasses.asdict(record)).encode(), if_none_match=True)
+        except PreconditionFailed:
+            record = self.get(key_id)
+            if not hmac.compare_digest(record.secret_sha256, _hash(secret)) or record.role != role:
+                raise AlreadyExistsError(f"API key id {key_id} is registered for another key or role",
+                                         reason="API_KEY_INVALID", field="key") from None
+        return record
 
     def _key(self, key_id: str) -> str:
         return f"{self.PREFIX}{key_id}.json"

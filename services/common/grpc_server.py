@@ -187,6 +187,10 @@ class GrpcServer:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = []
+        self._probe_server: grpc.aio.Server | None = None
+        if transport.health_port:  # the same health statuses, for probes that speak no TLS
+            self._probe_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe_server)
 
     def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str) -> None:
         """Registers a servicer under its full service name (for health and reflection)."""
@@ -218,6 +222,9 @@ class GrpcServer:
         else:
             self.port = self._server.add_secure_port(f"{self.host}:{self.port}", credentials)
         await self._server.start()
+        if self._probe_server is not None:
+            self._probe_server.add_insecure_port(f"0.0.0.0:{self.transport.health_port}")
+            await self._probe_server.start()
         for name in ["", *self._service_names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s", ", ".join(self._service_names), self.address)
@@ -227,6 +234,8 @@ class GrpcServer:
         """Marks NOT_SERVING, lets in-flight calls finish for ``grace`` seconds, then stops."""
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        if self._probe_server is not None:
+            await self._probe_server.stop(0)
         for callback in self._on_stop:
             await callback()
 

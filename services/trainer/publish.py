@@ -9,6 +9,7 @@ the last few after it became durable (followers still pulling), then go.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import socket
@@ -20,11 +21,17 @@ KEEP_DURABLE = 2
 """Folders kept after their checkpoint became durable (pulls in progress finish from here)."""
 
 
+ADVERTISE_VARIABLE = "YIELDLOOP_ADVERTISE_HOST"
+"""The name other hosts reach this one by, when its hostname is not it (a StatefulSet pod: ``pod.service``)."""
+
+
 def advertised(host: str, port: int) -> str:
     """The address other hosts reach a server bound to ``host:port`` at ("" before it is bound)."""
     if not port:
         return ""
-    return f"{socket.gethostname() if host in ('', '0.0.0.0', '::', '[::]') else host}:{port}"
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = os.environ.get(ADVERTISE_VARIABLE) or socket.gethostname()
+    return f"{host}:{port}"
 
 
 class WeightPublisher:

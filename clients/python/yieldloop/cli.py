@@ -101,6 +101,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
                               "train and move the head of the team's models; admin: keys and every model")
     created.add_argument("--name", default="", help="a label for `keys list`")
     key_commands.add_parser("list", help="every key (never a secret), revoked ones marked")
+    key_commands.add_parser("mint", help="print a new key, offline, for a deployment's Secret (YIELDLOOP_ADMIN_KEY, "
+                                         "YIELDLOOP_SERVICE_KEY: the services register it at start)")
     revoked = key_commands.add_parser("revoke", help="revoke a key: every service refuses it within seconds")
     revoked.add_argument("key_id")
 
@@ -331,6 +333,11 @@ async def _keys(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     console = Console()
+    if args.keys_command == "mint":  # nothing to ask a stack: the key's id and secret are random
+        import secrets
+
+        print(f"yl_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}")
+        return
     async with _client(args, timeout=60) as client:
         if args.keys_command == "create":
             made = await client.create_api_key(args.team, args.role, args.name)

@@ -92,6 +92,9 @@ class TransportConfig:
     allow_plaintext: bool = False
     """Servers: serve plaintext on an interface other than loopback (refused without it: give --tls-cert and
     --tls-key, or run behind a TLS-terminating proxy and say so with this flag)."""
+    health_port: int = 0
+    """Servers: also answer grpc.health.v1 alone, in plaintext, on this port of every interface (Kubernetes' gRPC
+    probes speak no TLS); 0: no such port. Nothing else is served there."""
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials of a server built from this config (None: plaintext)."""
