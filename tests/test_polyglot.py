@@ -74,14 +74,44 @@ def test_typescript_code_is_generated_from_the_protos(tmp_path: pathlib.Path) ->
         "clients/typescript/gen is stale: run clients/typescript/generate.sh"
 
 
-def test_typescript_client_against_a_live_stack() -> None:
-    """`npm test`: node's test runner drives a `yieldloop up --tls` it starts (list, fork, Generate, a bidi
-    episode, StreamRollouts, ForwardBackward + OptimStep seen by WatchHead, typed errors, auth)."""
+@pytest.fixture(scope="module")
+def stack() -> pathlib.Path:
+    """One `yieldloop up --tls` (auth on) that the TypeScript and Go tests and this module's checks share."""
+    import tempfile
+
+    from up_harness import start_up, stop_up
+
+    data_dir = pathlib.Path(tempfile.mkdtemp(prefix="yieldloop-polyglot-"))
+    process = start_up(data_dir, "--tls", "--no-hud", ready=lambda d: len(list((d / "run").glob("*.json"))) >= 4)
+    yield data_dir
+    stop_up(process)
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _on(stack: pathlib.Path) -> dict[str, str]:
+    """The environment of a client that attaches to ``stack`` (and finds `yieldloop` on PATH)."""
+    return {**os.environ, "YIELDLOOP_DATA_DIR": str(stack),
+            "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+async def _head(stack: pathlib.Path, model: str) -> str:
+    from yieldloop.training import connect
+
+    async with connect(stack) as client:
+        return (await client.get_head(model)).checkpoint_id
+
+
+def test_typescript_client_against_a_live_stack(stack: pathlib.Path) -> None:
+    """`npm test`: node's test runner drives the stack (list, fork, Generate, a bidi episode, StreamRollouts,
+    ForwardBackward + OptimStep seen by WatchHead, typed errors, auth); the Python client sees what it did."""
+    import asyncio
+
     require(TS / "node_modules" / ".bin" / "tsc", "npm ci --prefix clients/typescript")
-    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(["npm", "test", "--silent"], cwd=TS, capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run(["npm", "test", "--silent"], cwd=TS, capture_output=True, text=True, timeout=900,
+                          env=_on(stack))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert "# fail 0" in done.stdout, done.stdout[-3000:]
+    assert asyncio.run(_head(stack, "ts-fork")).startswith("step-000001-")
 
 
 GO = REPO / "clients" / "go"
@@ -99,16 +129,17 @@ def test_go_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
         "clients/go/gen is stale: run clients/go/generate.sh"
 
 
-def test_go_client_against_a_live_stack(tmp_path: pathlib.Path) -> None:
-    """`go test` (GOPATH mode, Debian's packages, no module proxy) against a `yieldloop up --tls` it starts: list,
-    Generate, a head moved by a training step, error reasons, a call without a key refused."""
+def test_go_client_against_a_live_stack(stack: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """`go test` (GOPATH mode, Debian's packages, no module proxy) against the stack: list, Generate, a head moved
+    by a training step, error reasons, a call without a key refused; the Python client sees the head it moved."""
+    import asyncio
+
     require("go", GO_PACKAGES)
     gopath = tmp_path / "gopath"
     (gopath / "src" / "yieldloop.dev").mkdir(parents=True)
     (gopath / "src" / "yieldloop.dev" / "client").symlink_to(GO)
-    env = {**os.environ, "GOPATH": f"{gopath}{os.pathsep}/usr/share/gocode", "GO111MODULE": "off", "GOPROXY": "off",
-           "GOFLAGS": "", "GOCACHE": str(tmp_path / "gocache"),
-           "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**_on(stack), "GOPATH": f"{gopath}{os.pathsep}/usr/share/gocode", "GO111MODULE": "off", "GOPROXY": "off",
+           "GOFLAGS": "", "GOCACHE": str(tmp_path / "gocache")}
     vetted = subprocess.run(["go", "vet", "yieldloop.dev/client/yieldloop"], cwd=tmp_path, capture_output=True, text=True, env=env,
                             timeout=600)
     assert vetted.returncode == 0, vetted.stdout + vetted.stderr
@@ -116,3 +147,4 @@ def test_go_client_against_a_live_stack(tmp_path: pathlib.Path) -> None:
                             env=env, timeout=900)
     assert tested.returncode == 0, tested.stdout[-6000:] + tested.stderr[-3000:]
     assert "ok  \tyieldloop.dev/client/yieldloop" in tested.stdout
+    assert asyncio.run(_head(stack, "go-fork")).startswith("step-000001-")

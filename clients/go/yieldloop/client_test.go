@@ -17,37 +17,13 @@ import (
 	trainerv1 "yieldloop.dev/client/gen/yieldloop/trainer/v1"
 )
 
-// TestAgainstALiveStack drives a `yieldloop up --tls` it starts (YIELDLOOP names the command when it is not on
-// PATH): list models, Generate, a head moved by a training step, error reasons, a call without a key refused.
+// TestAgainstALiveStack drives a `yieldloop up --tls`: YIELDLOOP_DATA_DIR's, or one it starts (YIELDLOOP names
+// the command when it is not on PATH): list models, Generate, a head moved by a training step, error reasons, a
+// call without a key refused.
 func TestAgainstALiveStack(t *testing.T) {
-	dir, err := ioutil.TempDir("", "yieldloop-go-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	command := os.Getenv("YIELDLOOP")
-	if command == "" {
-		command = "yieldloop"
-	}
-	up := exec.Command(command, "up", "--data-dir", dir, "--tls", "--no-hud")
-	up.Stdout, up.Stderr = os.Stderr, os.Stderr
-	if err := up.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		up.Process.Signal(syscall.SIGINT)
-		up.Wait()
-	}()
-	deadline := time.Now().Add(5 * time.Minute)
-	for {
-		files, _ := filepath.Glob(filepath.Join(dir, "run", "*.json"))
-		if len(files) >= 4 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the stack did not start in time")
-		}
-		time.Sleep(200 * time.Millisecond)
+	dir := os.Getenv("YIELDLOOP_DATA_DIR") // a running stack (the Python tests' own, in tests/test_polyglot.py)
+	if dir == "" {
+		dir = startStack(t)
 	}
 	client, err := FromDataDir(dir)
 	if err != nil {
@@ -150,5 +126,38 @@ func TestAgainstALiveStack(t *testing.T) {
 	_, err = anonymous.Checkpoint.ListModels(ctx, &checkpointv1.ListModelsRequest{})
 	if e := AsError(err); e == nil || e.Code != "UNAUTHENTICATED" || e.Reason != "API_KEY_MISSING" {
 		t.Fatalf("got %v", e)
+	}
+}
+
+// startStack starts `yieldloop up --tls` in a temporary data directory, stopped (and removed) when the test ends.
+func startStack(t *testing.T) string {
+	dir, err := ioutil.TempDir("", "yieldloop-go-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	command := os.Getenv("YIELDLOOP")
+	if command == "" {
+		command = "yieldloop"
+	}
+	up := exec.Command(command, "up", "--data-dir", dir, "--tls", "--no-hud")
+	up.Stdout, up.Stderr = os.Stderr, os.Stderr
+	if err := up.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		up.Process.Signal(syscall.SIGINT)
+		up.Wait()
+		os.RemoveAll(dir)
+	})
+	deadline := time.Now().Add(5 * time.Minute)
+	for {
+		files, _ := filepath.Glob(filepath.Join(dir, "run", "*.json"))
+		if len(files) >= 4 {
+			return dir
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the stack did not start in time")
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }

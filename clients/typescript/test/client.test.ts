@@ -1,5 +1,5 @@
-// The TypeScript client against a real `yieldloop up --tls` started here (the Python stack, auth on), with
-// node's own test runner: `npm test` (YIELDLOOP names the command when it is not on PATH).
+// The TypeScript client against a real `yieldloop up --tls` (auth on), with node's own test runner: `npm test`
+// starts one (YIELDLOOP names the command when it is not on PATH), or attaches to YIELDLOOP_DATA_DIR's.
 import assert from "node:assert/strict";
 import { type ChildProcess, spawn } from "node:child_process";
 import { once } from "node:events";
@@ -18,7 +18,7 @@ import {
   type common,
 } from "../src/index.js";
 
-let stack: ChildProcess;
+let stack: ChildProcess | undefined;
 let dataDir: string;
 let client: Client;
 let output = "";
@@ -26,27 +26,31 @@ let output = "";
 async function waitFor(ready: () => boolean, timeoutMs: number): Promise<void> {
   const deadline = Date.now() + timeoutMs;
   while (!ready()) {
-    if (stack.exitCode !== null) throw new Error(`yieldloop up exited: ${output}`);
+    if (stack && stack.exitCode !== null) throw new Error(`yieldloop up exited: ${output}`);
     if (Date.now() > deadline) throw new Error(`the stack did not start in time: ${output}`);
     await new Promise((resolve) => setTimeout(resolve, 200));
   }
 }
 
 before(async () => {
-  dataDir = mkdtempSync(join(tmpdir(), "yieldloop-ts-"));
-  stack = spawn(process.env.YIELDLOOP ?? "yieldloop", ["up", "--data-dir", dataDir, "--tls", "--no-hud"], {
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  stack.stdout?.on("data", (chunk) => (output += chunk));
-  stack.stderr?.on("data", (chunk) => (output += chunk));
-  const run = join(dataDir, "run");
-  await waitFor(() => existsSync(run) && readdirSync(run).filter((name) => name.endsWith(".json")).length >= 4, 300_000);
+  if (process.env.YIELDLOOP_DATA_DIR) {
+    dataDir = process.env.YIELDLOOP_DATA_DIR; // a running stack (the Python tests' own, in tests/test_polyglot.py)
+  } else {
+    dataDir = mkdtempSync(join(tmpdir(), "yieldloop-ts-"));
+    stack = spawn(process.env.YIELDLOOP ?? "yieldloop", ["up", "--data-dir", dataDir, "--tls", "--no-hud"], {
+      stdio: ["ignore", "pipe", "pipe"],
+    });
+    stack.stdout?.on("data", (chunk) => (output += chunk));
+    stack.stderr?.on("data", (chunk) => (output += chunk));
+    const run = join(dataDir, "run");
+    await waitFor(() => existsSync(run) && readdirSync(run).filter((name) => name.endsWith(".json")).length >= 4, 300_000);
+  }
   client = Client.fromDataDir(dataDir, { timeoutMs: 120_000 });
 });
 
 after(async () => {
   client.close();
-  if (stack.exitCode === null) {
+  if (stack && stack.exitCode === null) {
     stack.kill("SIGINT");
     await once(stack, "exit");
   }
