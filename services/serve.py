@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from yieldloop.transport import TransportConfig
 from yieldloop_server.common import telemetry
+from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore, split_key
 from yieldloop_server.config import ServeOptions
 from yieldloop_server.store import ObjectStore
@@ -88,17 +89,23 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
         server = await build(create_host(opts.env.specs, config), opts.host, opts.port, opts.transport)
         return server.start, server.stop
     if opts.service == "trainer":
+        from yieldloop_server.trainer import distributed
         from yieldloop_server.trainer.server import build
         from yieldloop_server.trainer.trainer import TrainerConfig
 
+        config = TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device))
+        nproc = opts.trainer.nproc
+        if distributed.launched() is not None:  # rank 0 of torchrun's ranks (the others follow: see serve())
+            nproc = await asyncio.to_thread(distributed.join_launched, config)
         server, sessions = await build(
-            opts.model, store, opts.checkpoint_address, work_dir, TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device)),
-            opts.host, opts.port, opts.trainer.nproc, opts.transport, opts.trainer.max_models, opts.trainer.state_every,
+            opts.model, store, opts.checkpoint_address, work_dir, config,
+            opts.host, opts.port, nproc, opts.transport, opts.trainer.max_models, opts.trainer.state_every,
         )
 
         async def stop(grace: float) -> None:
             await server.stop(grace)
             await sessions.close()
+            await asyncio.to_thread(distributed.stop_launched)
 
         return server.start, stop
     if opts.service == "rollout":
@@ -131,7 +138,28 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
 
 async def serve(opts: ServeOptions) -> None:
-    """Starts the service, writes the ready file, and stops gracefully on SIGTERM/SIGINT."""
+    """Starts the service, writes the ready file, and stops gracefully on SIGTERM/SIGINT. A trainer rank > 0 that
+    torchrun started serves nothing: it follows rank 0 (the TrainerService) until rank 0 stops."""
+    if opts.service == "trainer":
+        from yieldloop_server.trainer import distributed
+
+        placed = distributed.launched()
+        if placed is not None and placed[0] > 0:
+            from yieldloop_server.trainer.trainer import TrainerConfig
+
+            if opts.torch_threads:
+                import torch
+
+                torch.set_num_threads(opts.torch_threads)
+            config = TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device))
+            probes = GrpcServer("0.0.0.0", transport=opts.transport) if opts.transport.health_port else None
+            if probes is not None:  # its pod's probes: SERVING while it follows (nothing but health is served)
+                await probes.start_probes()
+            print(f"yieldloop trainer rank {placed[0]} of {placed[1]} following rank 0", flush=True)
+            await asyncio.to_thread(distributed.follower_main, config, opts.data_dir / "work" / "trainer")
+            if probes is not None:
+                await probes.stop(0)
+            return
     start, stop = await build_service(opts)
     address = await start()
     # Thousands of live streams make the collector's default pace (a gen-0 pass every 700

@@ -74,11 +74,24 @@ def test_every_service_container_starts_with_arguments_the_command_takes(kustomi
     seen = {}
     for workload, container in containers(docs):
         args = container.get("args", [])
+        launcher = []
+        if container.get("command") == ["torchrun"]:  # torchrun's options, then -m yieldloop.cli and its arguments
+            split = args.index("yieldloop.cli")
+            launcher, args = args[:split - 1], args[split + 1:]
         if args[:1] != ["serve"]:
             continue
-        env = {**config, **{e["name"]: e.get("value", "") for e in container.get("env", []) if "value" in e}}
-        expanded = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in args[1:]]
+        # $(VAR): the ConfigMap's, the container's own; a value from the pod's fields stands as "0" here.
+        env = {**config, **{e["name"]: e.get("value", "0") for e in container.get("env", [])}}
+        fill = lambda arg: re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)  # noqa: E731
+        expanded = [fill(fill(arg)) for arg in args[1:]]
         options = from_arguments(serve_parser().parse_args(expanded), ServeOptions)
+        if launcher:
+            torchrun = dict(zip(launcher[::2], (fill(a) for a in launcher[1::2]), strict=True))
+            assert int(torchrun["--nnodes"]) == workload["spec"]["replicas"]
+            gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+            assert gpus is None or int(torchrun["--nproc-per-node"]) == int(gpus)
+            assert torchrun["--master-addr"] == f"{workload['metadata']['name']}-0.{workload['spec']['serviceName']}"
+            seen["torchrun"] = torchrun
         seen[options.service] = options
         ports = {p["containerPort"] for p in container["ports"]}
         assert options.port in ports, (workload["metadata"]["name"], options.port, ports)
@@ -89,13 +102,12 @@ def test_every_service_container_starts_with_arguments_the_command_takes(kustomi
         service = services[workload["metadata"]["name"]]
         targets = {p["targetPort"] for p in service["spec"]["ports"]}
         assert targets <= {p["name"] for p in container["ports"]}
-    assert set(seen) == {"checkpoint", "env", "trainer", "rollout", "hud"}
+    assert set(seen) == {"checkpoint", "env", "trainer", "rollout", "hud", "torchrun"}
     if kustomization == "overlays/local":
         assert (seen["rollout"].device, seen["rollout"].rollout.engine, seen["trainer"].device) == ("cpu", "torch", "cpu")
         assert seen["rollout"].store_url.startswith("s3://")
     if kustomization == "overlays/production":
-        trainer = next(c for w, c in containers(docs) if w["metadata"]["name"] == "yieldloop-trainer")
-        assert seen["trainer"].trainer.nproc == int(trainer["resources"]["limits"]["nvidia.com/gpu"]) == 8
+        assert (seen["torchrun"]["--nnodes"], seen["torchrun"]["--nproc-per-node"]) == ("2", "8")
         assert seen["rollout"].rollout.engine == "vllm" and seen["rollout"].device == "cuda"
         hpa = next(doc for doc in docs if doc["kind"] == "HorizontalPodAutoscaler")
         assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (8, 16)

@@ -1,7 +1,7 @@
 """The protos as the product's public contract: buf's lint, format and breaking checks, and the clients generated
 from them in other languages (TypeScript, Go) against a live stack.
 
-The tools are installed by ``.ci/run`` (``npm ci`` in clients/typescript; Debian's Go packages). Elsewhere a test
+The tools are installed by ``.ci/run`` (``npm install`` in clients/typescript; Debian's Go packages). Elsewhere a test
 whose tool is missing is skipped, saying what to install, unless ``YIELDLOOP_REQUIRE_POLYGLOT=1`` (``.ci/run``
 sets it): then it fails.
 """
@@ -32,7 +32,7 @@ def require(tool: pathlib.Path | str | None, install: str) -> None:
 
 
 def buf(*args: str, cwd: pathlib.Path = REPO) -> subprocess.CompletedProcess:
-    require(BUF, "npm ci --prefix clients/typescript")
+    require(BUF, "npm install --prefix clients/typescript")
     return subprocess.run([str(BUF), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
@@ -64,7 +64,7 @@ def test_a_removed_field_fails_the_breaking_check(tmp_path: pathlib.Path) -> Non
 
 
 def test_typescript_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
-    require(BUF, "npm ci --prefix clients/typescript")
+    require(BUF, "npm install --prefix clients/typescript")
     fresh = tmp_path / "gen"
     made = subprocess.run([str(TS / "generate.sh"), str(fresh)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable})
@@ -106,7 +106,7 @@ def test_typescript_client_against_a_live_stack(stack: pathlib.Path) -> None:
     ForwardBackward + OptimStep seen by WatchHead, typed errors, auth); the Python client sees what it did."""
     import asyncio
 
-    require(TS / "node_modules" / ".bin" / "tsc", "npm ci --prefix clients/typescript")
+    require(TS / "node_modules" / ".bin" / "tsc", "npm install --prefix clients/typescript")
     done = subprocess.run(["npm", "test", "--silent"], cwd=TS, capture_output=True, text=True, timeout=900,
                           env=_on(stack))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
@@ -120,7 +120,7 @@ GO_PACKAGES = ("apt-get install golang-go protoc-gen-go protoc-gen-go-grpc golan
 
 
 def test_go_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
-    require(BUF, "npm ci --prefix clients/typescript")
+    require(BUF, "npm install --prefix clients/typescript")
     require("protoc-gen-go-grpc", GO_PACKAGES)
     made = subprocess.run([str(GO / "generate.sh"), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr

@@ -187,6 +187,8 @@ class GrpcServer:
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = []
+        self._serving = True
+        """Its own port is served (start); False when it only answers probes (start_probes)."""
         self._probe_server: grpc.aio.Server | None = None
         if transport.health_port:  # the same health statuses, for probes that speak no TLS
             self._probe_server = grpc.aio.server()
@@ -230,9 +232,21 @@ class GrpcServer:
         log.info("serving %s on %s", ", ".join(self._service_names), self.address)
         return self.address
 
+    async def start_probes(self) -> None:
+        """Serves the health port alone (``transport.health_port``), SERVING: a process that answers no RPC of its
+        own but must pass its pod's probes (a trainer rank that follows rank 0)."""
+        assert self._probe_server is not None, "start_probes needs transport.health_port"
+        self._probe_server.add_insecure_port(f"0.0.0.0:{self.transport.health_port}")
+        await self._probe_server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._serving = False
+
     async def stop(self, grace: float = 5.0) -> None:
         """Marks NOT_SERVING, lets in-flight calls finish for ``grace`` seconds, then stops."""
         await self._health.enter_graceful_shutdown()
+        if not self._serving:
+            await self._probe_server.stop(0)
+            return
         await self._server.stop(grace)
         if self._probe_server is not None:
             await self._probe_server.stop(0)

@@ -1,7 +1,11 @@
 """Data-parallel training over torch.distributed: gloo on CPU, NCCL on GPU.
 
-Rank 0 is the TrainerService process; ranks 1..N-1 are spawned worker
-processes holding the same weights. Every trainer call on rank 0 is broadcast
+Rank 0 is the TrainerService process; ranks 1..N-1 hold the same weights: worker
+processes it spawns on its own host (``--nproc N``), or, across several nodes,
+processes started by torchrun beside it (``torchrun --nnodes M --nproc-per-node G
+-m yieldloop.cli serve trainer ...``: rank 0 serves, every other rank follows; see
+:func:`launched` and :func:`follower_main`), which receive each session's weights
+from rank 0 over the process group. Every trainer call on rank 0 is broadcast
 to all ranks over a gloo control group; each rank runs the forward/backward of
 its shard (``datums[rank::world_size]``); at ``optim_step`` the accumulated
 gradients are summed with one flat all-reduce and every rank applies the same
@@ -44,6 +48,85 @@ class _Groups:
     """gloo group for commands and metrics (works whatever the device)."""
     rank: int
     world_size: int
+
+
+def launched() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun started this process (its environment says so), else None."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env or "MASTER_ADDR" not in env or int(env["WORLD_SIZE"]) < 2:
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+
+
+_LAUNCHED: _Groups | None = None
+
+
+def _launched_groups(config: TrainerConfig) -> _Groups:
+    """The process group torchrun's environment describes, joined once per process (every session reuses it)."""
+    global _LAUNCHED
+    if _LAUNCHED is None:
+        import torch
+        import torch.distributed as dist
+
+        rank, world_size, local_rank = launched() or (0, 1, 0)
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", init_method="env://", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo", init_method="env://")
+        _LAUNCHED = _Groups(dist.new_group(backend="gloo"), rank, world_size)
+    return _LAUNCHED
+
+
+def join_launched(config: TrainerConfig) -> int:
+    """Rank 0 under torchrun: joins the process group at start (the other ranks wait in it); returns the world
+    size."""
+    return _launched_groups(config).world_size
+
+
+def stop_launched() -> None:
+    """Rank 0 under torchrun, stopping: the other ranks return (their torchrun ends)."""
+    global _LAUNCHED
+    if _LAUNCHED is None or _LAUNCHED.rank != 0:
+        return
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([("stop",)], src=0, group=_LAUNCHED.control)
+    dist.destroy_process_group()
+    _LAUNCHED = None
+
+
+def _send_folder(folder: pathlib.Path, group: Any) -> None:
+    """Rank 0: every file of ``folder`` to the other ranks (names and sizes, then each file's bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    dist.broadcast_object_list([[(str(p.relative_to(folder)), p.stat().st_size) for p in files]], src=0, group=group)
+    for path in files:
+        data = bytearray(path.read_bytes())
+        if data:
+            dist.broadcast(torch.frombuffer(data, dtype=torch.uint8), src=0, group=group)
+
+
+def _receive_folder(folder: pathlib.Path, group: Any) -> pathlib.Path:
+    """Other ranks: the files rank 0 sends, written under ``folder`` (replaced)."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    listing: list[Any] = [None]
+    dist.broadcast_object_list(listing, src=0, group=group)
+    shutil.rmtree(folder, ignore_errors=True)
+    for name, size in listing[0]:
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        buffer = torch.empty(size, dtype=torch.uint8)
+        if size:
+            dist.broadcast(buffer, src=0, group=group)
+        target.write_bytes(buffer.numpy().tobytes())
+    return folder
 
 
 def _init(rank: int, world_size: int, address: str, port: int, config: TrainerConfig) -> _Groups:
@@ -92,21 +175,16 @@ def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig, keep: bool 
     return trainer.apply_step(adam, keep)
 
 
-def worker_main(
-    rank: int, world_size: int, folder: str, config: TrainerConfig, address: str, port: int,
-    adapter: AdapterSetup | None = None,
-) -> None:
-    """Ranks 1..N-1: load the weights, then follow rank 0's commands until told to stop."""
+def _follow(trainer: Trainer, groups: _Groups) -> str:
+    """Runs rank 0's commands on this rank's trainer until a session ends; returns how ("stop" or "close")."""
     import torch.distributed as dist
 
-    groups = _init(rank, world_size, address, port, config)
-    trainer = Trainer(pathlib.Path(folder), _device_for(config, rank), adapter)
     while True:
         command: list[Any] = [None]
         dist.broadcast_object_list(command, src=0, group=groups.control)
         op, *args = command[0]
-        if op == "stop":
-            break
+        if op in ("stop", "close"):
+            return op
         try:  # a refused call (NON_FINITE) is refused on every rank alike; rank 0 tells the client
             if op == "forward_backward":
                 _forward_backward(trainer, groups, *args)
@@ -118,6 +196,44 @@ def worker_main(
                 trainer.drop_gradients()
         except YieldloopError:
             pass
+
+
+def worker_main(
+    rank: int, world_size: int, folder: str, config: TrainerConfig, address: str, port: int,
+    adapter: AdapterSetup | None = None,
+) -> None:
+    """Ranks 1..N-1 on rank 0's host: load the weights, then follow rank 0's commands until told to stop."""
+    import torch.distributed as dist
+
+    groups = _init(rank, world_size, address, port, config)
+    _follow(Trainer(pathlib.Path(folder), _device_for(config, rank), adapter), groups)
+    dist.destroy_process_group()
+
+
+def follower_main(config: TrainerConfig, work_dir: pathlib.Path) -> None:
+    """A rank > 0 that torchrun started (any node): for each session rank 0 opens, receive its weights (and LoRA
+    adapter), follow its commands until it closes; return when rank 0 stops."""
+    import torch.distributed as dist
+
+    groups = _launched_groups(config)
+    _, _, local_rank = launched() or (0, 1, 0)
+    while True:
+        command: list[Any] = [None]
+        dist.broadcast_object_list(command, src=0, group=groups.control)
+        op, *args = command[0]
+        if op == "stop":
+            break
+        if op != "open":
+            continue
+        (seed,) = args
+        folder = _receive_folder(work_dir / f"rank-{groups.rank}" / "weights", groups.control)
+        adapter = None
+        if seed is not None:
+            adapter = AdapterSetup(_receive_folder(work_dir / f"rank-{groups.rank}" / "adapter", groups.control), seed)
+        trainer = Trainer(folder, _device_for(config, local_rank), adapter)
+        if _follow(trainer, groups) == "stop":
+            break
+        del trainer
     dist.destroy_process_group()
 
 
@@ -138,17 +254,28 @@ class DistributedTrainer:
         if world_size < 2:
             raise ValueError("a distributed trainer needs world_size >= 2")
         self.world_size = world_size
-        address, port = "127.0.0.1", free_port()
-        context = mp.get_context("spawn")
-        self._workers = [
-            context.Process(target=worker_main, args=(rank, world_size, str(folder), config, address, port, adapter),
-                            daemon=True)
-            for rank in range(1, world_size)
-        ]
-        for worker in self._workers:
-            worker.start()
-        self._groups = _init(0, world_size, address, port, config)
-        self.local = Trainer(folder, _device_for(config, 0), adapter)
+        self._workers = []
+        self._launched = launched() is not None
+        if self._launched:  # the other ranks are torchrun's, waiting: send them this session's weights
+            self._groups = _launched_groups(config)
+            self._broadcast("open", adapter.seed if adapter is not None else None)
+            _send_folder(folder, self._groups.control)
+            if adapter is not None:
+                _send_folder(adapter.folder, self._groups.control)
+            _, _, local_rank = launched() or (0, 1, 0)
+            self.local = Trainer(folder, _device_for(config, local_rank), adapter)
+        else:
+            address, port = "127.0.0.1", free_port()
+            context = mp.get_context("spawn")
+            self._workers = [
+                context.Process(target=worker_main, args=(rank, world_size, str(folder), config, address, port,
+                                                          adapter), daemon=True)
+                for rank in range(1, world_size)
+            ]
+            for worker in self._workers:
+                worker.start()
+            self._groups = _init(0, world_size, address, port, config)
+            self.local = Trainer(folder, _device_for(config, 0), adapter)
         self.num_pending_datums = 0
 
     # The Trainer interface -------------------------------------------------------------------
@@ -221,6 +348,9 @@ class DistributedTrainer:
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self._launched:  # torchrun's ranks stay in the group for the next session
+            self._broadcast("close")
+            return
         self._broadcast("stop")
         dist.destroy_process_group()
         for worker in self._workers:
