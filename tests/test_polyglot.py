@@ -2,8 +2,8 @@
 from them in other languages (TypeScript, Go) against a live stack.
 
 The tools are installed by ``.ci/run`` (``npm install`` in clients/typescript; Debian's Go packages). Elsewhere a test
-whose tool is missing is skipped, saying what to install, unless ``YIELDLOOP_REQUIRE_POLYGLOT=1`` (``.ci/run``
-sets it): then it fails.
+whose tool is missing is skipped, saying what to install, unless $YIELDLOOP_REQUIRE_POLYGLOT names its kind
+(``.ci/run`` names what it installed): then it fails.
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ RELEASED = REPO / "protos" / "released" / "v0.1.0.binpb"
 """The last released state of the protos: buf breaking checks the protos against it."""
 
 
-def require(tool: pathlib.Path | str | None, install: str) -> None:
+def require(tool: pathlib.Path | str | None, install: str, kind: str) -> None:
+    """Skips when ``tool`` is missing, saying how to install it; fails instead when ``kind`` (buf, typescript,
+    go) is in $YIELDLOOP_REQUIRE_POLYGLOT (``.ci/run`` lists what it installed)."""
     if tool and (pathlib.Path(tool).exists() if isinstance(tool, pathlib.Path) else shutil.which(tool)):
         return
-    if os.environ.get("YIELDLOOP_REQUIRE_POLYGLOT") == "1":
+    if kind in os.environ.get("YIELDLOOP_REQUIRE_POLYGLOT", "").split(","):
         pytest.fail(f"{tool} is missing: {install}")
     pytest.skip(f"{tool} is missing: {install}")
 
 
 def buf(*args: str, cwd: pathlib.Path = REPO) -> subprocess.CompletedProcess:
-    require(BUF, "npm install --prefix clients/typescript")
+    require(BUF, "npm install --prefix clients/typescript", "buf")
     return subprocess.run([str(BUF), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
@@ -64,7 +66,7 @@ def test_a_removed_field_fails_the_breaking_check(tmp_path: pathlib.Path) -> Non
 
 
 def test_typescript_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
-    require(BUF, "npm install --prefix clients/typescript")
+    require(BUF, "npm install --prefix clients/typescript", "typescript")
     fresh = tmp_path / "gen"
     made = subprocess.run([str(TS / "generate.sh"), str(fresh)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable})
@@ -106,7 +108,7 @@ def test_typescript_client_against_a_live_stack(stack: pathlib.Path) -> None:
     ForwardBackward + OptimStep seen by WatchHead, typed errors, auth); the Python client sees what it did."""
     import asyncio
 
-    require(TS / "node_modules" / ".bin" / "tsc", "npm install --prefix clients/typescript")
+    require(TS / "node_modules" / ".bin" / "tsc", "npm install --prefix clients/typescript", "typescript")
     done = subprocess.run(["npm", "test", "--silent"], cwd=TS, capture_output=True, text=True, timeout=900,
                           env=_on(stack))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
@@ -120,8 +122,8 @@ GO_PACKAGES = ("apt-get install golang-go protoc-gen-go protoc-gen-go-grpc golan
 
 
 def test_go_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
-    require(BUF, "npm install --prefix clients/typescript")
-    require("protoc-gen-go-grpc", GO_PACKAGES)
+    require(BUF, "npm install --prefix clients/typescript", "go")
+    require("protoc-gen-go-grpc", GO_PACKAGES, "go")
     made = subprocess.run([str(GO / "generate.sh"), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     checked_in = {p.relative_to(GO / "gen"): p.read_text() for p in (GO / "gen").rglob("*.go")}
@@ -134,7 +136,7 @@ def test_go_client_against_a_live_stack(stack: pathlib.Path, tmp_path: pathlib.P
     by a training step, error reasons, a call without a key refused; the Python client sees the head it moved."""
     import asyncio
 
-    require("go", GO_PACKAGES)
+    require("go", GO_PACKAGES, "go")
     gopath = tmp_path / "gopath"
     (gopath / "src" / "yieldloop.dev").mkdir(parents=True)
     (gopath / "src" / "yieldloop.dev" / "client").symlink_to(GO)
