@@ -41,6 +41,10 @@ def test_dockerfile_is_lint_clean() -> None:
     assert linted.returncode == 0, linted.stdout + linted.stderr
     text = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
     assert {"AS cpu", "AS cuda"} <= set(re.findall(r"AS \w+", text)) and "USER 10001:10001" in text
+    # The context sent is what the image copies: every COPY source is let through by the dockerignore.
+    ignore = (REPO / "deploy" / "docker" / "Dockerfile.dockerignore").read_text().split()
+    for source in re.findall(r"^COPY (?!--from)(\S+)", text, re.M) + ["pyproject.toml"]:
+        assert any(rule.startswith("!" + source.rstrip("/").split("/")[0]) for rule in ignore), source
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
