@@ -315,7 +315,7 @@ class HudFront(HttpServer):
         return {"losses": [spec.name for spec in (await client.list_losses()).losses]}
 
     async def _runs(self, inputs: Any, group_size: Any, reward_scale: Any, client: Client
-                    ) -> tuple[list[Run], int, float]:
+                    ) -> tuple[list[Run], int]:
         """The request's inputs as runs, in order (trace ids read from the trace store with the caller's key),
         grouped in contiguous slices of ``group_size`` (all one group without it), rewards scaled."""
         if not isinstance(inputs, list) or not inputs:
@@ -342,13 +342,13 @@ class HudFront(HttpServer):
             run.group_id = f"group-{i // size}"
             run.reward = run.reward * scale
             runs.append(run)
-        return runs, size, scale
+        return runs, size
 
     async def _forward_backward(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         _fields(body, {"inputs", "loss_fn", "loss_fn_config", "group_size", "reward_scale", "num_substeps"},
                 "a forward-backward")
         model = request.match_info["model"]
-        runs, size, _ = await self._runs(body.get("inputs"), body.get("group_size"), body.get("reward_scale"), client)
+        runs, size = await self._runs(body.get("inputs"), body.get("group_size"), body.get("reward_scale"), client)
         loss_fn = body.get("loss_fn", "importance_sampling")
         if not isinstance(loss_fn, str):
             raise invalid_field("loss_fn", "loss_fn must be a loss name (GET .../train/losses)")
@@ -387,7 +387,7 @@ class HudFront(HttpServer):
     async def _forward(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         _fields(body, {"inputs", "group_size", "reward_scale"}, "a forward")
         model = request.match_info["model"]
-        runs, size, _ = await self._runs(body.get("inputs"), body.get("group_size"), body.get("reward_scale"), client)
+        runs, size = await self._runs(body.get("inputs"), body.get("group_size"), body.get("reward_scale"), client)
         scored = await client.forward_scored(runs=runs, model=model)
         forward_id = uuid.uuid4().hex
         self._forwards[forward_id] = _Forward(model, self._team(), [datum for datum, _ in scored])
@@ -556,7 +556,8 @@ class HudFront(HttpServer):
         if not self.gateway_url:
             return error_response(UnavailableError("the rollout service serves no HTTP endpoint (--http-port -1)",
                                                    reason="GATEWAY_UNAVAILABLE"))
-        headers = {"Authorization": f"Bearer {presented_key_of(request)}"} if presented_key_of(request) else {}
+        key = presented_key_of(request)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         if "traceparent" in request.headers:
             headers["traceparent"] = request.headers["traceparent"]
         try:
