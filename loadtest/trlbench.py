@@ -75,6 +75,7 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
             async for report in closed_loop(client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks()):
                 per_step.append({
                     "heldout": report.heldout_reward, "train_s": report.total_s - report.heldout_s,
+                    "eval_s": report.heldout_s,
                     "tokens": report.completion_tokens, "rollout_s": report.rollout_s,
                     "forward_backward_s": report.forward_backward_s, "optim_s": report.optim_s,
                     "reload_s": report.reload_s, "off_policy_runs": report.off_policy_runs,
@@ -126,7 +127,8 @@ def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, see
         def on_step_end(self, _args: object, state: object, control: object, **__: object) -> None:
             train_s = time.perf_counter() - self.started
             score = heldout()
-            per_step.append({"heldout": score, "train_s": train_s, "tokens": tokens[0] - self.tokens})
+            per_step.append({"heldout": score, "train_s": train_s, "eval_s": time.perf_counter() - self.started - train_s,
+                             "tokens": tokens[0] - self.tokens})
             if score >= args.target:
                 control.should_training_stop = True
 

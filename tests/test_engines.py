@@ -227,3 +227,59 @@ async def test_stream_interval_holds_tokens_without_changing_them(served_engine:
     finally:
         await client.close()
         await server.stop(1.0)
+
+
+async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folders, tmp_path) -> None:
+    """A hot reload copies the new weights into the previous model when only the weights changed; the tokens
+    and logprobs it serves are those of the same checkpoint loaded in full; anything else is loaded in full."""
+    import shutil
+
+    from engine_harness import perturbed_copy
+    from safetensors.torch import load_file, save_file
+
+    from yieldloop_server.rollout.engines.torch_engine import TorchEngine, load_hf_weights, reload_in_place
+
+    v2 = engine_folders["v2"]
+    v3 = perturbed_copy(v2, tmp_path / "v3", seed=2)  # same config, tokenizer and template as v2
+    sampling = SamplingConfig(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
+
+    async def served(folder, version) -> tuple[list[int], list[float]]:
+        reference = TorchEngine()
+        try:
+            await reference.load_weights(folder, version)
+            tokens, logprobs, _ = flat(await collect(reference, PROMPT, sampling))
+        finally:
+            await reference.close()
+        return tokens, logprobs
+
+    expected = {"v2": await served(v2, "v2"), "v3": await served(v3, "v3")}
+    engine = TorchEngine()
+    try:
+        in_place = []
+        for version, folder in [("v2", v2), ("v3", v3), ("v2", v2), ("v3", v3)]:
+            await engine.load_weights(folder, version)
+            in_place.append(engine.in_place_loads)
+            tokens, logprobs, versions = flat(await collect(engine, PROMPT, sampling))
+            assert (tokens, logprobs) == expected[version] and set(versions) == {version}
+        assert in_place == [0, 0, 1, 2], "the first two loads build models; later ones reuse the previous one"
+
+        changed = shutil.copytree(v3, tmp_path / "v3-template")
+        (changed / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+        await engine.load_weights(changed, "v3-template")
+        assert engine.in_place_loads == 2, "another chat template: a full load (tokenizer and template again)"
+        assert flat(await collect(engine, PROMPT, sampling))[:2] == expected["v3"]
+    finally:
+        await engine.close()
+
+    # The checks that send a reload to the full path, on a spare no engine uses.
+    spare = load_hf_weights(v2, "v2", "cpu", "float32")
+    partial = shutil.copytree(v3, tmp_path / "v3-partial")
+    tensors = load_file(partial / "model.safetensors")
+    tensors.pop("model.norm.weight")
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    assert reload_in_place(spare, partial, "x") is None, "a tensor missing from the file: not in place"
+    extra = shutil.copytree(v3, tmp_path / "v3-extra")
+    save_file({**load_file(v3 / "model.safetensors"), "stray.weight": tensors["model.embed_tokens.weight"]},
+              extra / "model.safetensors", metadata={"format": "pt"})
+    assert reload_in_place(spare, extra, "x") is None, "a tensor the model does not have: not in place"
+    assert reload_in_place(spare, v3, "v3").version == "v3"

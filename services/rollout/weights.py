@@ -254,7 +254,7 @@ class PinnedEngines:
             entry = self._engines.get(checkpoint_id)
             if entry is None:
                 folder = await self.follower.fetch(checkpoint_id)  # NOT_FOUND / CHECKPOINT_CORRUPT raise here
-                engine = self.make_engine()
+                engine = self._idle_at_capacity() or self.make_engine()
                 try:
                     await engine.load_weights(folder, checkpoint_id)
                 except BaseException:
@@ -268,6 +268,17 @@ class PinnedEngines:
         finally:
             entry[1] -= 1
             await self._evict()
+
+    def _idle_at_capacity(self) -> Engine | None:
+        """The least recently used idle engine when no other may be loaded (it is reloaded with the new checkpoint
+        instead of closed: no new engine to build, and its previous weights take the new ones in place)."""
+        if len(self._engines) < self.capacity:
+            return None
+        for checkpoint_id, (engine, users) in self._engines.items():
+            if users == 0:
+                del self._engines[checkpoint_id]
+                return engine
+        return None
 
     async def _evict(self) -> None:
         async with self._lock:
