@@ -7,8 +7,14 @@ same prompts (the user message through the model's chat template), 8 completions
 prompts per step (128 episodes), at most 12 new tokens at temperature 1, AdamW at lr 1e-3 with betas (0.9, 0.95),
 constant schedule, no gradient clipping, no KL penalty, advantages = reward - group mean (no std scaling). The
 held-out metric is the mean reward of greedy answers to the 10 held-out prompts, evaluated after every step by
-each system's own means (yieldloop: RolloutService on the candidate checkpoint; TRL: ``model.generate``) and
-left out of the wall time. Runs alternate between the systems (seed 0 of each, then seed 1, ...).
+each system's own means (yieldloop: RolloutService on the candidate checkpoint; TRL: one batched
+``model.generate``). Runs alternate between the systems (seed 0 of each, then seed 1, ...).
+
+Two times to the target: **wall** seconds, everything each loop did from its start (yieldloop: the evaluation of
+the starting head its promotion gate compares against, then every step with its evaluation; TRL: every step with
+its evaluation), and seconds of **training only** (evaluations left out). The goal is judged on wall seconds:
+with overlap, yieldloop's next batch samples while the candidate is evaluated, so leaving evaluations out would
+also leave out part of its sampling (TRL does nothing else while it evaluates).
 
 - yieldloop: ``yieldloop up``'s stack (four processes, torch engine) and the closed loop (``yieldloop.loop``),
   every candidate promoted; ``--off-policy`` lists the overlap settings to run (``max_off_policy``).
@@ -45,15 +51,19 @@ def prompt(letter: str) -> str:
     return f'Write the letter "{letter}" at least eight times.'
 
 
-def to_target(per_step: list[dict], target: float) -> dict:
-    """Steps, training seconds and sampled tokens until the held-out reward first reached ``target``."""
+def to_target(per_step: list[dict], target: float, before_s: float = 0.0) -> dict:
+    """Steps, seconds and sampled tokens until the held-out reward first reached ``target``: ``seconds`` counts
+    training only, ``wall_seconds`` everything the loop did (``before_s``, its evaluations included)."""
     seconds = tokens = 0.0
+    wall = before_s
     for i, step in enumerate(per_step, 1):
         seconds += step["train_s"]
+        wall += step["train_s"] + step["eval_s"]
         tokens += step["tokens"]
         if step["heldout"] >= target:
-            return {"reached": True, "steps": i, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1)}
-    return {"reached": False, "steps": len(per_step), "seconds": round(seconds, 2),
+            return {"reached": True, "steps": i, "seconds": round(seconds, 2), "wall_seconds": round(wall, 2),
+                    "tokens_per_s": round(tokens / seconds, 1)}
+    return {"reached": False, "steps": len(per_step), "seconds": round(seconds, 2), "wall_seconds": round(wall, 2),
             "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0}
 
 
@@ -70,9 +80,11 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
                         promotion_tolerance=1.0, max_off_policy=off_policy, seed=seed,
                         target_heldout_reward=args.target, name=f"trlbench-{seed}")
     per_step = []
+    baseline: list = []
     try:
         async with Client(**addresses, timeout=300, api_key=stack.api_key) as client:
-            async for report in closed_loop(client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks()):
+            async for report in closed_loop(client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks(),
+                                            baseline=baseline):
                 per_step.append({
                     "heldout": report.heldout_reward, "train_s": report.total_s - report.heldout_s,
                     "eval_s": report.heldout_s,
@@ -82,7 +94,8 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
                 })
     finally:
         await stack.stop()
-    return {"per_step": per_step, **to_target(per_step, args.target)}
+    before = baseline[0].heldout_s if baseline else 0.0  # the loop's first evaluation (the gate's reference)
+    return {"per_step": per_step, "baseline_s": before, **to_target(per_step, args.target, before)}
 
 
 def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
@@ -104,19 +117,23 @@ def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, see
         return [letter_reward(c[0]["content"] if isinstance(c, list) else c, target)
                 for c, target in zip(completions, letter, strict=True)]
 
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": prompt(c)}], add_generation_prompt=True,
+                                           tokenize=False) for c in HELDOUT_LETTERS]
+
     def heldout() -> float:
-        scores = []
+        """The held-out prompts answered greedily in one batch (left-padded), as fast as ``generate`` goes."""
         model.eval()
-        with torch.no_grad():
-            for c in HELDOUT_LETTERS:
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt(c)}], add_generation_prompt=True,
-                                                    return_tensors="pt", return_dict=True)
-                generated = model.generate(**ids, max_new_tokens=MAX_TOKENS, do_sample=False,
+        side, tokenizer.padding_side = tokenizer.padding_side, "left"
+        try:
+            with torch.no_grad():
+                batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+                generated = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False,
                                            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-                answer = tokenizer.decode(generated[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-                scores.append(letter_reward(answer, c))
+            answers = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        finally:
+            tokenizer.padding_side = side
         model.train()
-        return statistics.mean(scores)
+        return statistics.mean(letter_reward(a, c) for a, c in zip(answers, HELDOUT_LETTERS, strict=True))
 
     per_step: list[dict] = []
 
@@ -168,6 +185,8 @@ async def bench(args: argparse.Namespace) -> dict:
             "reached": f"{len(reached)}/{len(runs)}",
             "median_steps": statistics.median(r["steps"] for r in reached) if reached else None,
             "median_seconds": statistics.median(r["seconds"] for r in reached) if reached else None,
+            "median_wall_seconds": statistics.median(r["wall_seconds"] for r in reached) if reached else None,
+            "median_eval_s": round(statistics.median(s["eval_s"] for r in runs for s in r["per_step"]), 3),
             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "median_s_per_step": round(statistics.median(s["train_s"] for r in runs for s in r["per_step"]), 3),
         }
@@ -176,11 +195,11 @@ async def bench(args: argparse.Namespace) -> dict:
             summary[name]["per_step_split_s"] = {
                 part: round(statistics.median(s[part] for s in steps), 3)
                 for part in ("rollout_s", "forward_backward_s", "optim_s", "reload_s")}
-    trl_seconds = summary["trl"]["median_seconds"]  # type: ignore[index]
     for n in args.off_policy:
-        ours = summary[f"yieldloop_off_policy_{n}"]["median_seconds"]  # type: ignore[index]
-        if ours and trl_seconds:
-            summary[f"wall_ratio_yieldloop_off_policy_{n}_to_trl"] = round(ours / trl_seconds, 2)
+        for key, label in (("median_wall_seconds", "wall_ratio"), ("median_seconds", "training_only_ratio")):
+            ours, trl = summary[f"yieldloop_off_policy_{n}"][key], summary["trl"][key]  # type: ignore[index]
+            if ours and trl:
+                summary[f"{label}_yieldloop_off_policy_{n}_to_trl"] = round(ours / trl, 2)
     summary["runs"] = results
     return summary
 

@@ -6,6 +6,7 @@ Each step:
    groups without reward spread before training on them; with ``max_off_policy`` N > 0 (default 1) the next N
    batches are already sampling while this one trains, and each step reports how many of its runs were
    sampled by older weights, and how much older (the loss's importance ratio uses their recorded logprobs);
+   the first batch samples while the starting head is evaluated (the gate's reference);
 2. ``forward_backward`` (the trainer's KL and clip fraction are kept), then ``optim_step``, which commits
    the candidate checkpoint to the tree *without* moving HEAD;
 3. evaluates the candidate on the held-out tasks (disjoint from the training tasks) through
@@ -303,15 +304,6 @@ async def closed_loop(
 
     head = await client.get_head(config.model)
     head_score = float("nan")
-    if heldout:
-        started = time.perf_counter()
-        head_score, runs = await evaluate(head.checkpoint_id)
-        first = Baseline(head.checkpoint_id, head_score, time.perf_counter() - started)
-        if recorder:
-            recorder.baseline(first)
-            recorder.samples(0, "heldout", runs)
-        if baseline is not None:
-            baseline.append(first)
     history: list[tuple[float, float]] = []
     diverging = 0
     heads = [head.checkpoint_id]
@@ -323,6 +315,18 @@ async def closed_loop(
         batches.append(asyncio.ensure_future(run_tasks(tasks, agent, job=job, max_concurrent=config.max_concurrent)))
 
     try:
+        if heldout:
+            # The first batch samples while the starting head is evaluated: both use the head's weights, so the
+            # batch is on-policy for the first step whatever max_off_policy says.
+            started = time.perf_counter()
+            launch()
+            head_score, runs = await evaluate(head.checkpoint_id)
+            first = Baseline(head.checkpoint_id, head_score, time.perf_counter() - started)
+            if recorder:
+                recorder.baseline(first)
+                recorder.samples(0, "heldout", runs)
+            if baseline is not None:
+                baseline.append(first)
         for step_index in range(1, config.steps + 1):
             started = time.perf_counter()
             parent = head.checkpoint_id
