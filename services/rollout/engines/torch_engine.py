@@ -272,6 +272,7 @@ class TorchEngine(Engine):
         if weights is None:
             return load_hf_weights(folder, version, self.device, self.dtype)
         self.in_place_loads += 1
+        log.info("weights %s loaded in place", version)
         return weights
 
     async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:
