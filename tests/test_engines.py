@@ -282,4 +282,7 @@ async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folde
     save_file({**load_file(v3 / "model.safetensors"), "stray.weight": tensors["model.embed_tokens.weight"]},
               extra / "model.safetensors", metadata={"format": "pt"})
     assert reload_in_place(spare, extra, "x") is None, "a tensor the model does not have: not in place"
+    other = shutil.copytree(v3, tmp_path / "v3-bin")
+    (other / "pytorch_model.bin").write_bytes(b"weights in another format")
+    assert reload_in_place(spare, other, "x") is None, "weights a full load would read otherwise: not in place"
     assert reload_in_place(spare, v3, "v3").version == "v3"

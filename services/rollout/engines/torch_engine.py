@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import pathlib
@@ -43,8 +44,8 @@ class _Weights:
     hooked: bool = False
     """Whether the LoRA hooks are installed on the model's linear layers."""
     signature: tuple[tuple[str, bytes], ...] | None = None
-    """The folder's files other than the weights (config, tokenizer), when they are small enough to compare: a
-    later checkpoint with the same ones can be loaded into this model in place (see :func:`reload_in_place`)."""
+    """Digests of the folder's files other than the weights (config, tokenizer, chat template): a later checkpoint
+    with the same ones can be loaded into this model in place (see :func:`reload_in_place`)."""
 
 
 @dataclasses.dataclass
@@ -84,16 +85,16 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
                     signature=signature)
 
 
-_SIGNATURE_MAX_BYTES = 1 << 20
+_OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def folder_signature(folder: pathlib.Path) -> tuple[tuple[str, bytes], ...] | None:
-    """Every file of an HF folder but its safetensors weights, by name, when all of them are small (None when
-    some other file is large: weights in another format, which only a full load reads)."""
+    """A digest of every file of an HF folder but its safetensors weights, by name (None when the folder holds
+    weights in another format, which only a full load reads)."""
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix != ".safetensors")
-    if any(p.stat().st_size > _SIGNATURE_MAX_BYTES for p in files):
+    if any(p.suffix in _OTHER_WEIGHT_SUFFIXES for p in files):
         return None
-    return tuple((p.name, p.read_bytes()) for p in files)
+    return tuple((p.name, hashlib.blake2b(p.read_bytes(), digest_size=16).digest()) for p in files)
 
 
 def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Weights | None:
