@@ -37,6 +37,31 @@ def _commit(registry: CheckpointRegistry, model: str, cid: str, payload: bytes, 
     return registry.commit(Manifest(model=model, checkpoint_id=cid, objects=[obj], **kwargs), set_head=True)[0]
 
 
+def test_fs_store_syncs_every_folder_entry_it_writes(tmp_path: pathlib.Path, monkeypatch) -> None:
+    """An acknowledged object survives a machine crash: its bytes are fsynced, and so are the folder that holds
+    its name (after the rename) and the parents of every folder the write created."""
+    import os
+
+    from yieldloop_server.store import fs
+
+    store = fs.FsStore(tmp_path / "store")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(fs.os, "fsync", fsync)
+    store.put_bytes("runs/job-1/segment", b"x", if_none_match=True)
+    root = str(store.root)
+    assert [p for p in synced if ".tmp-" not in p] == [root, f"{root}/runs", f"{root}/runs/job-1"]
+    assert any(f"{root}/runs/job-1/.tmp-" in p for p in synced), "the object's bytes themselves"
+    synced.clear()
+    store.put_bytes("runs/job-1/marker", b"")
+    assert [p for p in synced if ".tmp-" not in p] == [f"{root}/runs/job-1"], "an existing folder: just itself"
+
+
 def test_commit_protocol_and_heads(any_store) -> None:
     registry = CheckpointRegistry(any_store)
     registry.create_model(ModelInfo(slug="m", base="m"))

@@ -1,7 +1,9 @@
 """Local filesystem object store: the embedded default.
 
 Writes go to a temporary file in the target folder, are fsynced and renamed
-into place, so a crash never leaves a half-written object. Conditional puts
+into place, then the folder is fsynced (new folders in their parents too), so a
+crash never leaves a half-written object and a machine crash never loses one
+that was acknowledged. Conditional puts
 hold an exclusive ``flock`` on a per-key lock file, so they are atomic across
 processes on one machine.
 """
@@ -31,6 +33,26 @@ from yieldloop_server.store.base import (
 _LOCKS = ".locks"
 
 
+def _fsync_dir(folder: pathlib.Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(folder: pathlib.Path) -> None:
+    """``mkdir -p``, each new directory's entry synced in its parent (a written object's path survives a crash)."""
+    missing = []
+    while not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    for new in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
+            new.mkdir()
+        _fsync_dir(new.parent)
+
+
 class FsStore(ObjectStore):
     """Objects as files under ``root``; ETag is the MD5 of the content (as S3's for simple puts)."""
 
@@ -55,7 +77,7 @@ class FsStore(ObjectStore):
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _write_atomic(self, path: pathlib.Path, write: callable) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -67,6 +89,7 @@ class FsStore(ObjectStore):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+        _fsync_dir(path.parent)  # the rename itself survives a machine crash only once its directory is synced
 
     def put_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
         path = self._path(key)
