@@ -271,6 +271,16 @@ async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folde
     finally:
         await engine.close()
 
+    # A model over the spare's size limit is freed after its swap: every reload builds one.
+    frugal = TorchEngine(spare_max_bytes=0)
+    try:
+        for version, folder in [("v2", v2), ("v3", v3), ("v2", v2)]:
+            await frugal.load_weights(folder, version)
+        assert frugal.in_place_loads == 0
+        assert flat(await collect(frugal, PROMPT, sampling))[:2] == expected["v2"]
+    finally:
+        await frugal.close()
+
     # The checks that send a reload to the full path, on a spare no engine uses.
     spare = load_hf_weights(v2, "v2", "cpu", "float32")
     partial = shutil.copytree(v3, tmp_path / "v3-partial")

@@ -129,6 +129,10 @@ def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Wei
     return dataclasses.replace(spare, version=version)
 
 
+def _model_bytes(model: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 def _no_grad() -> Any:
     import torch
 
@@ -209,6 +213,9 @@ class TorchEngine(Engine):
             logprobs within 1e-4 of each other).
         max_batch_size: Requests decoded together at most.
         batch_wait_s: When nothing is running, how long the worker waits for more requests to start with.
+        spare_max_bytes: Models up to this size stay loaded after a swap, for the next reload to copy its weights
+            into (:func:`reload_in_place`); larger ones are freed (the memory of one model copy while serving)
+            and built again at each reload, whose time reading the weights dominates anyway.
 
     LoRA adapters (:meth:`load_adapter`) are applied per request: each linear layer an adapter targets adds
     that adapter's low-rank update to the rows of the batch that use it, so requests for several forks of
@@ -220,10 +227,12 @@ class TorchEngine(Engine):
     """Reloads that copied new weights into the previous model instead of building one (:func:`reload_in_place`)."""
 
     def __init__(
-        self, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64, batch_wait_s: float = 0.005
+        self, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 64, batch_wait_s: float = 0.005,
+        spare_max_bytes: int = 4 << 30,
     ) -> None:
         self.device = device
         self.dtype = dtype
+        self.spare_max_bytes = spare_max_bytes
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self._weights: _Weights | None = None
@@ -363,9 +372,10 @@ class TorchEngine(Engine):
             swaps, self._swaps = (self._swaps, []) if weights_too else ([], self._swaps)
             adapter_swaps, self._adapter_swaps = self._adapter_swaps, []
         for weights, loop, future in swaps:
-            if self._weights is not None and self._weights.model is not weights.model:
+            old = self._weights
+            if old is not None and old.model is not weights.model and _model_bytes(old.model) <= self.spare_max_bytes:
                 with self._swap_lock:  # nothing runs on the old weights any more (swaps wait for an empty batch)
-                    self._spare = self._weights
+                    self._spare = old
             self._weights = weights
             self.weight_loads += 1
             self.tokenizer = weights.tokenizer
