@@ -11,6 +11,7 @@ import os
 import pathlib
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from yieldloop.transport import TransportConfig
 from yieldloop_server.common import telemetry
@@ -60,15 +61,24 @@ def traced_transport(service: str, transport: TransportConfig, record_spans_url:
         client_interceptors=(*telemetry.client_interceptors(), *transport.client_interceptors))
 
 
-async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
-    """Builds one service; returns its start (-> address) and stop(grace) coroutine functions."""
-    from yieldloop_server.store import open_store
-
+def _use_torch_threads(opts: ServeOptions) -> None:
     if opts.torch_threads:
         import torch
 
         torch.set_num_threads(opts.torch_threads)
 
+
+def _trainer_config(opts: ServeOptions) -> Any:
+    from yieldloop_server.trainer.trainer import TrainerConfig
+
+    return TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device))
+
+
+async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
+    """Builds one service; returns its start (-> address) and stop(grace) coroutine functions."""
+    from yieldloop_server.store import open_store
+
+    _use_torch_threads(opts)
     store = open_store(opts.store_url)
     work_dir = opts.data_dir / "work" / opts.service
     transport, keys = await asyncio.to_thread(secured_transport, opts, store)
@@ -91,9 +101,8 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
     if opts.service == "trainer":
         from yieldloop_server.trainer import distributed
         from yieldloop_server.trainer.server import build
-        from yieldloop_server.trainer.trainer import TrainerConfig
 
-        config = TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device))
+        config = _trainer_config(opts)
         nproc = opts.trainer.nproc
         if distributed.launched() is not None:  # rank 0 of torchrun's ranks (the others follow: see serve())
             nproc = await asyncio.to_thread(distributed.join_launched, config)
@@ -145,13 +154,8 @@ async def serve(opts: ServeOptions) -> None:
 
         placed = distributed.launched()
         if placed is not None and placed[0] > 0:
-            from yieldloop_server.trainer.trainer import TrainerConfig
-
-            if opts.torch_threads:
-                import torch
-
-                torch.set_num_threads(opts.torch_threads)
-            config = TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device))
+            _use_torch_threads(opts)
+            config = _trainer_config(opts)
             probes = GrpcServer("0.0.0.0", transport=opts.transport) if opts.transport.health_port else None
             if probes is not None:  # its pod's probes: SERVING while it follows (nothing but health is served)
                 await probes.start_probes()

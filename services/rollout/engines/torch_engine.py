@@ -105,6 +105,7 @@ def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Wei
 
     A reload in place costs reading the weights; a full load builds the model and the tokenizer again (~15 ms
     for the tiny model, most of the reload)."""
+    import torch
     from safetensors.torch import load_file
 
     signature = folder_signature(folder)
@@ -121,7 +122,7 @@ def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Wei
     if any(params[name].data_ptr() not in written for name in set(params) - set(loaded)):
         return None  # a tensor the file does not give (and that is not tied to one it gives)
     try:
-        with _no_grad():
+        with torch.no_grad():
             for name, tensor in loaded.items():
                 params[name].copy_(tensor)
     except RuntimeError:  # shapes differ
@@ -131,12 +132,6 @@ def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Wei
 
 def _model_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-def _no_grad() -> Any:
-    import torch
-
-    return torch.no_grad()
 
 
 def sample_batch(logits_BV: Any, samplings: Sequence[SamplingConfig], generators: Sequence[Any]) -> tuple[Any, Any]:
