@@ -16,7 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from yieldloop import errors
-from yieldloop.client import Client, sampling_params
+from yieldloop import client as client_module
+from yieldloop._status import to_rpc_status
+from yieldloop.client import Client, _CallStatus, sampling_params
 from yieldloop.environment import Task
 from yieldloop.transport import CallInfo, TransportConfig, open_channel
 from yieldloop.types import Datum
@@ -116,6 +118,69 @@ async def refusing_stack(tmp_path_factory: pytest.TempPathFactory):
     await stack.start()
     yield stack
     await stack.stop()
+
+
+class _Status:  # the shape grpcio keeps a call's current status in (code as an int, trailers as pairs)
+    def __init__(self, code: grpc.StatusCode, details: str, trailers: tuple = ()) -> None:
+        self._code, self._details, self._trailers = code.value[0], details, trailers
+
+    def code(self) -> int:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailers
+
+
+class _Call:  # what _CallStatus uses of a grpc.aio call
+    def __init__(self) -> None:
+        self._cython_call = self
+        self._status: _Status | None = None
+        self._callbacks: list = []
+
+    def add_done_callback(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def set(self, status: _Status) -> None:  # as grpcio does: every status runs every callback
+        self._status = status
+        for callback in self._callbacks:
+            callback(self)
+
+    async def code(self) -> grpc.StatusCode:
+        return next(code for code in grpc.StatusCode if code.value[0] == self._status.code())
+
+    async def details(self) -> str:
+        return self._status.details()
+
+    async def trailing_metadata(self) -> grpc.aio.Metadata:
+        return grpc.aio.Metadata(*self._status.trailing_metadata())
+
+
+async def test_a_refused_stream_reports_the_servers_status_not_cores(monkeypatch) -> None:
+    """grpc/grpc#36066 in both orders: core's INTERNAL replacing the server's status, and arriving first."""
+    refused = to_rpc_status(errors.PermissionDeniedError("refused", reason="PERMISSION_DENIED"))
+    server = _Status(grpc.StatusCode.PERMISSION_DENIED, "refused", tuple(refused.trailing_metadata))
+    core = _Status(grpc.StatusCode.INTERNAL, "Internal error from Core")
+    core_error = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                      "Internal error from Core")
+    for later in (False, True):
+        call = _Call()
+        status = _CallStatus(call)
+        if later:
+            call.set(core)
+            asyncio.get_running_loop().call_later(0.05, call.set, server)
+        else:
+            call.set(server)
+            call.set(core)
+        error = await status.error(core_error)
+        assert isinstance(error, errors.PermissionDeniedError) and error.reason == "PERMISSION_DENIED"
+    monkeypatch.setattr(client_module, "_SERVER_STATUS_WITHIN_S", 0.05)
+    call = _Call()
+    status = _CallStatus(call)
+    call.set(core)  # no status from the server ever: core's stands
+    assert isinstance(await status.error(core_error), errors.InternalError)
 
 
 async def test_an_interceptor_refuses_with_typed_errors(refusing_stack) -> None:

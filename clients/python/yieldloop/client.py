@@ -87,19 +87,52 @@ class Completion:
     stop_reason: int
 
 
-async def _call_error(call: Any, err: grpc.aio.AioRpcError | None = None) -> YieldloopError:
-    """The typed error of a failed call, from the call's own status.
+_CORE_INTERNAL = "Internal error from Core"  # grpcio's status for a write that failed in core
+_SERVER_STATUS_WITHIN_S = 5.0
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
-    grpc/grpc#36066: when the server refuses a client-streaming or bidi call while the client is still
-    sending (an interceptor refusing it, a validation error), the exception the client sees can read
-    INTERNAL "Internal error from Core" (or the call raises asyncio.InvalidStateError) although the server
-    answered its own status; the call's code, details and trailers are the server's.
+
+class _CallStatus:
+    """A streaming call's status as the server sent it, for its typed error.
+
+    grpc/grpc#36066: when the server ends a client-streaming or bidi call while the client is still
+    sending (an interceptor refusing it, a validation error), the write that fails sets the call's status
+    to INTERNAL "Internal error from Core" and raises it (or a later write raises
+    asyncio.InvalidStateError). That status may replace the server's, already received, or be replaced by
+    it a moment later. A done callback runs at every status the call is given: this keeps the first that
+    is not core's (grpcio keeps the current one in the call's ``_status``; without it, the call's status
+    is used as before) and, for a failure that reads as core's, waits a moment for the server's.
     """
-    if err is None or err.code() == grpc.StatusCode.INTERNAL:
-        code = await call.code()
-        if err is None or code != grpc.StatusCode.INTERNAL:
-            err = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), await call.trailing_metadata(), await call.details())
-    return error_from_rpc(err)
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self._server: grpc.aio.AioRpcError | None = None
+        self._arrived = asyncio.Event()
+        call.add_done_callback(self._on_status)
+
+    def _on_status(self, call: Any) -> None:
+        status = getattr(getattr(call, "_cython_call", None), "_status", None)
+        if self._server is not None or status is None or status.details() == _CORE_INTERNAL:
+            return
+        self._server = grpc.aio.AioRpcError(
+            _STATUS_CODES.get(status.code(), grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
+            grpc.aio.Metadata(*(status.trailing_metadata() or ())), status.details())
+        self._arrived.set()
+
+    async def error(self, err: grpc.aio.AioRpcError | None = None) -> YieldloopError:
+        """The typed error of the failed call, from the server's status where it sent one."""
+        call = self.call
+        if self._server is None and await call.details() == _CORE_INTERNAL:
+            try:
+                await asyncio.wait_for(self._arrived.wait(), _SERVER_STATUS_WITHIN_S)
+            except TimeoutError:  # no status from the server (the connection broke): core's stands
+                pass
+        if self._server is not None:
+            err = self._server
+        elif err is None:
+            err = grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), await call.trailing_metadata(),
+                                       await call.details())
+        return error_from_rpc(err)
 
 
 async def _unary(method: Any, request: Any, timeout: float | None = None) -> Any:
@@ -109,9 +142,11 @@ async def _unary(method: Any, request: Any, timeout: float | None = None) -> Any
     the call and report only CANCELLED.
     """
     failure: list[Exception] = []
-    if hasattr(request, "__iter__"):  # a client stream (protobuf messages are not iterable)
+    streaming = hasattr(request, "__iter__")  # a client stream (protobuf messages are not iterable)
+    if streaming:
         request = _recording(request, failure)
     call = method(request, timeout=timeout)
+    status = _CallStatus(call) if streaming else None
     try:
         return await call
     except asyncio.CancelledError:
@@ -121,7 +156,7 @@ async def _unary(method: Any, request: Any, timeout: float | None = None) -> Any
     except grpc.aio.AioRpcError as err:
         if failure:
             raise failure[0] from None
-        raise await _call_error(call, err) from None
+        raise (await status.error(err) if status else error_from_rpc(err)) from None
 
 
 def _recording(requests: Iterable[Any], failure: list[Exception]) -> Iterable[Any]:
@@ -137,7 +172,7 @@ async def _stream(call: Any) -> AsyncIterator[Any]:
         async for item in call:
             yield item
     except grpc.aio.AioRpcError as err:
-        raise await _call_error(call, err) from None
+        raise error_from_rpc(err) from None  # a unary request: sent whole, before any status (no #36066)
     finally:
         call.cancel()
 
@@ -147,6 +182,7 @@ class EpisodeSession:
 
     def __init__(self, stub: env_grpc.EnvServiceStub, task: common_pb.Task, timeout: float | None) -> None:
         self._call = stub.StreamEpisode(timeout=timeout)
+        self._status = _CallStatus(self._call)
         self._task = task
         self.started: env_pb.EpisodeStarted | None = None
 
@@ -155,9 +191,9 @@ class EpisodeSession:
             await self._call.write(request)
             response = await self._call.read()
         except grpc.aio.AioRpcError as err:
-            raise await _call_error(self._call, err) from None
+            raise await self._status.error(err) from None
         except asyncio.InvalidStateError:  # the call already ended (deadline, server error): say how
-            raise await _call_error(self._call) from None
+            raise await self._status.error() from None
         if response is grpc.aio.EOF:  # a failed call raises from read(); EOF means an OK close
             raise FailedPreconditionError("episode stream closed early", reason="EPISODE_PROTOCOL")
         return response
