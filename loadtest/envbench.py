@@ -314,10 +314,12 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
         "error_samples": stats.samples,
         "num_errors": sum(stats.errors.values()),
         "client_cpu_us_per_call": round(client_cpu / max(len(stats.latencies), 1) * 1e6, 1),
+        "client_cpu_us_per_episode": round(client_cpu / max(stats.episodes_ok, 1) * 1e6, 1),
     }
     if server:
         result["server_rss_mb"] = {k: round(v / 2**20, 1) for k, v in (("before", rss_before), ("peak", peak), ("after", rss_after))}
         result["server_cpu_us_per_call"] = round(server_cpu / max(len(stats.latencies), 1) * 1e6, 1)
+        result["server_cpu_us_per_episode"] = round(server_cpu / max(stats.episodes_ok, 1) * 1e6, 1)
         result["server_rss_kb_per_live_episode"] = round((peak - rss_before) / episodes / 1024, 1)
     return result
 
@@ -328,11 +330,16 @@ def make_clients(address: str, episodes: int, streams_per_channel: int) -> list[
     return [Client(env=address) for _ in range(max(1, math.ceil(episodes / streams_per_channel)))]
 
 
-def median_round(rounds: list[dict]) -> dict:
-    """The round with the median calls/s (its latencies come with it), with every round's calls/s."""
-    ordered = sorted(rounds, key=lambda r: r["tool_calls_per_s"])
+def rate_key(calls: int) -> str:
+    """What runs are compared by: tool calls/s, or episodes/s when episodes make no tool calls."""
+    return "tool_calls_per_s" if calls else "episodes_per_s"
+
+
+def median_round(rounds: list[dict], key: str) -> dict:
+    """The round with the median rate (its latencies come with it), with every round's rate."""
+    ordered = sorted(rounds, key=lambda r: r[key])
     result = dict(ordered[(len(ordered) - 1) // 2])
-    result["rounds_calls_per_s"] = [r["tool_calls_per_s"] for r in rounds]
+    result["rounds_rate"] = [r[key] for r in rounds]
     result["num_errors"] = sum(r["num_errors"] for r in rounds)
     result["errors"] = dict(sum((collections.Counter(r["errors"]) for r in rounds), collections.Counter()))
     if "server_rss_mb" in rounds[0]:
@@ -407,42 +414,42 @@ async def bench(args: argparse.Namespace) -> dict:
     results: dict[str, Any] = {
         "mode": args.mode, "episodes": args.episodes, "calls_per_episode": args.calls, "rounds": args.rounds,
     }
-    results.update({name: median_round(runs) for name, runs in rounds.items()})
+    key = rate_key(args.calls)
+    results.update({name: median_round(runs, key) for name, runs in rounds.items()})
     for name in ("ours", "ours-workers"):
         for base in ("echo", "inprocess"):
             per_round = [
-                ours_run["tool_calls_per_s"] / base_run["tool_calls_per_s"]
-                for ours_run, base_run in zip(rounds[name], rounds[base])
-                if base_run["tool_calls_per_s"]
+                ours_run[key] / base_run[key] for ours_run, base_run in zip(rounds[name], rounds[base]) if base_run[key]
             ]
             results[name][f"rounds_vs_{base}"] = [round(r, 3) for r in per_round]
-            results[name][f"calls_per_s_vs_{base}"] = round(statistics.median(per_round), 3) if per_round else None
+            results[name][f"rate_vs_{base}"] = round(statistics.median(per_round), 3) if per_round else None
     return results
 
 
 def print_results(results: dict) -> None:
+    per = "call" if results["calls_per_episode"] else "episode"
     print(
         f"mode={results['mode']} episodes={results['episodes']} calls/episode={results['calls_per_episode']} "
-        f"rounds={results['rounds']} (the median round of each run; ratios are medians of per-round ratios)"
+        f"rounds={results['rounds']} (the median round of each run; ratios, of {per}s/s, are medians of per-round ratios)"
     )
     header = (
         f"{'run':<14}{'eps/s':>9}{'calls/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}"
-        f"{'RSS MB before/peak/after':>27}{'KB/ep':>8}{'CPU us/call srv+cli':>21}{'vs echo':>9}{'vs inproc':>10}"
+        f"{'RSS MB before/peak/after':>27}{'KB/ep':>8}{f'CPU us/{per} srv+cli':>24}{'vs echo':>9}{'vs inproc':>10}"
     )
     print(header)
     for name in RUNS:
         r = results[name]
         rss = r.get("server_rss_mb")
         rss_text = f"{rss['before']}/{rss['peak']}/{rss['after']}" if rss else "-"
-        cpu = f"{r.get('server_cpu_us_per_call', 0):.0f}+{r['client_cpu_us_per_call']:.0f}"
+        cpu = f"{r.get(f'server_cpu_us_per_{per}', 0):.0f}+{r[f'client_cpu_us_per_{per}']:.0f}"
         print(
             f"{name:<14}{r['episodes_per_s']:>9}{r['tool_calls_per_s']:>10}{r['latency_ms']['p50']:>9}"
             f"{r['latency_ms']['p95']:>9}{r['latency_ms']['p99']:>9}{r['num_errors']:>8}{rss_text:>27}"
-            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{cpu:>21}{r.get('calls_per_s_vs_echo', '-'):>9}"
-            f"{r.get('calls_per_s_vs_inprocess', '-'):>10}"
+            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{cpu:>24}{str(r.get('rate_vs_echo', '-')):>9}"
+            f"{str(r.get('rate_vs_inprocess', '-')):>10}"
         )
     for name in RUNS:
-        line = f"  {name}: calls/s by round {results[name]['rounds_calls_per_s']}"
+        line = f"  {name}: {per}s/s by round {results[name]['rounds_rate']}"
         if "rounds_vs_echo" in results[name]:
             line += f", vs echo by round {results[name]['rounds_vs_echo']}"
         print(line)

@@ -287,5 +287,5 @@ def test_load_harness_small_run(tmp_path) -> None:
         assert figures[run]["episodes_ok"] == 128 and figures[run]["tool_calls"] == 128 * 8
         assert figures[run]["latency_ms"]["p99"] >= figures[run]["latency_ms"]["p50"] >= 0
     for run in ("ours", "ours-workers"):
-        assert figures[run]["calls_per_s_vs_echo"] > 0 and figures[run]["server_rss_mb"]["peak"] > 0
+        assert figures[run]["rate_vs_echo"] > 0 and figures[run]["server_rss_mb"]["peak"] > 0
     assert "calls/s" in result.stdout and "vs echo" in result.stdout
