@@ -111,6 +111,14 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
     def __init__(self, host: EpisodeHost) -> None:
         self.host = host
         self.deadlines = Deadlines()
+        self._tool_specs: dict[str, tuple[EnvInfo, list[common_pb.ToolSpec]]] = {}
+
+    def tool_specs(self, info: EnvInfo) -> list[common_pb.ToolSpec]:
+        """``info``'s tools as sent with every EpisodeStarted: built once per environment, not per episode."""
+        cached = self._tool_specs.get(info.name)
+        if cached is None or cached[0] is not info:
+            cached = self._tool_specs[info.name] = (info, tool_specs(info))
+        return cached[1]
 
     @rpc
     async def ListScenarios(self, request: pb.ListScenariosRequest, context: grpc.aio.ServicerContext) -> pb.ListScenariosResponse:
@@ -124,7 +132,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     description=scenario["description"],
                     args_json_schema=json.dumps(scenario["args_schema"]),
                 )
-            response.tools.extend(tool_specs(info))
+            response.tools.extend(self.tool_specs(info))
         return response
 
     @rpc
@@ -186,7 +194,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     await write(pb.StreamEpisodeResponse(
                         started=pb.EpisodeStarted(
                             episode_id=request.start.episode_id or key, prompt=text, messages=messages,
-                            tools=tool_specs(info), raw_text=raw,
+                            tools=self.tool_specs(info), raw_text=raw,
                         )
                     ))
                 elif info is None:
