@@ -33,9 +33,9 @@ def task(scenario: str = "count_to", **args) -> common_pb.Task:
 
 
 class Served:
-    def __init__(self, server, host, markers: pathlib.Path) -> None:
-        self.server, self.host, self.markers = server, host, markers
-        self.client = Client(env=server.address)
+    def __init__(self, server, host, markers: pathlib.Path, multiplex: bool = False) -> None:
+        self.server, self.host, self.markers, self.multiplex = server, host, markers, multiplex
+        self.client = Client(env=server.address, multiplex_episodes=multiplex)
 
     def marks(self, tag: str) -> list[str]:
         path = self.markers / tag
@@ -50,18 +50,20 @@ class Served:
         raise AssertionError(f"episode {tag}: marks {self.marks(tag)}, live {self.host.num_live_episodes}")
 
 
-async def serve(kind: str, markers: pathlib.Path) -> Served:
+async def serve(kind: str, markers: pathlib.Path, multiplex: bool = False) -> Served:
     os.environ["YL_TEST_MARKERS"] = str(markers)  # worker processes inherit it
     config = HostConfig("workers", num_workers=2, hang_timeout_s=5.0) if kind == "workers" else HostConfig("inprocess")
     host = create_host((SDK_ENV,), config)
     server = await build(host, transport=TransportConfig(max_message_bytes=MAX_MESSAGE_BYTES))
     await server.start()
-    return Served(server, host, markers)
+    return Served(server, host, markers, multiplex)
 
 
-@pytest_asyncio.fixture(scope="module", params=["inprocess", "workers"])
+# Each host, with one stream per episode (StreamEpisode) and with episodes multiplexed (StreamEpisodes).
+@pytest_asyncio.fixture(scope="module", params=["inprocess", "workers", "inprocess-multiplexed", "workers-multiplexed"])
 async def served(request, tmp_path_factory) -> Served:
-    served = await serve(request.param, tmp_path_factory.mktemp(f"markers-{request.param}"))
+    kind, _, multiplexed = request.param.partition("-")
+    served = await serve(kind, tmp_path_factory.mktemp(f"markers-{request.param}"), bool(multiplexed))
     yield served
     await served.client.close()
     await served.server.stop(1.0)
@@ -88,15 +90,55 @@ async def test_episode_over_the_wire(served: Served) -> None:
 
 
 async def raw_episode(served: Served, *requests: env_pb.StreamEpisodeRequest) -> list[env_pb.StreamEpisodeResponse]:
-    """Sends requests on one raw stream and returns the responses (raising the typed error)."""
+    """Sends requests on one raw stream (or as the frames of one tag of a StreamEpisodes stream) and returns the
+    responses (raising the typed error)."""
     from yieldloop._status import error_from_rpc
 
     async with grpc.aio.insecure_channel(served.server.address) as channel:
+        if served.multiplex:
+            return await raw_tagged_episode(env_grpc.EnvServiceStub(channel), requests)
         call = env_grpc.EnvServiceStub(channel).StreamEpisode(iter(requests))
         try:
             return [response async for response in call]
         except grpc.aio.AioRpcError as err:
             raise error_from_rpc(err) from None
+
+
+async def raw_tagged_episode(stub: env_grpc.EnvServiceStub, requests) -> list[env_pb.StreamEpisodeResponse]:
+    """The requests as frames of tag 7, all in one message, with the close; the responses until its closing frame
+    (whose error is raised, typed). A second episode (tag 8) runs beside it and is unaffected."""
+    from yieldloop._status import error_from_rpc
+    from yieldloop.errors import error_from_wire
+
+    frames = [env_pb.EpisodeRequestFrame(tag=7, request=r) for r in requests]
+    frames[-1].close = True
+    frames.insert(0, env_pb.EpisodeRequestFrame(tag=8, request=start(task("echo", word="b"))))
+    call = stub.StreamEpisodes()
+    await call.write(env_pb.StreamEpisodesRequest(frames=frames))
+    responses, other = [], []
+    try:
+        while True:
+            message = await call.read()
+            assert message is not grpc.aio.EOF
+            for frame in message.frames:
+                (responses if frame.tag == 7 else other).append(frame)
+            if any(frame.closed for frame in responses):
+                break
+        await call.write(env_pb.StreamEpisodesRequest(frames=[env_pb.EpisodeRequestFrame(tag=8, request=submit("b"),
+                                                                                          close=True)]))
+        while not any(frame.closed for frame in other):
+            other += (await call.read()).frames
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as err:
+        raise error_from_rpc(err) from None
+    assert [f.response.WhichOneof("event") for f in other if not f.closed] == ["started", "graded"]
+    assert other[-1].closed and not other[-1].HasField("error") and other[1].response.graded.reward == 1.0
+    closing = responses.pop()
+    if closing.HasField("error"):
+        e = closing.error
+        raise error_from_wire(dict(code=e.code, message=e.message, reason=e.reason, field=e.field))
+    return [frame.response for frame in responses]
 
 
 def start(t: common_pb.Task) -> env_pb.StreamEpisodeRequest:
@@ -157,7 +199,7 @@ async def test_oversized_message_is_resource_exhausted(served: Served) -> None:
 
 
 async def test_client_disconnect_runs_teardown(served: Served) -> None:
-    client = Client(env=served.server.address)
+    client = Client(env=served.server.address, multiplex_episodes=served.multiplex)
     episode = client.episode(task(target=5, tag="vanished"))
     await episode.start()
     await episode.call_tool("increment", '{"by": 1}')
@@ -267,6 +309,41 @@ async def test_client_spreads_episodes_across_replicas(tmp_path) -> None:
         for served in (first, second):
             await served.client.close()
             await served.server.stop(1.0)
+
+
+async def test_multiplexed_episodes_share_one_stream_and_fail_alone(tmp_path) -> None:
+    served = await serve("inprocess", tmp_path, multiplex=True)
+    client = served.client
+    try:
+        async def echo(i: int) -> float:
+            async with client.episode(task("echo", word=f"m{i}", tag=f"m{i}")) as episode:
+                return (await episode.submit(f"m{i}" if i % 2 else "wrong")).reward
+
+        async def bad() -> None:
+            async with client.episode(task(target=1, tag="bad")) as episode:
+                with pytest.raises(errors.InvalidArgumentError, match="does not match") as err:
+                    await episode.call_tool("increment", '{"by": "x"}')
+                assert err.value.reason == "TOOL_ARGS_INVALID" and err.value.field == "by"
+                with pytest.raises(errors.InvalidArgumentError):  # the episode stays failed
+                    await episode.call_tool("increment", '{"by": 1}')
+
+        rewards, _ = await asyncio.gather(asyncio.gather(*(echo(i) for i in range(32))), bad())
+        assert rewards == [float(i % 2) for i in range(32)]
+        (streams,) = client._episode_streams.values()
+        assert next(streams._tags) == 34, "33 episodes, one stream"
+        await served.settled("bad")
+        # The stream fails: the episodes open on it fail (typed), the next one opens a new stream.
+        episode = client.episode(task(target=2, tag="cut"))
+        await episode.start()
+        streams._call.cancel()
+        with pytest.raises(errors.YieldloopError):
+            await episode.call_tool("increment", '{"by": 1}')
+        await served.settled("cut")
+        async with client.episode(task("echo", word="again")) as again:
+            assert (await again.submit("again")).reward == 1.0
+    finally:
+        await client.close()
+        await served.server.stop(1.0)
 
 
 def test_load_harness_small_run(tmp_path) -> None:

@@ -8,7 +8,9 @@ its stream opened an episode yet, since nothing can be forwarded before it has.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import logging
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -22,10 +24,12 @@ from yieldloop.proto.env.v1 import env_service_pb2_grpc as pb_grpc
 from yieldloop.environment import FinalCompletion, RawText
 from yieldloop.episode import protocol_error
 from yieldloop.types import StopReason
-from yieldloop.errors import DeadlineExceededError, InvalidArgumentError
+from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.grpc_server import Undecodable, rpc
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
+
+log = logging.getLogger(__name__)
 
 
 def _json_object(text: str, reason: str, field: str) -> dict[str, Any]:
@@ -107,6 +111,77 @@ class Deadlines:
             self._sweeper.cancel()
 
 
+class _Frames:
+    """The response frames of one StreamEpisodes stream: frames that are ready together leave in one message."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.context = context
+        self.episodes: dict[int, _TaggedEpisode] = {}
+        self.ending = False
+        self._out: list[pb.EpisodeResponseFrame] = []
+        self._ready = asyncio.Event()
+        self._finished = False
+
+    def send(self, frame: pb.EpisodeResponseFrame) -> None:
+        self._out.append(frame)
+        self._ready.set()
+
+    def finish(self) -> None:
+        """The write loop sends what is queued, then returns."""
+        self._finished = True
+        self._ready.set()
+
+    async def write_loop(self) -> None:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            if self._out:
+                frames, self._out = self._out, []
+                await self.context.write(pb.StreamEpisodesResponse(frames=frames))
+            elif self._finished:
+                return
+
+
+class _TaggedEpisode:
+    """One episode of a StreamEpisodes stream, as :meth:`EnvServicer._episode` sees a stream of its own: its
+    requests are read from the frames of its tag, its responses written as frames of its tag."""
+
+    def __init__(self, tag: int, frames: _Frames) -> None:
+        self.tag, self.frames = tag, frames
+        self.task: asyncio.Task | None = None
+        self._inbox: collections.deque[Any] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def time_remaining(self) -> float | None:
+        return self.frames.context.time_remaining()
+
+    async def read(self) -> Any:
+        if self._inbox:
+            return self._inbox.popleft()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            return await self._waiter
+        finally:
+            self._waiter = None
+
+    async def write(self, response: pb.StreamEpisodeResponse) -> None:
+        self.frames.send(pb.EpisodeResponseFrame(tag=self.tag, response=response))
+
+    def feed(self, request: Any) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(request)
+        else:
+            self._inbox.append(request)
+
+    def close(self) -> None:
+        """The client is done: a half-close when the episode waits for its next request (or has requests
+        queued: they come first), else (a tool call or the grading in progress) a cancellation."""
+        if self._waiter is not None or self._inbox:
+            self.feed(grpc.aio.EOF)
+        elif self.task is not None:
+            self.task.cancel()
+
+
 class EnvServicer(pb_grpc.EnvServiceServicer):
     def __init__(self, host: EpisodeHost) -> None:
         self.host = host
@@ -153,7 +228,69 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         finally:
             self.deadlines.forget(me)
 
-    async def _episode(self, context: grpc.aio.ServicerContext, me: asyncio.Task) -> None:
+    @rpc
+    async def StreamEpisodes(
+        self, request_iterator: AsyncIterator[pb.StreamEpisodesRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        frames = _Frames(context)
+        writer = asyncio.create_task(frames.write_loop())
+        half_closed = False
+        try:
+            while (request := await context.read()) is not grpc.aio.EOF:
+                if type(request) is Undecodable:
+                    raise request.refusal()
+                for frame in request.frames:
+                    if not frame.tag:
+                        raise protocol_error("a frame without a tag (tags are not 0)")
+                    episode = frames.episodes.get(frame.tag)
+                    if episode is None:
+                        if not frame.HasField("request"):
+                            continue  # the close of an episode that already ended
+                        episode = frames.episodes[frame.tag] = _TaggedEpisode(frame.tag, frames)
+                        episode.task = asyncio.create_task(self._tagged_episode(episode))
+                    if frame.HasField("request"):
+                        episode.feed(frame.request)
+                    if frame.close:
+                        episode.close()
+            half_closed = True
+        finally:
+            # The client half-closed or went away (or broke the protocol): what is still open is cancelled,
+            # and its teardown runs.
+            frames.ending = True
+            open_episodes = [episode.task for episode in frames.episodes.values()]
+            for task in open_episodes:
+                task.cancel()
+            await asyncio.gather(*open_episodes, return_exceptions=True)
+            if half_closed:
+                frames.finish()
+            else:
+                writer.cancel()
+        await writer
+
+    async def _tagged_episode(self, episode: _TaggedEpisode) -> None:
+        """Runs one episode of a StreamEpisodes stream; its outcome is its closing frame."""
+        me = asyncio.current_task()
+        error: YieldloopError | None = None
+        try:
+            with telemetry.in_flight("yieldloop.env.episodes", description="episodes open on EnvService"):
+                await self._episode(episode, me)
+        except asyncio.CancelledError:
+            error = self.deadlines.expired(me)
+            if error is None and episode.frames.ending:
+                raise  # the stream is going: nobody to tell
+        except Exception as exc:  # the episode's failure, told in its closing frame; the stream goes on
+            if not isinstance(exc, YieldloopError):
+                log.exception("unexpected error in an episode of StreamEpisodes")
+            error = as_yieldloop_error(exc)
+        finally:
+            self.deadlines.forget(me)
+            episode.frames.episodes.pop(episode.tag, None)
+        closing = pb.EpisodeResponseFrame(tag=episode.tag, closed=True)
+        if error is not None:
+            closing.error.CopyFrom(pb.EpisodeError(**error.to_wire()))
+        episode.frames.send(closing)
+
+    async def _episode(self, context: grpc.aio.ServicerContext | _TaggedEpisode, me: asyncio.Task) -> None:
         loop = asyncio.get_running_loop()
         remaining = context.time_remaining()
         deadline = loop.time() + (remaining if remaining is not None else math.inf)

@@ -60,7 +60,9 @@ class RolloutServer:
         stream_interval_s: float = 0.0,
         **engine_options: object,
     ) -> None:
-        self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport)
+        # A batch opens its episodes together: they share one StreamEpisodes stream per EnvService replica.
+        self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport,
+                              multiplex_episodes=True)
         # Candidates are evaluated on the light torch engine, beside whatever engine serves the head.
         device = str(engine_options.get("device", "cpu"))
 

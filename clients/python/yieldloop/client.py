@@ -49,7 +49,7 @@ from yieldloop.convert import (
     run_to_pb,
 )
 from yieldloop.environment import Task
-from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError, invalid_field
+from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError, error_from_wire, invalid_field
 from yieldloop.retry import Backoff
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
@@ -177,26 +177,15 @@ async def _stream(call: Any) -> AsyncIterator[Any]:
         call.cancel()
 
 
-class EpisodeSession:
-    """One EnvService episode over a bidi stream: start, call tools, submit."""
+class _Episode:
+    """What an episode session offers (start, call tools, submit); subclasses carry its messages."""
 
-    def __init__(self, stub: env_grpc.EnvServiceStub, task: common_pb.Task, timeout: float | None) -> None:
-        self._call = stub.StreamEpisode(timeout=timeout)
-        self._status = _CallStatus(self._call)
-        self._task = task
-        self.started: env_pb.EpisodeStarted | None = None
+    _task: common_pb.Task
+    started: env_pb.EpisodeStarted | None
 
-    async def _exchange(self, request: env_pb.StreamEpisodeRequest) -> env_pb.StreamEpisodeResponse:
-        try:
-            await self._call.write(request)
-            response = await self._call.read()
-        except grpc.aio.AioRpcError as err:
-            raise await self._status.error(err) from None
-        except asyncio.InvalidStateError:  # the call already ended (deadline, server error): say how
-            raise await self._status.error() from None
-        if response is grpc.aio.EOF:  # a failed call raises from read(); EOF means an OK close
-            raise FailedPreconditionError("episode stream closed early", reason="EPISODE_PROTOCOL")
-        return response
+    async def _exchange(self, request: env_pb.StreamEpisodeRequest, last: bool = False) -> env_pb.StreamEpisodeResponse:
+        """Sends ``request`` and returns its response; ``last``: the episode ends with it (the submit)."""
+        raise NotImplementedError
 
     async def start(self) -> env_pb.EpisodeStarted:
         response = await self._exchange(env_pb.StreamEpisodeRequest(start=env_pb.StartEpisode(task=self._task)))
@@ -222,19 +211,164 @@ class EpisodeSession:
         request = env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(
             answer=answer, stop_reason=int(stop_reason), completion_token_ids=completion_token_ids
         ))
-        graded = (await self._exchange(request)).graded
-        await self._call.done_writing()  # the server ends the stream once we half-close
-        return graded
+        return (await self._exchange(request, last=True)).graded
 
     async def close(self) -> None:
-        self._call.cancel()
+        raise NotImplementedError
 
-    async def __aenter__(self) -> EpisodeSession:
+    async def __aenter__(self) -> _Episode:
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class EpisodeSession(_Episode):
+    """One EnvService episode over a bidi stream of its own: start, call tools, submit."""
+
+    def __init__(self, stub: env_grpc.EnvServiceStub, task: common_pb.Task, timeout: float | None) -> None:
+        self._call = stub.StreamEpisode(timeout=timeout)
+        self._status = _CallStatus(self._call)
+        self._task = task
+        self.started = None
+
+    async def _exchange(self, request: env_pb.StreamEpisodeRequest, last: bool = False) -> env_pb.StreamEpisodeResponse:
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as err:
+            raise await self._status.error(err) from None
+        except asyncio.InvalidStateError:  # the call already ended (deadline, server error): say how
+            raise await self._status.error() from None
+        if response is grpc.aio.EOF:  # a failed call raises from read(); EOF means an OK close
+            raise _closed_early()
+        if last:
+            await self._call.done_writing()  # the server ends the stream once we half-close
+        return response
+
+    async def close(self) -> None:
+        self._call.cancel()
+
+
+def _closed_early() -> FailedPreconditionError:
+    return FailedPreconditionError("episode stream closed early", reason="EPISODE_PROTOCOL")
+
+
+class _EpisodeStreams:
+    """Episodes multiplexed over one StreamEpisodes stream to one EnvService replica (see
+    ``Client(multiplex_episodes=True)``): frames that are ready together leave in one message; the stream
+    opens with the first episode and again after a failure (which fails the episodes open on it)."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+        self._call: Any = None
+        self._status: _CallStatus | None = None
+        self._sessions: dict[int, MultiplexedEpisode] = {}
+        self._tags = itertools.count(1)
+        self._out: list[env_pb.EpisodeRequestFrame] = []
+        self._ready = asyncio.Event()
+        self._tasks: tuple[asyncio.Task, ...] = ()
+
+    def open(self, session: MultiplexedEpisode) -> int:
+        """A tag for ``session`` on the current stream (opened here when there is none)."""
+        if self._call is None:
+            call = self._call = self._stub().StreamEpisodes()
+            self._status = _CallStatus(call)
+            self._tasks = (asyncio.create_task(self._write_loop(call)), asyncio.create_task(self._read_loop(call)))
+        tag = next(self._tags)
+        self._sessions[tag] = session
+        return tag
+
+    def send(self, frame: env_pb.EpisodeRequestFrame) -> None:
+        self._out.append(frame)
+        self._ready.set()
+
+    async def _write_loop(self, call: Any) -> None:
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._out:
+                    frames, self._out = self._out, []
+                    await call.write(env_pb.StreamEpisodesRequest(frames=frames))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the stream failed: the read loop reports it to every episode open on it
+
+    async def _read_loop(self, call: Any) -> None:
+        error: YieldloopError | None = None
+        try:
+            while (response := await call.read()) is not grpc.aio.EOF:
+                for frame in response.frames:
+                    session = self._sessions.get(frame.tag)
+                    if session is None:
+                        continue
+                    if frame.HasField("response"):
+                        session.deliver(frame.response)
+                    if frame.closed:
+                        del self._sessions[frame.tag]
+                        ended = error_from_wire(dict(code=frame.error.code, message=frame.error.message,
+                                                     reason=frame.error.reason, field=frame.error.field))
+                        session.ended(ended if frame.HasField("error") else None)
+            error = UnavailableError("EnvService ended the episode stream", reason="UNAVAILABLE")
+        except grpc.aio.AioRpcError as err:
+            error = await self._status.error(err)
+        finally:
+            if self._call is call:
+                self._call, self._out = None, []
+                self._tasks[0].cancel()
+            sessions, self._sessions = self._sessions, {}
+            for session in sessions.values():
+                session.ended(error or UnavailableError("the episode stream was closed", reason="UNAVAILABLE"))
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class MultiplexedEpisode(_Episode):
+    """One EnvService episode as a tag on a shared StreamEpisodes stream; the same methods and errors as
+    :class:`EpisodeSession`."""
+
+    def __init__(self, streams: _EpisodeStreams, task: common_pb.Task) -> None:
+        self._streams = streams
+        self._task = task
+        self._tag = 0
+        self._waiter: asyncio.Future | None = None
+        self._done = False  # the server closed the episode, or the client did
+        self._error: YieldloopError | None = None
+        self.started = None
+
+    def deliver(self, response: env_pb.StreamEpisodeResponse) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(response)
+
+    def ended(self, error: YieldloopError | None) -> None:
+        self._done, self._error = True, error
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(error or _closed_early())
+
+    async def _exchange(self, request: env_pb.StreamEpisodeRequest, last: bool = False) -> env_pb.StreamEpisodeResponse:
+        if self._done:
+            raise self._error or _closed_early()
+        if not self._tag:
+            self._tag = self._streams.open(self)
+        self._waiter = asyncio.get_running_loop().create_future()
+        # The submit carries the close (StreamEpisode's half-close): the episode ends with its grade.
+        self._streams.send(env_pb.EpisodeRequestFrame(tag=self._tag, request=request, close=last))
+        try:
+            return await self._waiter
+        finally:
+            self._waiter = None
+            self._done = self._done or last
+
+    async def close(self) -> None:
+        if self._tag and not self._done:
+            self._done = True
+            self._streams.send(env_pb.EpisodeRequestFrame(tag=self._tag, close=True))
 
 
 class _Keyed:
@@ -262,6 +396,9 @@ class Client:
         retry_within_s: How long calls that are safe to repeat (an OptimStep with its idempotency key, a
             CommitCheckpoint of the same manifest) are retried while their service is UNAVAILABLE (restarting),
             with backoff and jitter (:class:`yieldloop.retry.Backoff`); 0: never.
+        multiplex_episodes: Episodes without a timeout of their own share one StreamEpisodes stream per
+            EnvService replica instead of a StreamEpisode stream each (for many episodes at once: a stream costs
+            more than its messages); the same methods and errors either way.
     """
 
     def __init__(
@@ -275,8 +412,11 @@ class Client:
         transport: TransportConfig = DEFAULT_TRANSPORT,
         retry_within_s: float = 120.0,
         api_key: str | None = None,
+        multiplex_episodes: bool = False,
     ) -> None:
         self.timeout = timeout
+        self.multiplex_episodes = multiplex_episodes
+        self._episode_streams: dict[str, _EpisodeStreams] = {}
         self.transport = transport if api_key is None else dataclasses.replace(transport, api_key=api_key)
         self._metadata = (("authorization", f"Bearer {self.transport.api_key}"),) if self.transport.api_key else ()
         self.retry_within_s = retry_within_s
@@ -294,6 +434,7 @@ class Client:
         clone.transport = dataclasses.replace(self.transport, api_key=api_key)
         clone._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         clone._owns_channels = False
+        clone.multiplex_episodes, clone._episode_streams = False, {}  # a shared stream is one caller's
         return clone
 
     def has(self, service: str) -> bool:
@@ -330,9 +471,14 @@ class Client:
     @property
     def env_stub(self) -> env_grpc.EnvServiceStub:
         """A stub for the next EnvService replica (round robin)."""
+        return self._env_stub(self._next_env_address())
+
+    def _next_env_address(self) -> str:
         if not self._env_addresses:
-            return self._stub(env_grpc.EnvServiceStub, self._channel("env"))  # raises: no address
-        address = self._env_addresses[next(self._next_env) % len(self._env_addresses)]
+            self._channel("env")  # raises: no address
+        return self._env_addresses[next(self._next_env) % len(self._env_addresses)]
+
+    def _env_stub(self, address: str) -> env_grpc.EnvServiceStub:
         return self._stub(env_grpc.EnvServiceStub, self._channel("env", address))
 
     @property
@@ -350,6 +496,9 @@ class Client:
     async def close(self) -> None:
         if not self._owns_channels:
             return
+        for streams in self._episode_streams.values():
+            await streams.close()
+        self._episode_streams.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -365,9 +514,16 @@ class Client:
     async def list_scenarios(self, env: str = "") -> env_pb.ListScenariosResponse:
         return await _unary(self.env_stub.ListScenarios, env_pb.ListScenariosRequest(env=env), self.timeout)
 
-    def episode(self, task: Task | common_pb.Task, timeout: float | None = None) -> EpisodeSession:
-        """An episode session; ``async with client.episode(task) as ep`` starts it."""
-        return EpisodeSession(self.env_stub, task_to_proto(task), timeout)
+    def episode(self, task: Task | common_pb.Task, timeout: float | None = None) -> EpisodeSession | MultiplexedEpisode:
+        """An episode session; ``async with client.episode(task) as ep`` starts it. ``timeout`` bounds the
+        whole episode (its own stream's deadline; such an episode is never multiplexed)."""
+        address = self._next_env_address()
+        if self.multiplex_episodes and timeout is None:
+            streams = self._episode_streams.get(address)
+            if streams is None:
+                streams = self._episode_streams[address] = _EpisodeStreams(functools.partial(self._env_stub, address))
+            return MultiplexedEpisode(streams, task_to_proto(task))
+        return EpisodeSession(self._env_stub(address), task_to_proto(task), timeout)
 
     # RolloutService ----------------------------------------------------------------
 

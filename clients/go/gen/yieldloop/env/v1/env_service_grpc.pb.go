@@ -27,6 +27,13 @@ type EnvServiceClient interface {
 	// FAILED_PRECONDITION (ENVIRONMENT_ERROR: the scenario raised or broke the
 	// two-yield protocol); CANCELLED when the client goes away (teardown still runs).
 	StreamEpisode(ctx context.Context, opts ...grpc.CallOption) (EnvService_StreamEpisodeClient, error)
+	// Runs many episodes over one stream, each exactly as StreamEpisode runs one (the same messages, rules and
+	// errors), told apart by a tag the client picks: for a caller with many episodes open at once (a rollout
+	// batch), one stream instead of one per episode, and the frames that are ready together in one message.
+	// Returns: OK once the client half-closes (episodes still open are then cancelled; their teardown runs);
+	// UNAUTHENTICATED / PERMISSION_DENIED for the stream as a whole; INVALID_ARGUMENT (EPISODE_PROTOCOL) for a
+	// frame without a tag. Each episode's own outcome comes in its closing frame (EpisodeResponseFrame.closed).
+	StreamEpisodes(ctx context.Context, opts ...grpc.CallOption) (EnvService_StreamEpisodesClient, error)
 }
 
 type envServiceClient struct {
@@ -77,6 +84,37 @@ func (x *envServiceStreamEpisodeClient) Recv() (*StreamEpisodeResponse, error) {
 	return m, nil
 }
 
+func (c *envServiceClient) StreamEpisodes(ctx context.Context, opts ...grpc.CallOption) (EnvService_StreamEpisodesClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_EnvService_serviceDesc.Streams[1], "/yieldloop.env.v1.EnvService/StreamEpisodes", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &envServiceStreamEpisodesClient{stream}
+	return x, nil
+}
+
+type EnvService_StreamEpisodesClient interface {
+	Send(*StreamEpisodesRequest) error
+	Recv() (*StreamEpisodesResponse, error)
+	grpc.ClientStream
+}
+
+type envServiceStreamEpisodesClient struct {
+	grpc.ClientStream
+}
+
+func (x *envServiceStreamEpisodesClient) Send(m *StreamEpisodesRequest) error {
+	return x.ClientStream.SendMsg(m)
+}
+
+func (x *envServiceStreamEpisodesClient) Recv() (*StreamEpisodesResponse, error) {
+	m := new(StreamEpisodesResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 // EnvServiceServer is the server API for EnvService service.
 // All implementations must embed UnimplementedEnvServiceServer
 // for forward compatibility
@@ -91,6 +129,13 @@ type EnvServiceServer interface {
 	// FAILED_PRECONDITION (ENVIRONMENT_ERROR: the scenario raised or broke the
 	// two-yield protocol); CANCELLED when the client goes away (teardown still runs).
 	StreamEpisode(EnvService_StreamEpisodeServer) error
+	// Runs many episodes over one stream, each exactly as StreamEpisode runs one (the same messages, rules and
+	// errors), told apart by a tag the client picks: for a caller with many episodes open at once (a rollout
+	// batch), one stream instead of one per episode, and the frames that are ready together in one message.
+	// Returns: OK once the client half-closes (episodes still open are then cancelled; their teardown runs);
+	// UNAUTHENTICATED / PERMISSION_DENIED for the stream as a whole; INVALID_ARGUMENT (EPISODE_PROTOCOL) for a
+	// frame without a tag. Each episode's own outcome comes in its closing frame (EpisodeResponseFrame.closed).
+	StreamEpisodes(EnvService_StreamEpisodesServer) error
 	mustEmbedUnimplementedEnvServiceServer()
 }
 
@@ -103,6 +148,9 @@ func (UnimplementedEnvServiceServer) ListScenarios(context.Context, *ListScenari
 }
 func (UnimplementedEnvServiceServer) StreamEpisode(EnvService_StreamEpisodeServer) error {
 	return status.Errorf(codes.Unimplemented, "method StreamEpisode not implemented")
+}
+func (UnimplementedEnvServiceServer) StreamEpisodes(EnvService_StreamEpisodesServer) error {
+	return status.Errorf(codes.Unimplemented, "method StreamEpisodes not implemented")
 }
 func (UnimplementedEnvServiceServer) mustEmbedUnimplementedEnvServiceServer() {}
 
@@ -161,6 +209,32 @@ func (x *envServiceStreamEpisodeServer) Recv() (*StreamEpisodeRequest, error) {
 	return m, nil
 }
 
+func _EnvService_StreamEpisodes_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(EnvServiceServer).StreamEpisodes(&envServiceStreamEpisodesServer{stream})
+}
+
+type EnvService_StreamEpisodesServer interface {
+	Send(*StreamEpisodesResponse) error
+	Recv() (*StreamEpisodesRequest, error)
+	grpc.ServerStream
+}
+
+type envServiceStreamEpisodesServer struct {
+	grpc.ServerStream
+}
+
+func (x *envServiceStreamEpisodesServer) Send(m *StreamEpisodesResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
+func (x *envServiceStreamEpisodesServer) Recv() (*StreamEpisodesRequest, error) {
+	m := new(StreamEpisodesRequest)
+	if err := x.ServerStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 var _EnvService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "yieldloop.env.v1.EnvService",
 	HandlerType: (*EnvServiceServer)(nil),
@@ -174,6 +248,12 @@ var _EnvService_serviceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "StreamEpisode",
 			Handler:       _EnvService_StreamEpisode_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+		{
+			StreamName:    "StreamEpisodes",
+			Handler:       _EnvService_StreamEpisodes_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
 		},

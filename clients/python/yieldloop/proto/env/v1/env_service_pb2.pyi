@@ -114,3 +114,49 @@ class StreamEpisodeResponse(_message.Message):
     tool_result: ToolResult
     graded: EpisodeGraded
     def __init__(self, started: _Optional[_Union[EpisodeStarted, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResult, _Mapping]] = ..., graded: _Optional[_Union[EpisodeGraded, _Mapping]] = ...) -> None: ...
+
+class StreamEpisodesRequest(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[EpisodeRequestFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[EpisodeRequestFrame, _Mapping]]] = ...) -> None: ...
+
+class EpisodeRequestFrame(_message.Message):
+    __slots__ = ("tag", "request", "close")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    request: StreamEpisodeRequest
+    close: bool
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[StreamEpisodeRequest, _Mapping]] = ..., close: _Optional[bool] = ...) -> None: ...
+
+class StreamEpisodesResponse(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[EpisodeResponseFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[EpisodeResponseFrame, _Mapping]]] = ...) -> None: ...
+
+class EpisodeResponseFrame(_message.Message):
+    __slots__ = ("tag", "response", "closed", "error")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    response: StreamEpisodeResponse
+    closed: bool
+    error: EpisodeError
+    def __init__(self, tag: _Optional[int] = ..., response: _Optional[_Union[StreamEpisodeResponse, _Mapping]] = ..., closed: _Optional[bool] = ..., error: _Optional[_Union[EpisodeError, _Mapping]] = ...) -> None: ...
+
+class EpisodeError(_message.Message):
+    __slots__ = ("code", "message", "reason", "field")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    reason: str
+    field: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...

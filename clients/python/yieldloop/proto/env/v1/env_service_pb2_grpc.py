@@ -47,6 +47,11 @@ class EnvServiceStub:
                 request_serializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodeRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodeResponse.FromString,
                 _registered_method=True)
+        self.StreamEpisodes = channel.stream_stream(
+                '/yieldloop.env.v1.EnvService/StreamEpisodes',
+                request_serializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodesRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodesResponse.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -75,6 +80,18 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamEpisodes(self, request_iterator, context):
+        """Runs many episodes over one stream, each exactly as StreamEpisode runs one (the same messages, rules and
+        errors), told apart by a tag the client picks: for a caller with many episodes open at once (a rollout
+        batch), one stream instead of one per episode, and the frames that are ready together in one message.
+        Returns: OK once the client half-closes (episodes still open are then cancelled; their teardown runs);
+        UNAUTHENTICATED / PERMISSION_DENIED for the stream as a whole; INVALID_ARGUMENT (EPISODE_PROTOCOL) for a
+        frame without a tag. Each episode's own outcome comes in its closing frame (EpisodeResponseFrame.closed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -87,6 +104,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.StreamEpisode,
                     request_deserializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodeRequest.FromString,
                     response_serializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodeResponse.SerializeToString,
+            ),
+            'StreamEpisodes': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamEpisodes,
+                    request_deserializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodesRequest.FromString,
+                    response_serializer=yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -146,6 +168,33 @@ class EnvService:
             '/yieldloop.env.v1.EnvService/StreamEpisode',
             yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodeRequest.SerializeToString,
             yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamEpisodes(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/yieldloop.env.v1.EnvService/StreamEpisodes',
+            yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodesRequest.SerializeToString,
+            yieldloop_dot_env_dot_v1_dot_env__service__pb2.StreamEpisodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file yieldloop/env/v1/env_service.proto.
  */
 export const file_yieldloop_env_v1_env_service: GenFile = /*@__PURE__*/
-  fileDesc("CiJ5aWVsZGxvb3AvZW52L3YxL2Vudl9zZXJ2aWNlLnByb3RvEhB5aWVsZGxvb3AuZW52LnYxIiMKFExpc3RTY2VuYXJpb3NSZXF1ZXN0EgsKA2VudhgBIAEoCSJYCgxTY2VuYXJpb1NwZWMSCwoDZW52GAEgASgJEgwKBG5hbWUYAiABKAkSEwoLZGVzY3JpcHRpb24YAyABKAkSGAoQYXJnc19qc29uX3NjaGVtYRgEIAEoCSJ4ChVMaXN0U2NlbmFyaW9zUmVzcG9uc2USMQoJc2NlbmFyaW9zGAEgAygLMh4ueWllbGRsb29wLmVudi52MS5TY2VuYXJpb1NwZWMSLAoFdG9vbHMYAiADKAsyHS55aWVsZGxvb3AuY29tbW9uLnYxLlRvb2xTcGVjIksKDFN0YXJ0RXBpc29kZRInCgR0YXNrGAEgASgLMhkueWllbGRsb29wLmNvbW1vbi52MS5UYXNrEhIKCmVwaXNvZGVfaWQYAiABKAkiXAoIQ2FsbFRvb2wSDwoHY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJEhkKEWVycm9yc19hc19yZXN1bHRzGAQgASgIInIKDFN1Ym1pdEFuc3dlchIOCgZhbnN3ZXIYASABKAkSNAoLc3RvcF9yZWFzb24YAiABKA4yHy55aWVsZGxvb3AuY29tbW9uLnYxLlN0b3BSZWFzb24SHAoUY29tcGxldGlvbl90b2tlbl9pZHMYAyADKAUitAEKFFN0cmVhbUVwaXNvZGVSZXF1ZXN0Ei8KBXN0YXJ0GAEgASgLMh4ueWllbGRsb29wLmVudi52MS5TdGFydEVwaXNvZGVIABIvCgljYWxsX3Rvb2wYAiABKAsyGi55aWVsZGxvb3AuZW52LnYxLkNhbGxUb29sSAASMAoGc3VibWl0GAMgASgLMh4ueWllbGRsb29wLmVudi52MS5TdWJtaXRBbnN3ZXJIAEIICgZhY3Rpb24iqAEKDkVwaXNvZGVTdGFydGVkEhIKCmVwaXNvZGVfaWQYASABKAkSDgoGcHJvbXB0GAIgASgJEjIKCG1lc3NhZ2VzGAMgAygLMiAueWllbGRsb29wLmNvbW1vbi52MS5DaGF0TWVzc2FnZRIsCgV0b29scxgEIAMoCzIdLnlpZWxkbG9vcC5jb21tb24udjEuVG9vbFNwZWMSEAoIcmF3X3RleHQYBSABKAgiQAoKVG9vbFJlc3VsdBIPCgdjYWxsX2lkGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSEAoIaXNfZXJyb3IYAyABKAgiMgoNRXBpc29kZUdyYWRlZBIOCgZyZXdhcmQYASABKAESEQoJaW5mb19qc29uGAIgASgJIr0BChVTdHJlYW1FcGlzb2RlUmVzcG9uc2USMwoHc3RhcnRlZBgBIAEoCzIgLnlpZWxkbG9vcC5lbnYudjEuRXBpc29kZVN0YXJ0ZWRIABIzCgt0b29sX3Jlc3VsdBgCIAEoCzIcLnlpZWxkbG9vcC5lbnYudjEuVG9vbFJlc3VsdEgAEjEKBmdyYWRlZBgDIAEoCzIfLnlpZWxkbG9vcC5lbnYudjEuRXBpc29kZUdyYWRlZEgAQgcKBWV2ZW50MtQBCgpFbnZTZXJ2aWNlEmAKDUxpc3RTY2VuYXJpb3MSJi55aWVsZGxvb3AuZW52LnYxLkxpc3RTY2VuYXJpb3NSZXF1ZXN0GicueWllbGRsb29wLmVudi52MS5MaXN0U2NlbmFyaW9zUmVzcG9uc2USZAoNU3RyZWFtRXBpc29kZRImLnlpZWxkbG9vcC5lbnYudjEuU3RyZWFtRXBpc29kZVJlcXVlc3QaJy55aWVsZGxvb3AuZW52LnYxLlN0cmVhbUVwaXNvZGVSZXNwb25zZSgBMAFiBnByb3RvMw", [file_yieldloop_common_v1_common]);
+  fileDesc("CiJ5aWVsZGxvb3AvZW52L3YxL2Vudl9zZXJ2aWNlLnByb3RvEhB5aWVsZGxvb3AuZW52LnYxIiMKFExpc3RTY2VuYXJpb3NSZXF1ZXN0EgsKA2VudhgBIAEoCSJYCgxTY2VuYXJpb1NwZWMSCwoDZW52GAEgASgJEgwKBG5hbWUYAiABKAkSEwoLZGVzY3JpcHRpb24YAyABKAkSGAoQYXJnc19qc29uX3NjaGVtYRgEIAEoCSJ4ChVMaXN0U2NlbmFyaW9zUmVzcG9uc2USMQoJc2NlbmFyaW9zGAEgAygLMh4ueWllbGRsb29wLmVudi52MS5TY2VuYXJpb1NwZWMSLAoFdG9vbHMYAiADKAsyHS55aWVsZGxvb3AuY29tbW9uLnYxLlRvb2xTcGVjIksKDFN0YXJ0RXBpc29kZRInCgR0YXNrGAEgASgLMhkueWllbGRsb29wLmNvbW1vbi52MS5UYXNrEhIKCmVwaXNvZGVfaWQYAiABKAkiXAoIQ2FsbFRvb2wSDwoHY2FsbF9pZBgBIAEoCRIMCgRuYW1lGAIgASgJEhYKDmFyZ3VtZW50c19qc29uGAMgASgJEhkKEWVycm9yc19hc19yZXN1bHRzGAQgASgIInIKDFN1Ym1pdEFuc3dlchIOCgZhbnN3ZXIYASABKAkSNAoLc3RvcF9yZWFzb24YAiABKA4yHy55aWVsZGxvb3AuY29tbW9uLnYxLlN0b3BSZWFzb24SHAoUY29tcGxldGlvbl90b2tlbl9pZHMYAyADKAUitAEKFFN0cmVhbUVwaXNvZGVSZXF1ZXN0Ei8KBXN0YXJ0GAEgASgLMh4ueWllbGRsb29wLmVudi52MS5TdGFydEVwaXNvZGVIABIvCgljYWxsX3Rvb2wYAiABKAsyGi55aWVsZGxvb3AuZW52LnYxLkNhbGxUb29sSAASMAoGc3VibWl0GAMgASgLMh4ueWllbGRsb29wLmVudi52MS5TdWJtaXRBbnN3ZXJIAEIICgZhY3Rpb24iqAEKDkVwaXNvZGVTdGFydGVkEhIKCmVwaXNvZGVfaWQYASABKAkSDgoGcHJvbXB0GAIgASgJEjIKCG1lc3NhZ2VzGAMgAygLMiAueWllbGRsb29wLmNvbW1vbi52MS5DaGF0TWVzc2FnZRIsCgV0b29scxgEIAMoCzIdLnlpZWxkbG9vcC5jb21tb24udjEuVG9vbFNwZWMSEAoIcmF3X3RleHQYBSABKAgiQAoKVG9vbFJlc3VsdBIPCgdjYWxsX2lkGAEgASgJEg8KB2NvbnRlbnQYAiABKAkSEAoIaXNfZXJyb3IYAyABKAgiMgoNRXBpc29kZUdyYWRlZBIOCgZyZXdhcmQYASABKAESEQoJaW5mb19qc29uGAIgASgJIr0BChVTdHJlYW1FcGlzb2RlUmVzcG9uc2USMwoHc3RhcnRlZBgBIAEoCzIgLnlpZWxkbG9vcC5lbnYudjEuRXBpc29kZVN0YXJ0ZWRIABIzCgt0b29sX3Jlc3VsdBgCIAEoCzIcLnlpZWxkbG9vcC5lbnYudjEuVG9vbFJlc3VsdEgAEjEKBmdyYWRlZBgDIAEoCzIfLnlpZWxkbG9vcC5lbnYudjEuRXBpc29kZUdyYWRlZEgAQgcKBWV2ZW50Ik4KFVN0cmVhbUVwaXNvZGVzUmVxdWVzdBI1CgZmcmFtZXMYASADKAsyJS55aWVsZGxvb3AuZW52LnYxLkVwaXNvZGVSZXF1ZXN0RnJhbWUiagoTRXBpc29kZVJlcXVlc3RGcmFtZRILCgN0YWcYASABKAQSNwoHcmVxdWVzdBgCIAEoCzImLnlpZWxkbG9vcC5lbnYudjEuU3RyZWFtRXBpc29kZVJlcXVlc3QSDQoFY2xvc2UYAyABKAgiUAoWU3RyZWFtRXBpc29kZXNSZXNwb25zZRI2CgZmcmFtZXMYASADKAsyJi55aWVsZGxvb3AuZW52LnYxLkVwaXNvZGVSZXNwb25zZUZyYW1lIp0BChRFcGlzb2RlUmVzcG9uc2VGcmFtZRILCgN0YWcYASABKAQSOQoIcmVzcG9uc2UYAiABKAsyJy55aWVsZGxvb3AuZW52LnYxLlN0cmVhbUVwaXNvZGVSZXNwb25zZRIOCgZjbG9zZWQYAyABKAgSLQoFZXJyb3IYBCABKAsyHi55aWVsZGxvb3AuZW52LnYxLkVwaXNvZGVFcnJvciJMCgxFcGlzb2RlRXJyb3ISDAoEY29kZRgBIAEoCRIPCgdtZXNzYWdlGAIgASgJEg4KBnJlYXNvbhgDIAEoCRINCgVmaWVsZBgEIAEoCTK9AgoKRW52U2VydmljZRJgCg1MaXN0U2NlbmFyaW9zEiYueWllbGRsb29wLmVudi52MS5MaXN0U2NlbmFyaW9zUmVxdWVzdBonLnlpZWxkbG9vcC5lbnYudjEuTGlzdFNjZW5hcmlvc1Jlc3BvbnNlEmQKDVN0cmVhbUVwaXNvZGUSJi55aWVsZGxvb3AuZW52LnYxLlN0cmVhbUVwaXNvZGVSZXF1ZXN0GicueWllbGRsb29wLmVudi52MS5TdHJlYW1FcGlzb2RlUmVzcG9uc2UoATABEmcKDlN0cmVhbUVwaXNvZGVzEicueWllbGRsb29wLmVudi52MS5TdHJlYW1FcGlzb2Rlc1JlcXVlc3QaKC55aWVsZGxvb3AuZW52LnYxLlN0cmVhbUVwaXNvZGVzUmVzcG9uc2UoATABYgZwcm90bzM", [file_yieldloop_common_v1_common]);
 
 /**
  * @generated from message yieldloop.env.v1.ListScenariosRequest
@@ -360,6 +360,152 @@ export const StreamEpisodeResponseSchema: GenMessage<StreamEpisodeResponse> = /*
   messageDesc(file_yieldloop_env_v1_env_service, 10);
 
 /**
+ * @generated from message yieldloop.env.v1.StreamEpisodesRequest
+ */
+export type StreamEpisodesRequest = Message<"yieldloop.env.v1.StreamEpisodesRequest"> & {
+  /**
+   * @generated from field: repeated yieldloop.env.v1.EpisodeRequestFrame frames = 1;
+   */
+  frames: EpisodeRequestFrame[];
+};
+
+/**
+ * Describes the message yieldloop.env.v1.StreamEpisodesRequest.
+ * Use `create(StreamEpisodesRequestSchema)` to create a new message.
+ */
+export const StreamEpisodesRequestSchema: GenMessage<StreamEpisodesRequest> = /*@__PURE__*/
+  messageDesc(file_yieldloop_env_v1_env_service, 11);
+
+/**
+ * @generated from message yieldloop.env.v1.EpisodeRequestFrame
+ */
+export type EpisodeRequestFrame = Message<"yieldloop.env.v1.EpisodeRequestFrame"> & {
+  /**
+   * The client's id for the episode (not 0), unique among its open episodes on this stream; a tag may be
+   * used again once its episode closed.
+   *
+   * @generated from field: uint64 tag = 1;
+   */
+  tag: bigint;
+
+  /**
+   * The episode's next StreamEpisode message; the first frame of a tag opens the episode (start).
+   *
+   * @generated from field: yieldloop.env.v1.StreamEpisodeRequest request = 2;
+   */
+  request?: StreamEpisodeRequest | undefined;
+
+  /**
+   * The client is done with the episode: after its graded answer this is StreamEpisode's half-close; before
+   * it the episode is cancelled as if its stream had gone (its teardown still runs). Sent with or without
+   * a request.
+   *
+   * @generated from field: bool close = 3;
+   */
+  close: boolean;
+};
+
+/**
+ * Describes the message yieldloop.env.v1.EpisodeRequestFrame.
+ * Use `create(EpisodeRequestFrameSchema)` to create a new message.
+ */
+export const EpisodeRequestFrameSchema: GenMessage<EpisodeRequestFrame> = /*@__PURE__*/
+  messageDesc(file_yieldloop_env_v1_env_service, 12);
+
+/**
+ * @generated from message yieldloop.env.v1.StreamEpisodesResponse
+ */
+export type StreamEpisodesResponse = Message<"yieldloop.env.v1.StreamEpisodesResponse"> & {
+  /**
+   * @generated from field: repeated yieldloop.env.v1.EpisodeResponseFrame frames = 1;
+   */
+  frames: EpisodeResponseFrame[];
+};
+
+/**
+ * Describes the message yieldloop.env.v1.StreamEpisodesResponse.
+ * Use `create(StreamEpisodesResponseSchema)` to create a new message.
+ */
+export const StreamEpisodesResponseSchema: GenMessage<StreamEpisodesResponse> = /*@__PURE__*/
+  messageDesc(file_yieldloop_env_v1_env_service, 13);
+
+/**
+ * @generated from message yieldloop.env.v1.EpisodeResponseFrame
+ */
+export type EpisodeResponseFrame = Message<"yieldloop.env.v1.EpisodeResponseFrame"> & {
+  /**
+   * @generated from field: uint64 tag = 1;
+   */
+  tag: bigint;
+
+  /**
+   * The episode's next StreamEpisode response (unset in a closing frame).
+   *
+   * @generated from field: yieldloop.env.v1.StreamEpisodeResponse response = 2;
+   */
+  response?: StreamEpisodeResponse | undefined;
+
+  /**
+   * The episode ended and its teardown ran; with `error` unset it ended as StreamEpisode ends OK.
+   *
+   * @generated from field: bool closed = 3;
+   */
+  closed: boolean;
+
+  /**
+   * Why the episode failed: the status StreamEpisode would have ended with.
+   *
+   * @generated from field: yieldloop.env.v1.EpisodeError error = 4;
+   */
+  error?: EpisodeError | undefined;
+};
+
+/**
+ * Describes the message yieldloop.env.v1.EpisodeResponseFrame.
+ * Use `create(EpisodeResponseFrameSchema)` to create a new message.
+ */
+export const EpisodeResponseFrameSchema: GenMessage<EpisodeResponseFrame> = /*@__PURE__*/
+  messageDesc(file_yieldloop_env_v1_env_service, 14);
+
+/**
+ * @generated from message yieldloop.env.v1.EpisodeError
+ */
+export type EpisodeError = Message<"yieldloop.env.v1.EpisodeError"> & {
+  /**
+   * The google.rpc.Code name ("INVALID_ARGUMENT", "DEADLINE_EXCEEDED", ...).
+   *
+   * @generated from field: string code = 1;
+   */
+  code: string;
+
+  /**
+   * @generated from field: string message = 2;
+   */
+  message: string;
+
+  /**
+   * The yieldloop.common.v1.ErrorReason name (google.rpc.ErrorInfo.reason on a stream of its own).
+   *
+   * @generated from field: string reason = 3;
+   */
+  reason: string;
+
+  /**
+   * The request field at fault, when one is (e.g. "start.task.args_json").
+   *
+   * @generated from field: string field = 4;
+   */
+  field: string;
+};
+
+/**
+ * Describes the message yieldloop.env.v1.EpisodeError.
+ * Use `create(EpisodeErrorSchema)` to create a new message.
+ */
+export const EpisodeErrorSchema: GenMessage<EpisodeError> = /*@__PURE__*/
+  messageDesc(file_yieldloop_env_v1_env_service, 15);
+
+/**
  * Serves the environments loaded into this process. One StreamEpisode stream
  * is one isolated episode: its scenario generator, tools and state live and
  * die with the stream.
@@ -392,6 +538,21 @@ export const EnvService: GenService<{
     methodKind: "bidi_streaming";
     input: typeof StreamEpisodeRequestSchema;
     output: typeof StreamEpisodeResponseSchema;
+  },
+  /**
+   * Runs many episodes over one stream, each exactly as StreamEpisode runs one (the same messages, rules and
+   * errors), told apart by a tag the client picks: for a caller with many episodes open at once (a rollout
+   * batch), one stream instead of one per episode, and the frames that are ready together in one message.
+   * Returns: OK once the client half-closes (episodes still open are then cancelled; their teardown runs);
+   * UNAUTHENTICATED / PERMISSION_DENIED for the stream as a whole; INVALID_ARGUMENT (EPISODE_PROTOCOL) for a
+   * frame without a tag. Each episode's own outcome comes in its closing frame (EpisodeResponseFrame.closed).
+   *
+   * @generated from rpc yieldloop.env.v1.EnvService.StreamEpisodes
+   */
+  streamEpisodes: {
+    methodKind: "bidi_streaming";
+    input: typeof StreamEpisodesRequestSchema;
+    output: typeof StreamEpisodesResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_yieldloop_env_v1_env_service, 0);
