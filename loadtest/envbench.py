@@ -7,7 +7,10 @@ machine, it measures two references with the same message pattern:
 - ``echo``: a bare ``grpc.aio`` bidi server that echoes the very same request bytes;
 
 and our EnvService twice: environment code in the service's process (``ours``) and in worker processes
-(``ours-workers``). Servers run in their own processes (loopback only) so their memory is measured alone.
+(``ours-workers``). Then the same episodes multiplexed over one StreamEpisodes stream per client
+(``Client(multiplex_episodes=True)``, as RolloutService opens them): ``echo-multiplexed``, the echo server
+answering each frame with an empty response frame (no episode work), and ``ours-multiplexed`` (in-process
+environment code). Servers run in their own processes (loopback only) so their memory is measured alone.
 
 Modes: ``saturation`` (no think time) and ``agent-pace`` (each agent waits 0.5-1.5 s before each call).
 
@@ -39,7 +42,10 @@ import grpc
 
 ECHO_SERVICE = "yieldloop.loadtest.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"
-RUNS = ("inprocess", "echo", "ours", "ours-workers")
+RUNS = ("inprocess", "echo", "ours", "ours-workers", "echo-multiplexed", "ours-multiplexed")
+# What each run is compared with (per round): the echo of its own protocol, and the per-stream echo.
+BASES = {"ours": ("echo", "inprocess"), "ours-workers": ("echo", "inprocess"),
+         "ours-multiplexed": ("echo-multiplexed", "echo", "inprocess")}
 
 
 # Measuring -------------------------------------------------------------------------------------------
@@ -126,14 +132,30 @@ async def echo_server(ready_file: pathlib.Path) -> None:
         async for request in request_iterator:
             yield request
 
+    from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
+
+    async def frames(request_iterator: Any, context: Any) -> Any:  # StreamEpisodes, no episode behind it
+        empty = env_pb.StreamEpisodeResponse()
+        async for request in request_iterator:
+            yield env_pb.StreamEpisodesResponse(frames=[
+                env_pb.EpisodeResponseFrame(tag=f.tag, closed=f.close, response=empty if f.HasField("request") else None)
+                for f in request.frames
+            ])
+
     message = _message_type()
     method = grpc.stream_stream_rpc_method_handler(
         stream, request_deserializer=message.FromString, response_serializer=message.SerializeToString
     )
+    multiplexed = grpc.stream_stream_rpc_method_handler(
+        frames, request_deserializer=env_pb.StreamEpisodesRequest.FromString,
+        response_serializer=env_pb.StreamEpisodesResponse.SerializeToString,
+    )
     # The same transport settings as our services: the comparison is about what happens per message.
     server = grpc.aio.server(options=TransportConfig().server_options())
     handler = grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Stream": method})
-    server.add_generic_rpc_handlers((handler,))
+    # Where Client(multiplex_episodes=True) calls it.
+    env_handler = grpc.method_handlers_generic_handler("yieldloop.env.v1.EnvService", {"StreamEpisodes": multiplexed})
+    server.add_generic_rpc_handlers((handler, env_handler))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     ready_file.write_text(json.dumps({"address": f"127.0.0.1:{port}"}))
@@ -198,7 +220,8 @@ async def think(pace: tuple[float, float] | None) -> None:
         await asyncio.sleep(random.uniform(*pace))
 
 
-async def our_agent(client: Any, calls: int, pace: tuple[float, float] | None, stats: Stats) -> None:
+async def our_agent(client: Any, calls: int, pace: tuple[float, float] | None, stats: Stats, graded: bool = True) -> None:
+    """One episode through the client (``graded=False``: against the echo, which grades nothing)."""
     from yieldloop.proto.common.v1 import common_pb2 as common_pb
 
     episode = client.episode(common_pb.Task(env="bench", scenario="walk", args_json=json.dumps({"n": calls})))
@@ -213,8 +236,8 @@ async def our_agent(client: Any, calls: int, pace: tuple[float, float] | None, s
             if result.is_error:
                 stats.errors["tool_error"] += 1
         await think(pace)
-        graded = await episode.submit(str(calls))
-        if graded.reward != 1.0:
+        grade = await episode.submit(str(calls))
+        if graded and grade.reward != 1.0:
             stats.errors["wrong_reward"] += 1
         else:
             stats.episodes_ok += 1
@@ -324,10 +347,11 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
     return result
 
 
-def make_clients(address: str, episodes: int, streams_per_channel: int) -> list[Any]:
+def make_clients(address: str, episodes: int, streams_per_channel: int, multiplex: bool = False) -> list[Any]:
     from yieldloop.client import Client
 
-    return [Client(env=address) for _ in range(max(1, math.ceil(episodes / streams_per_channel)))]
+    count = max(1, math.ceil(episodes / streams_per_channel))
+    return [Client(env=address, multiplex_episodes=multiplex) for _ in range(count)]
 
 
 def rate_key(calls: int) -> str:
@@ -383,11 +407,11 @@ async def bench(args: argparse.Namespace) -> dict:
             for channel in channels:
                 await channel.close()
 
-    async def ours(server: ServerProcess) -> dict:
-        clients, stats = make_clients(server.address, args.episodes, args.streams_per_channel), Stats()
+    async def ours(server: ServerProcess, multiplex: bool = False, graded: bool = True) -> dict:
+        clients, stats = make_clients(server.address, args.episodes, args.streams_per_channel, multiplex), Stats()
         try:
             return await run_agents(
-                lambda i: our_agent(clients[i % len(clients)], args.calls, pace, stats),
+                lambda i: our_agent(clients[i % len(clients)], args.calls, pace, stats, graded),
                 args.episodes, args.timeout, server, stats,
             )
         finally:
@@ -410,14 +434,16 @@ async def bench(args: argparse.Namespace) -> dict:
             rounds["echo"].append(await echo(echo_server))
             rounds["ours"].append(await ours(ours_server))
             rounds["ours-workers"].append(await ours(workers_server))
+            rounds["echo-multiplexed"].append(await ours(echo_server, multiplex=True, graded=False))
+            rounds["ours-multiplexed"].append(await ours(ours_server, multiplex=True))
 
     results: dict[str, Any] = {
         "mode": args.mode, "episodes": args.episodes, "calls_per_episode": args.calls, "rounds": args.rounds,
     }
     key = rate_key(args.calls)
     results.update({name: median_round(runs, key) for name, runs in rounds.items()})
-    for name in ("ours", "ours-workers"):
-        for base in ("echo", "inprocess"):
+    for name, bases in BASES.items():
+        for base in bases:
             per_round = [
                 ours_run[key] / base_run[key] for ours_run, base_run in zip(rounds[name], rounds[base]) if base_run[key]
             ]
@@ -433,8 +459,8 @@ def print_results(results: dict) -> None:
         f"rounds={results['rounds']} (the median round of each run; ratios, of {per}s/s, are medians of per-round ratios)"
     )
     header = (
-        f"{'run':<14}{'eps/s':>9}{'calls/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}"
-        f"{'RSS MB before/peak/after':>27}{'KB/ep':>8}{f'CPU us/{per} srv+cli':>24}{'vs echo':>9}{'vs inproc':>10}"
+        f"{'run':<18}{'eps/s':>9}{'calls/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}"
+        f"{'RSS MB before/peak/after':>27}{'KB/ep':>8}{f'CPU us/{per} srv+cli':>24}{'vs echo':>9}{'vs echo-mux':>12}{'vs inproc':>10}"
     )
     print(header)
     for name in RUNS:
@@ -443,15 +469,17 @@ def print_results(results: dict) -> None:
         rss_text = f"{rss['before']}/{rss['peak']}/{rss['after']}" if rss else "-"
         cpu = f"{r.get(f'server_cpu_us_per_{per}', 0):.0f}+{r[f'client_cpu_us_per_{per}']:.0f}"
         print(
-            f"{name:<14}{r['episodes_per_s']:>9}{r['tool_calls_per_s']:>10}{r['latency_ms']['p50']:>9}"
+            f"{name:<18}{r['episodes_per_s']:>9}{r['tool_calls_per_s']:>10}{r['latency_ms']['p50']:>9}"
             f"{r['latency_ms']['p95']:>9}{r['latency_ms']['p99']:>9}{r['num_errors']:>8}{rss_text:>27}"
-            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{cpu:>24}{str(r.get('rate_vs_echo', '-')):>9}"
+            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{cpu:>24}{str(r.get('rate_vs_echo', '-')):>9}{str(r.get('rate_vs_echo-multiplexed', '-')):>12}"
             f"{str(r.get('rate_vs_inprocess', '-')):>10}"
         )
     for name in RUNS:
         line = f"  {name}: {per}s/s by round {results[name]['rounds_rate']}"
         if "rounds_vs_echo" in results[name]:
             line += f", vs echo by round {results[name]['rounds_vs_echo']}"
+        if "rounds_vs_echo-multiplexed" in results[name]:
+            line += f", vs echo-multiplexed by round {results[name]['rounds_vs_echo-multiplexed']}"
         print(line)
     for name in RUNS:
         if results[name]["errors"]:

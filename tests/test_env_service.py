@@ -359,10 +359,11 @@ def test_load_harness_small_run(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     figures = json.loads(out.read_text())
-    for run in ("inprocess", "echo", "ours", "ours-workers"):
+    for run in ("inprocess", "echo", "ours", "ours-workers", "echo-multiplexed", "ours-multiplexed"):
         assert figures[run]["num_errors"] == 0, (run, figures[run]["errors"])
         assert figures[run]["episodes_ok"] == 128 and figures[run]["tool_calls"] == 128 * 8
         assert figures[run]["latency_ms"]["p99"] >= figures[run]["latency_ms"]["p50"] >= 0
-    for run in ("ours", "ours-workers"):
+    for run in ("ours", "ours-workers", "ours-multiplexed"):
         assert figures[run]["rate_vs_echo"] > 0 and figures[run]["server_rss_mb"]["peak"] > 0
+    assert figures["ours-multiplexed"]["rate_vs_echo-multiplexed"] > 0
     assert "calls/s" in result.stdout and "vs echo" in result.stdout
