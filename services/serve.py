@@ -58,7 +58,8 @@ def traced_transport(service: str, transport: TransportConfig, record_spans_url:
         return transport
     return dataclasses.replace(
         transport, server_interceptors=(telemetry.Tracing(), *transport.server_interceptors),
-        client_interceptors=(*telemetry.client_interceptors(), *transport.client_interceptors))
+        client_interceptors=(*telemetry.client_interceptors(), *transport.client_interceptors),
+        trace_context=telemetry.inject)
 
 
 def _use_torch_threads(opts: ServeOptions) -> None:

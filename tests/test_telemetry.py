@@ -72,7 +72,7 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
                                                          runs[0].trace_id], capture_output=True, text=True, env=env)
         assert shown.returncode == 0, shown.stderr
         timeline = shown.stdout[shown.stdout.index("spans ("):]
-        for name in ("episode [rollout]", "generate [rollout]", "EnvService/StreamEpisode [env]",
+        for name in ("episode [rollout]", "generate [rollout]", "EnvService/StreamEpisodes [env]",
                      "grade [env]", "env-worker submit [env-worker]"):
             assert name in timeline, timeline
         scraped = {}  # each service's Prometheus endpoint (its address in the ready file)
@@ -93,7 +93,7 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
     for run in runs:
         spans = by_trace[run.trace_id]  # the Run's trace id is its episode's trace
         names = {s.name for _, s in spans}
-        assert {"episode", "generate", "yieldloop.env.v1.EnvService/StreamEpisode", "grade"} <= names, names
+        assert {"episode", "generate", "yieldloop.env.v1.EnvService/StreamEpisodes", "grade"} <= names, names
         ids = {s.span_id for _, s in spans}
         root = [s for _, s in spans if s.name == "episode"][0]
         assert root.span_id.hex() == run.trace_id[16:] and not root.parent_span_id

@@ -444,7 +444,7 @@ class Tracing:
 
     @contextlib.asynccontextmanager
     async def intercept(self, call: CallInfo) -> AsyncIterator[None]:
-        from opentelemetry import propagate, trace
+        from opentelemetry import propagate
 
         from yieldloop_server.common.auth import OPEN_METHODS
 
@@ -453,16 +453,6 @@ class Tracing:
             return
 
         parent = propagate.extract(call.metadata, getter=_MetadataGetter())
-        if _unsampled_parent(parent):  # the caller's trace is not sampled: carry its context, make no span
-            from opentelemetry import context
-
-            token, quiet = context.attach(parent), _quiet.set(True)
-            try:
-                yield
-            finally:
-                _quiet.reset(quiet)
-                context.detach(token)
-            return
         if call.protocol == "grpc":
             service, _, method = call.method.strip("/").partition("/")
             name, attributes = f"{service}/{method}", {"rpc.system": "grpc", "rpc.service": service,
@@ -470,24 +460,63 @@ class Tracing:
         else:
             verb, _, path = call.method.partition(" ")
             name, attributes = call.method, {"http.request.method": verb, "url.path": path}
-        with tracer().start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER,
-                                            attributes=attributes, record_exception=False,
-                                            set_status_on_exception=False) as current:
-            quiet = _quiet.set(not current.is_recording())
+        with _server_span(parent, name, attributes) as current:
             try:
                 yield
             except BaseException as exc:
-                from yieldloop.errors import YieldloopError
-
-                if isinstance(exc, YieldloopError):
-                    record_error(exc.code, exc.reason, exc.message)
-                elif isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
-                    current.set_attribute("yieldloop.cancelled", True)  # the caller went away: not a failure
-                elif current.status.is_unset:
-                    current.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+                if current is not None:
+                    _record_failure(current, exc)
                 raise
-            finally:
-                _quiet.reset(quiet)
+
+
+def _record_failure(current: Any, exc: BaseException) -> None:
+    from opentelemetry import trace
+
+    from yieldloop.errors import YieldloopError
+
+    if isinstance(exc, YieldloopError):
+        record_error(exc.code, exc.reason, exc.message)
+    elif isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+        current.set_attribute("yieldloop.cancelled", True)  # the caller went away: not a failure
+    elif current.status.is_unset:
+        current.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+
+
+@contextlib.contextmanager
+def _server_span(parent: Any, name: str, attributes: dict[str, Any]) -> Iterator[Any]:
+    """A SERVER span under ``parent`` (a caller's extracted context); when the caller's trace is not sampled, its
+    context carried with no span (None). Spans made inside are quiet when this one does not record."""
+    from opentelemetry import context, trace
+
+    if _unsampled_parent(parent):
+        token, quiet = context.attach(parent), _quiet.set(True)
+        try:
+            yield None
+        finally:
+            _quiet.reset(quiet)
+            context.detach(token)
+        return
+    with tracer().start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes,
+                                        record_exception=False, set_status_on_exception=False) as current:
+        quiet = _quiet.set(not current.is_recording())
+        try:
+            yield current
+        finally:
+            _quiet.reset(quiet)
+
+
+@contextlib.contextmanager
+def continued(carrier: dict[str, str], name: str, attributes: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A SERVER span for work that arrived inside a shared stream (one episode of StreamEpisodes), under the
+    context its caller sent with it (``carrier``: W3C headers; none: a trace of its own), not the stream's.
+    None when tracing is off or the caller's trace is not sampled."""
+    if not _enabled:
+        yield None
+        return
+    from opentelemetry import propagate
+
+    with _server_span(propagate.extract(carrier), name, attributes or {}) as current:
+        yield current
 
 
 # Metrics ---------------------------------------------------------------------------------------------------

@@ -146,8 +146,8 @@ class _TaggedEpisode:
     """One episode of a StreamEpisodes stream, as :meth:`EnvServicer._episode` sees a stream of its own: its
     requests are read from the frames of its tag, its responses written as frames of its tag."""
 
-    def __init__(self, tag: int, frames: _Frames) -> None:
-        self.tag, self.frames = tag, frames
+    def __init__(self, tag: int, frames: _Frames, trace_context: dict[str, str]) -> None:
+        self.tag, self.frames, self.trace_context = tag, frames, trace_context
         self.task: asyncio.Task | None = None
         self._inbox: collections.deque[Any] = collections.deque()
         self._waiter: asyncio.Future | None = None
@@ -246,7 +246,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     if episode is None:
                         if not frame.HasField("request"):
                             continue  # the close of an episode that already ended
-                        episode = frames.episodes[frame.tag] = _TaggedEpisode(frame.tag, frames)
+                        episode = frames.episodes[frame.tag] = _TaggedEpisode(frame.tag, frames,
+                                                                              dict(frame.trace_context))
                         episode.task = asyncio.create_task(self._tagged_episode(episode))
                     if frame.HasField("request"):
                         episode.feed(frame.request)
@@ -268,26 +269,30 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         await writer
 
     async def _tagged_episode(self, episode: _TaggedEpisode) -> None:
-        """Runs one episode of a StreamEpisodes stream; its outcome is its closing frame."""
+        """Runs one episode of a StreamEpisodes stream, in its caller's trace; its outcome is its closing frame."""
         me = asyncio.current_task()
-        error: YieldloopError | None = None
-        try:
-            with telemetry.in_flight("yieldloop.env.episodes", description="episodes open on EnvService"):
-                await self._episode(episode, me)
-        except asyncio.CancelledError:
-            error = self.deadlines.expired(me)
-            if error is None and episode.frames.ending:
-                raise  # the stream is going: nobody to tell
-        except Exception as exc:  # the episode's failure, told in its closing frame; the stream goes on
-            if not isinstance(exc, YieldloopError):
-                log.exception("unexpected error in an episode of StreamEpisodes")
-            error = as_yieldloop_error(exc)
-        finally:
-            self.deadlines.forget(me)
-            episode.frames.episodes.pop(episode.tag, None)
         closing = pb.EpisodeResponseFrame(tag=episode.tag, closed=True)
-        if error is not None:
-            closing.error.CopyFrom(pb.EpisodeError(**error.to_wire()))
+        with telemetry.continued(episode.trace_context, "yieldloop.env.v1.EnvService/StreamEpisodes",
+                                 {"yieldloop.episode.tag": episode.tag}) as span:
+            error: YieldloopError | None = None
+            try:
+                with telemetry.in_flight("yieldloop.env.episodes", description="episodes open on EnvService"):
+                    await self._episode(episode, me)
+            except asyncio.CancelledError:
+                error = self.deadlines.expired(me)
+                if error is None and episode.frames.ending:
+                    raise  # the stream is going: nobody to tell
+            except Exception as exc:  # the episode's failure, told in its closing frame; the stream goes on
+                if not isinstance(exc, YieldloopError):
+                    log.exception("unexpected error in an episode of StreamEpisodes")
+                error = as_yieldloop_error(exc)
+            finally:
+                self.deadlines.forget(me)
+                episode.frames.episodes.pop(episode.tag, None)
+            if error is not None:
+                if span is not None:
+                    telemetry.record_error(error.code, error.reason, error.message)
+                closing.error.CopyFrom(pb.EpisodeError(**error.to_wire()))
         episode.frames.send(closing)
 
     async def _episode(self, context: grpc.aio.ServicerContext | _TaggedEpisode, me: asyncio.Task) -> None:

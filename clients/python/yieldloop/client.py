@@ -19,6 +19,7 @@ Inputs take either form. A failed call raises a subclass of
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -260,8 +261,9 @@ class _EpisodeStreams:
     ``Client(multiplex_episodes=True)``): frames that are ready together leave in one message; the stream
     opens with the first episode and again after a failure (which fails the episodes open on it)."""
 
-    def __init__(self, stub: Any) -> None:
+    def __init__(self, stub: Any, trace_context: Any = None) -> None:
         self._stub = stub
+        self.trace_context = trace_context
         self._call: Any = None
         self._status: _CallStatus | None = None
         self._sessions: dict[int, MultiplexedEpisode] = {}
@@ -273,9 +275,12 @@ class _EpisodeStreams:
     def open(self, session: MultiplexedEpisode) -> int:
         """A tag for ``session`` on the current stream (opened here when there is none)."""
         if self._call is None:
-            call = self._call = self._stub().StreamEpisodes()
+            # Opened outside the caller's context: the stream serves many episodes, and belongs to no one's trace.
+            detached = contextvars.Context()
+            call = self._call = detached.run(self._stub().StreamEpisodes)
             self._status = _CallStatus(call)
-            self._tasks = (asyncio.create_task(self._write_loop(call)), asyncio.create_task(self._read_loop(call)))
+            self._tasks = (asyncio.create_task(self._write_loop(call), context=detached),
+                           asyncio.create_task(self._read_loop(call), context=detached))
         tag = next(self._tags)
         self._sessions[tag] = session
         return tag
@@ -354,11 +359,14 @@ class MultiplexedEpisode(_Episode):
     async def _exchange(self, request: env_pb.StreamEpisodeRequest, last: bool = False) -> env_pb.StreamEpisodeResponse:
         if self._done:
             raise self._error or _closed_early()
+        frame = env_pb.EpisodeRequestFrame(request=request, close=last)  # the submit's close: StreamEpisode's half-close
         if not self._tag:
             self._tag = self._streams.open(self)
+            if self._streams.trace_context is not None:
+                frame.trace_context.update(self._streams.trace_context())
+        frame.tag = self._tag
         self._waiter = asyncio.get_running_loop().create_future()
-        # The submit carries the close (StreamEpisode's half-close): the episode ends with its grade.
-        self._streams.send(env_pb.EpisodeRequestFrame(tag=self._tag, request=request, close=last))
+        self._streams.send(frame)
         try:
             return await self._waiter
         finally:
@@ -521,7 +529,8 @@ class Client:
         if self.multiplex_episodes and timeout is None:
             streams = self._episode_streams.get(address)
             if streams is None:
-                streams = self._episode_streams[address] = _EpisodeStreams(functools.partial(self._env_stub, address))
+                streams = self._episode_streams[address] = _EpisodeStreams(
+                    functools.partial(self._env_stub, address), self.transport.trace_context)
             return MultiplexedEpisode(streams, task_to_proto(task))
         return EpisodeSession(self._env_stub(address), task_to_proto(task), timeout)
 

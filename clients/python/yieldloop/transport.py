@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import grpc
@@ -74,6 +74,9 @@ class TransportConfig:
         default=(), metadata={"cli": False}
     )
     """grpc.aio client interceptors on every channel built from this config."""
+    trace_context: Callable[[], dict[str, str]] | None = dataclasses.field(default=None, metadata={"cli": False})
+    """The caller's current trace context as W3C headers, for what travels inside a shared stream (a multiplexed
+    episode): set by services that trace (with the client interceptors that put it on each call)."""
     http_idle_timeout_s: float = 30.0
     """An HTTP connection that sends no complete request header for this long is closed (a header that never
     ends holds nothing), also between requests of a kept-alive connection."""

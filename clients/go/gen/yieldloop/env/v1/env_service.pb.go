@@ -853,6 +853,9 @@ type EpisodeRequestFrame struct {
 	// it the episode is cancelled as if its stream had gone (its teardown still runs). Sent with or without
 	// a request.
 	Close bool `protobuf:"varint,3,opt,name=close,proto3" json:"close,omitempty"`
+	// The W3C trace context (traceparent, tracestate) of the episode's caller, in the episode's first frame:
+	// its spans on EnvService join the caller's trace, as a stream of its own would carry it in its metadata.
+	TraceContext map[string]string `protobuf:"bytes,4,rep,name=trace_context,json=traceContext,proto3" json:"trace_context,omitempty" protobuf_key:"bytes,1,opt,name=key,proto3" protobuf_val:"bytes,2,opt,name=value,proto3"`
 }
 
 func (x *EpisodeRequestFrame) Reset() {
@@ -906,6 +909,13 @@ func (x *EpisodeRequestFrame) GetClose() bool {
 		return x.Close
 	}
 	return false
+}
+
+func (x *EpisodeRequestFrame) GetTraceContext() map[string]string {
+	if x != nil {
+		return x.TraceContext
+	}
+	return nil
 }
 
 type StreamEpisodesResponse struct {
@@ -1211,15 +1221,25 @@ var file_yieldloop_env_v1_env_service_proto_rawDesc = []byte{
 	0x61, 0x6d, 0x65, 0x73, 0x18, 0x01, 0x20, 0x03, 0x28, 0x0b, 0x32, 0x25, 0x2e, 0x79, 0x69, 0x65,
 	0x6c, 0x64, 0x6c, 0x6f, 0x6f, 0x70, 0x2e, 0x65, 0x6e, 0x76, 0x2e, 0x76, 0x31, 0x2e, 0x45, 0x70,
 	0x69, 0x73, 0x6f, 0x64, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x46, 0x72, 0x61, 0x6d,
-	0x65, 0x52, 0x06, 0x66, 0x72, 0x61, 0x6d, 0x65, 0x73, 0x22, 0x7f, 0x0a, 0x13, 0x45, 0x70, 0x69,
-	0x73, 0x6f, 0x64, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x46, 0x72, 0x61, 0x6d, 0x65,
-	0x12, 0x10, 0x0a, 0x03, 0x74, 0x61, 0x67, 0x18, 0x01, 0x20, 0x01, 0x28, 0x04, 0x52, 0x03, 0x74,
-	0x61, 0x67, 0x12, 0x40, 0x0a, 0x07, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x18, 0x02, 0x20,
-	0x01, 0x28, 0x0b, 0x32, 0x26, 0x2e, 0x79, 0x69, 0x65, 0x6c, 0x64, 0x6c, 0x6f, 0x6f, 0x70, 0x2e,
-	0x65, 0x6e, 0x76, 0x2e, 0x76, 0x31, 0x2e, 0x53, 0x74, 0x72, 0x65, 0x61, 0x6d, 0x45, 0x70, 0x69,
-	0x73, 0x6f, 0x64, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x52, 0x07, 0x72, 0x65, 0x71,
-	0x75, 0x65, 0x73, 0x74, 0x12, 0x14, 0x0a, 0x05, 0x63, 0x6c, 0x6f, 0x73, 0x65, 0x18, 0x03, 0x20,
-	0x01, 0x28, 0x08, 0x52, 0x05, 0x63, 0x6c, 0x6f, 0x73, 0x65, 0x22, 0x58, 0x0a, 0x16, 0x53, 0x74,
+	0x65, 0x52, 0x06, 0x66, 0x72, 0x61, 0x6d, 0x65, 0x73, 0x22, 0x9e, 0x02, 0x0a, 0x13, 0x45, 0x70,
+	0x69, 0x73, 0x6f, 0x64, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x46, 0x72, 0x61, 0x6d,
+	0x65, 0x12, 0x10, 0x0a, 0x03, 0x74, 0x61, 0x67, 0x18, 0x01, 0x20, 0x01, 0x28, 0x04, 0x52, 0x03,
+	0x74, 0x61, 0x67, 0x12, 0x40, 0x0a, 0x07, 0x72, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x18, 0x02,
+	0x20, 0x01, 0x28, 0x0b, 0x32, 0x26, 0x2e, 0x79, 0x69, 0x65, 0x6c, 0x64, 0x6c, 0x6f, 0x6f, 0x70,
+	0x2e, 0x65, 0x6e, 0x76, 0x2e, 0x76, 0x31, 0x2e, 0x53, 0x74, 0x72, 0x65, 0x61, 0x6d, 0x45, 0x70,
+	0x69, 0x73, 0x6f, 0x64, 0x65, 0x52, 0x65, 0x71, 0x75, 0x65, 0x73, 0x74, 0x52, 0x07, 0x72, 0x65,
+	0x71, 0x75, 0x65, 0x73, 0x74, 0x12, 0x14, 0x0a, 0x05, 0x63, 0x6c, 0x6f, 0x73, 0x65, 0x18, 0x03,
+	0x20, 0x01, 0x28, 0x08, 0x52, 0x05, 0x63, 0x6c, 0x6f, 0x73, 0x65, 0x12, 0x5c, 0x0a, 0x0d, 0x74,
+	0x72, 0x61, 0x63, 0x65, 0x5f, 0x63, 0x6f, 0x6e, 0x74, 0x65, 0x78, 0x74, 0x18, 0x04, 0x20, 0x03,
+	0x28, 0x0b, 0x32, 0x37, 0x2e, 0x79, 0x69, 0x65, 0x6c, 0x64, 0x6c, 0x6f, 0x6f, 0x70, 0x2e, 0x65,
+	0x6e, 0x76, 0x2e, 0x76, 0x31, 0x2e, 0x45, 0x70, 0x69, 0x73, 0x6f, 0x64, 0x65, 0x52, 0x65, 0x71,
+	0x75, 0x65, 0x73, 0x74, 0x46, 0x72, 0x61, 0x6d, 0x65, 0x2e, 0x54, 0x72, 0x61, 0x63, 0x65, 0x43,
+	0x6f, 0x6e, 0x74, 0x65, 0x78, 0x74, 0x45, 0x6e, 0x74, 0x72, 0x79, 0x52, 0x0c, 0x74, 0x72, 0x61,
+	0x63, 0x65, 0x43, 0x6f, 0x6e, 0x74, 0x65, 0x78, 0x74, 0x1a, 0x3f, 0x0a, 0x11, 0x54, 0x72, 0x61,
+	0x63, 0x65, 0x43, 0x6f, 0x6e, 0x74, 0x65, 0x78, 0x74, 0x45, 0x6e, 0x74, 0x72, 0x79, 0x12, 0x10,
+	0x0a, 0x03, 0x6b, 0x65, 0x79, 0x18, 0x01, 0x20, 0x01, 0x28, 0x09, 0x52, 0x03, 0x6b, 0x65, 0x79,
+	0x12, 0x14, 0x0a, 0x05, 0x76, 0x61, 0x6c, 0x75, 0x65, 0x18, 0x02, 0x20, 0x01, 0x28, 0x09, 0x52,
+	0x05, 0x76, 0x61, 0x6c, 0x75, 0x65, 0x3a, 0x02, 0x38, 0x01, 0x22, 0x58, 0x0a, 0x16, 0x53, 0x74,
 	0x72, 0x65, 0x61, 0x6d, 0x45, 0x70, 0x69, 0x73, 0x6f, 0x64, 0x65, 0x73, 0x52, 0x65, 0x73, 0x70,
 	0x6f, 0x6e, 0x73, 0x65, 0x12, 0x3e, 0x0a, 0x06, 0x66, 0x72, 0x61, 0x6d, 0x65, 0x73, 0x18, 0x01,
 	0x20, 0x03, 0x28, 0x0b, 0x32, 0x26, 0x2e, 0x79, 0x69, 0x65, 0x6c, 0x64, 0x6c, 0x6f, 0x6f, 0x70,
@@ -1291,7 +1311,7 @@ func file_yieldloop_env_v1_env_service_proto_rawDescGZIP() []byte {
 	return file_yieldloop_env_v1_env_service_proto_rawDescData
 }
 
-var file_yieldloop_env_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_yieldloop_env_v1_env_service_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_yieldloop_env_v1_env_service_proto_goTypes = []interface{}{
 	(*ListScenariosRequest)(nil),   // 0: yieldloop.env.v1.ListScenariosRequest
 	(*ScenarioSpec)(nil),           // 1: yieldloop.env.v1.ScenarioSpec
@@ -1309,40 +1329,42 @@ var file_yieldloop_env_v1_env_service_proto_goTypes = []interface{}{
 	(*StreamEpisodesResponse)(nil), // 13: yieldloop.env.v1.StreamEpisodesResponse
 	(*EpisodeResponseFrame)(nil),   // 14: yieldloop.env.v1.EpisodeResponseFrame
 	(*EpisodeError)(nil),           // 15: yieldloop.env.v1.EpisodeError
-	(*v1.ToolSpec)(nil),            // 16: yieldloop.common.v1.ToolSpec
-	(*v1.Task)(nil),                // 17: yieldloop.common.v1.Task
-	(v1.StopReason)(0),             // 18: yieldloop.common.v1.StopReason
-	(*v1.ChatMessage)(nil),         // 19: yieldloop.common.v1.ChatMessage
+	nil,                            // 16: yieldloop.env.v1.EpisodeRequestFrame.TraceContextEntry
+	(*v1.ToolSpec)(nil),            // 17: yieldloop.common.v1.ToolSpec
+	(*v1.Task)(nil),                // 18: yieldloop.common.v1.Task
+	(v1.StopReason)(0),             // 19: yieldloop.common.v1.StopReason
+	(*v1.ChatMessage)(nil),         // 20: yieldloop.common.v1.ChatMessage
 }
 var file_yieldloop_env_v1_env_service_proto_depIdxs = []int32{
 	1,  // 0: yieldloop.env.v1.ListScenariosResponse.scenarios:type_name -> yieldloop.env.v1.ScenarioSpec
-	16, // 1: yieldloop.env.v1.ListScenariosResponse.tools:type_name -> yieldloop.common.v1.ToolSpec
-	17, // 2: yieldloop.env.v1.StartEpisode.task:type_name -> yieldloop.common.v1.Task
-	18, // 3: yieldloop.env.v1.SubmitAnswer.stop_reason:type_name -> yieldloop.common.v1.StopReason
+	17, // 1: yieldloop.env.v1.ListScenariosResponse.tools:type_name -> yieldloop.common.v1.ToolSpec
+	18, // 2: yieldloop.env.v1.StartEpisode.task:type_name -> yieldloop.common.v1.Task
+	19, // 3: yieldloop.env.v1.SubmitAnswer.stop_reason:type_name -> yieldloop.common.v1.StopReason
 	3,  // 4: yieldloop.env.v1.StreamEpisodeRequest.start:type_name -> yieldloop.env.v1.StartEpisode
 	4,  // 5: yieldloop.env.v1.StreamEpisodeRequest.call_tool:type_name -> yieldloop.env.v1.CallTool
 	5,  // 6: yieldloop.env.v1.StreamEpisodeRequest.submit:type_name -> yieldloop.env.v1.SubmitAnswer
-	19, // 7: yieldloop.env.v1.EpisodeStarted.messages:type_name -> yieldloop.common.v1.ChatMessage
-	16, // 8: yieldloop.env.v1.EpisodeStarted.tools:type_name -> yieldloop.common.v1.ToolSpec
+	20, // 7: yieldloop.env.v1.EpisodeStarted.messages:type_name -> yieldloop.common.v1.ChatMessage
+	17, // 8: yieldloop.env.v1.EpisodeStarted.tools:type_name -> yieldloop.common.v1.ToolSpec
 	7,  // 9: yieldloop.env.v1.StreamEpisodeResponse.started:type_name -> yieldloop.env.v1.EpisodeStarted
 	8,  // 10: yieldloop.env.v1.StreamEpisodeResponse.tool_result:type_name -> yieldloop.env.v1.ToolResult
 	9,  // 11: yieldloop.env.v1.StreamEpisodeResponse.graded:type_name -> yieldloop.env.v1.EpisodeGraded
 	12, // 12: yieldloop.env.v1.StreamEpisodesRequest.frames:type_name -> yieldloop.env.v1.EpisodeRequestFrame
 	6,  // 13: yieldloop.env.v1.EpisodeRequestFrame.request:type_name -> yieldloop.env.v1.StreamEpisodeRequest
-	14, // 14: yieldloop.env.v1.StreamEpisodesResponse.frames:type_name -> yieldloop.env.v1.EpisodeResponseFrame
-	10, // 15: yieldloop.env.v1.EpisodeResponseFrame.response:type_name -> yieldloop.env.v1.StreamEpisodeResponse
-	15, // 16: yieldloop.env.v1.EpisodeResponseFrame.error:type_name -> yieldloop.env.v1.EpisodeError
-	0,  // 17: yieldloop.env.v1.EnvService.ListScenarios:input_type -> yieldloop.env.v1.ListScenariosRequest
-	6,  // 18: yieldloop.env.v1.EnvService.StreamEpisode:input_type -> yieldloop.env.v1.StreamEpisodeRequest
-	11, // 19: yieldloop.env.v1.EnvService.StreamEpisodes:input_type -> yieldloop.env.v1.StreamEpisodesRequest
-	2,  // 20: yieldloop.env.v1.EnvService.ListScenarios:output_type -> yieldloop.env.v1.ListScenariosResponse
-	10, // 21: yieldloop.env.v1.EnvService.StreamEpisode:output_type -> yieldloop.env.v1.StreamEpisodeResponse
-	13, // 22: yieldloop.env.v1.EnvService.StreamEpisodes:output_type -> yieldloop.env.v1.StreamEpisodesResponse
-	20, // [20:23] is the sub-list for method output_type
-	17, // [17:20] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	16, // 14: yieldloop.env.v1.EpisodeRequestFrame.trace_context:type_name -> yieldloop.env.v1.EpisodeRequestFrame.TraceContextEntry
+	14, // 15: yieldloop.env.v1.StreamEpisodesResponse.frames:type_name -> yieldloop.env.v1.EpisodeResponseFrame
+	10, // 16: yieldloop.env.v1.EpisodeResponseFrame.response:type_name -> yieldloop.env.v1.StreamEpisodeResponse
+	15, // 17: yieldloop.env.v1.EpisodeResponseFrame.error:type_name -> yieldloop.env.v1.EpisodeError
+	0,  // 18: yieldloop.env.v1.EnvService.ListScenarios:input_type -> yieldloop.env.v1.ListScenariosRequest
+	6,  // 19: yieldloop.env.v1.EnvService.StreamEpisode:input_type -> yieldloop.env.v1.StreamEpisodeRequest
+	11, // 20: yieldloop.env.v1.EnvService.StreamEpisodes:input_type -> yieldloop.env.v1.StreamEpisodesRequest
+	2,  // 21: yieldloop.env.v1.EnvService.ListScenarios:output_type -> yieldloop.env.v1.ListScenariosResponse
+	10, // 22: yieldloop.env.v1.EnvService.StreamEpisode:output_type -> yieldloop.env.v1.StreamEpisodeResponse
+	13, // 23: yieldloop.env.v1.EnvService.StreamEpisodes:output_type -> yieldloop.env.v1.StreamEpisodesResponse
+	21, // [21:24] is the sub-list for method output_type
+	18, // [18:21] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_yieldloop_env_v1_env_service_proto_init() }
@@ -1560,7 +1582,7 @@ func file_yieldloop_env_v1_env_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: file_yieldloop_env_v1_env_service_proto_rawDesc,
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

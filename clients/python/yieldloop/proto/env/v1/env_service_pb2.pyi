@@ -122,14 +122,23 @@ class StreamEpisodesRequest(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[_Union[EpisodeRequestFrame, _Mapping]]] = ...) -> None: ...
 
 class EpisodeRequestFrame(_message.Message):
-    __slots__ = ("tag", "request", "close")
+    __slots__ = ("tag", "request", "close", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TAG_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     tag: int
     request: StreamEpisodeRequest
     close: bool
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[StreamEpisodeRequest, _Mapping]] = ..., close: _Optional[bool] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[StreamEpisodeRequest, _Mapping]] = ..., close: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StreamEpisodesResponse(_message.Message):
     __slots__ = ("frames",)
