@@ -205,6 +205,7 @@ METHOD_ROLES: dict[str, Role] = {
     # EnvService: any team may run episodes.
     "/yieldloop.env.v1.EnvService/ListScenarios": "sample",
     "/yieldloop.env.v1.EnvService/StreamEpisode": "sample",
+    "/yieldloop.env.v1.EnvService/StreamEpisodes": "sample",
     # RolloutService: sampling (the model itself is checked by ModelAccess).
     "/yieldloop.rollout.v1.RolloutService/Generate": "sample",
     "/yieldloop.rollout.v1.RolloutService/StreamRollouts": "sample",

@@ -315,7 +315,7 @@ class _EpisodeStreams:
                         ended = error_from_wire(dict(code=frame.error.code, message=frame.error.message,
                                                      reason=frame.error.reason, field=frame.error.field))
                         session.ended(ended if frame.HasField("error") else None)
-            error = UnavailableError("EnvService ended the episode stream", reason="UNAVAILABLE")
+            error = UnavailableError("EnvService ended the episode stream", reason="EPISODE_STREAM_LOST")
         except grpc.aio.AioRpcError as err:
             error = await self._status.error(err)
         finally:
@@ -324,7 +324,7 @@ class _EpisodeStreams:
                 self._tasks[0].cancel()
             sessions, self._sessions = self._sessions, {}
             for session in sessions.values():
-                session.ended(error or UnavailableError("the episode stream was closed", reason="UNAVAILABLE"))
+                session.ended(error or UnavailableError("the episode stream was closed", reason="EPISODE_STREAM_LOST"))
 
     async def close(self) -> None:
         if self._call is not None:

@@ -94,6 +94,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_NOT_OWNED: _ClassVar[ErrorReason]
     FORWARD_NOT_FOUND: _ClassVar[ErrorReason]
     GATEWAY_UNAVAILABLE: _ClassVar[ErrorReason]
+    EPISODE_STREAM_LOST: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -167,6 +168,7 @@ JOB_NOT_OWNED: ErrorReason
 RUN_NOT_OWNED: ErrorReason
 FORWARD_NOT_FOUND: ErrorReason
 GATEWAY_UNAVAILABLE: ErrorReason
+EPISODE_STREAM_LOST: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
