@@ -55,6 +55,9 @@ CASES: list[tuple[str, str, Any, Any]] = [
     ("env", "ListScenarios", env.ListScenariosRequest, {}),
     ("env", "StreamEpisode", env.StreamEpisodeRequest,
      [{"start": {"task": TASK}}, {"submit": {"answer": "a"}}]),
+    ("env", "StreamEpisodes", env.StreamEpisodesRequest,
+     [{"frames": [{"tag": "1", "request": {"start": {"task": TASK}}, "traceContext": {"traceparent": "00-ab-cd-01"}}]},
+      {"frames": [{"tag": "1", "request": {"submit": {"answer": "a"}}, "close": True}, {"tag": "2", "close": True}]}]),
     ("rollout", "Generate", rollout.GenerateRequest,
      {"model": "tiny", "promptTokenIds": {"tokenIds": [1, 40, 41]},
       "sampling": {"maxTokens": 2, "temperature": 1.0, "topP": 0.9, "topK": 5, "seed": 3, "stop": ["x"]}}),
@@ -186,14 +189,28 @@ async def fuzz_client(tmp_path_factory):
 async def _call(client: Client, service: str, method: str, messages: list[Any]) -> None:
     stub = getattr(client, f"{service}_stub")
     rpc = getattr(stub, method)
-    streaming_request = method in ("StreamEpisode", "ForwardBackward", "Forward", "Backward")
+    streaming_request = method in ("StreamEpisode", "StreamEpisodes", "ForwardBackward", "Forward", "Backward")
     request = iter(messages) if streaming_request else messages[0]
     call = rpc(request, timeout=60)
     if hasattr(call, "__aiter__"):
-        async for _ in call:
-            pass
+        async for response in call:
+            if method == "StreamEpisodes":  # an episode's own failure comes in its closing frame
+                _raise_in_band(response)
     else:
         await call
+
+
+def _raise_in_band(response: env.StreamEpisodesResponse) -> None:
+    """An episode's failure as the status its own stream would have ended with."""
+    from yieldloop._status import to_rpc_status
+    from yieldloop.errors import error_from_wire
+
+    for frame in response.frames:
+        if frame.HasField("error"):
+            status = to_rpc_status(error_from_wire({"code": frame.error.code, "message": frame.error.message,
+                                                    "reason": frame.error.reason, "field": frame.error.field}))
+            raise grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
+                                       status.details)
 
 
 async def test_every_rpc_answers_bad_input_with_a_typed_status(fuzz_client: Client) -> None:
@@ -336,7 +353,8 @@ async def test_undecodable_messages_are_invalid_argument(fuzz_client: Client, ca
     calls = [("checkpoint", "/yieldloop.checkpoint.v1.CheckpointService/GetHead", "unary_unary"),
              ("rollout", "/yieldloop.rollout.v1.RolloutService/Generate", "unary_stream"),
              ("trainer", "/yieldloop.trainer.v1.TrainerService/Forward", "stream_unary"),
-             ("env", "/yieldloop.env.v1.EnvService/StreamEpisode", "stream_stream")]
+             ("env", "/yieldloop.env.v1.EnvService/StreamEpisode", "stream_stream"),
+             ("env", "/yieldloop.env.v1.EnvService/StreamEpisodes", "stream_stream")]
     with caplog.at_level(logging.WARNING):
         for service, method, kind in calls:
             async with grpc.aio.insecure_channel(addresses[service]) as channel:

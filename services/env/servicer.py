@@ -253,10 +253,14 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                         episode.feed(frame.request)
                     if frame.close:
                         episode.close()
+            # Every open episode reads the half-close as its own (as on a stream of its own: what it was sent is
+            # answered first), and the stream ends once they all have.
+            for episode in list(frames.episodes.values()):
+                episode.feed(grpc.aio.EOF)
+            await asyncio.gather(*(episode.task for episode in list(frames.episodes.values())))
             half_closed = True
         finally:
-            # The client half-closed or went away (or broke the protocol): what is still open is cancelled,
-            # and its teardown runs.
+            # The client went away, or broke the protocol: what is still open is cancelled (its teardown runs).
             frames.ending = True
             open_episodes = [episode.task for episode in frames.episodes.values()]
             for task in open_episodes:

@@ -84,7 +84,8 @@ class EnvServiceServicer:
         """Runs many episodes over one stream, each exactly as StreamEpisode runs one (the same messages, rules and
         errors), told apart by a tag the client picks: for a caller with many episodes open at once (a rollout
         batch), one stream instead of one per episode, and the frames that are ready together in one message.
-        Returns: OK once the client half-closes (episodes still open are then cancelled; their teardown runs);
+        Returns: OK once the client half-closed and the episodes then open ended (each reads the half-close as its
+        own, as on StreamEpisode; those the client goes away from are cancelled, their teardown runs);
         UNAUTHENTICATED / PERMISSION_DENIED for the stream as a whole; INVALID_ARGUMENT (EPISODE_PROTOCOL) for a
         frame without a tag. Each episode's own outcome comes in its closing frame (EpisodeResponseFrame.closed).
         """
