@@ -330,12 +330,21 @@ async def test_multiplexed_episodes_share_one_stream_and_fail_alone(tmp_path) ->
         rewards, _ = await asyncio.gather(asyncio.gather(*(echo(i) for i in range(32))), bad())
         assert rewards == [float(i % 2) for i in range(32)]
         (streams,) = client._episode_streams.values()
-        assert next(streams._tags) == 34, "33 episodes, one stream"
+        assert next(streams._tags) == 34 and len(streams._streams) == 1, "33 episodes, one stream"
         await served.settled("bad")
-        # The stream fails: the episodes open on it fail (typed), the next one opens a new stream.
+        # A new stream opens when each has per_stream episodes open (behind one balancing address, streams
+        # spread over the replicas).
+        streams.per_stream = 2
+        busy = [client.episode(task("echo", word="s", tag=f"s{i}")) for i in range(5)]
+        for episode in busy:
+            await episode.start()
+        assert sorted(len(stream.sessions) for stream in streams._streams) == [1, 2, 2]
+        for episode in busy:
+            assert (await episode.submit("s")).reward == 1.0
+        # A stream fails: the episodes open on it fail (typed), the next one opens a new stream.
         episode = client.episode(task(target=2, tag="cut"))
         await episode.start()
-        streams._call.cancel()
+        episode._stream._call.cancel()
         with pytest.raises(errors.YieldloopError):
             await episode.call_tool("increment", '{"by": 1}')
         await served.settled("cut")

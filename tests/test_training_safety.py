@@ -22,17 +22,37 @@ class Faults:
 
     def __init__(self) -> None:
         self.plan: dict[str, list[str]] = {}
+        self.serving: dict[str, set[asyncio.Task]] = {}
+        self._cut: set[asyncio.Task] = set()
 
     def inject(self, method: str, *modes: str) -> None:
         self.plan.setdefault(method, []).extend(modes)
 
+    def cut(self, method: str) -> None:
+        """Fails the calls of ``method`` in progress, UNAVAILABLE (a service going down drops its streams)."""
+        for task in self.serving.get(method, ()):
+            self._cut.add(task)
+            task.cancel()
+
     @contextlib.asynccontextmanager
     async def intercept(self, call):
-        queue = self.plan.get(call.method.rsplit("/", 1)[-1])
+        method = call.method.rsplit("/", 1)[-1]
+        queue = self.plan.get(method)
         mode = queue.pop(0) if queue else ""
         if mode == "before":
             raise errors.UnavailableError("injected failure before the call ran", reason="INTERNAL")
-        yield
+        serving, me = self.serving.setdefault(method, set()), asyncio.current_task()
+        serving.add(me)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if me not in self._cut:
+                raise
+            self._cut.discard(me)
+            me.uncancel()
+            raise errors.UnavailableError("injected outage: the stream was dropped", reason="INTERNAL") from None
+        finally:
+            serving.discard(me)
         if mode == "after":
             raise errors.UnavailableError("injected failure: the call ran, its answer was lost", reason="INTERNAL")
 
@@ -273,15 +293,18 @@ async def test_infrastructure_retries_back_off_within_a_budget(sc: Client, fault
     from yieldloop.envs.letters import tasks
     from yieldloop.types import RunStatus
 
-    faults.inject("StreamEpisode", "before", "before")  # a short outage: two refusals
+    # RolloutService runs its episodes over a shared StreamEpisodes stream: a refused stream fails the episodes
+    # on it, and their retries open a new one.
+    faults.inject("StreamEpisodes", "before", "before")  # a short outage: two refusals
     start = time.monotonic()
     runs = [run async for run in sc.stream_rollouts(tasks("a"), group_size=1)]
     assert runs[0].status == RunStatus.GRADED and runs[0].attempts == 3
     assert time.monotonic() - start >= 0.2 * 0.5 + 0.4 * 0.5  # two backoffs (jitter at most halves each)
 
-    faults.inject("StreamEpisode", *["before"] * 500)  # down for good
+    faults.inject("StreamEpisodes", *["before"] * 500)  # down for good: its open stream goes too
+    faults.cut("StreamEpisodes")
     runs = [run async for run in sc.stream_rollouts(tasks("abcd"), group_size=8, max_attempts=10)]
-    faults.plan["StreamEpisode"].clear()
+    faults.plan["StreamEpisodes"].clear()
     assert len(runs) == 32 and {run.status for run in runs} == {RunStatus.INFRA_ERROR}
     assert sum(run.attempts for run in runs) <= 32 + 8  # one attempt each plus the budget of 8 retries
     assert any("retry budget" in run.error for run in runs)

@@ -256,62 +256,50 @@ def _closed_early() -> FailedPreconditionError:
     return FailedPreconditionError("episode stream closed early", reason="EPISODE_PROTOCOL")
 
 
-class _EpisodeStreams:
-    """Episodes multiplexed over one StreamEpisodes stream to one EnvService replica (see
-    ``Client(multiplex_episodes=True)``): frames that are ready together leave in one message; the stream
-    opens with the first episode and again after a failure (which fails the episodes open on it)."""
+class _EpisodeStream:
+    """One StreamEpisodes stream and the episodes open on it: frames that are ready together leave in one
+    message; a failure of the stream fails them all (and the stream is not used again)."""
 
-    def __init__(self, stub: Any, trace_context: Any = None) -> None:
-        self._stub = stub
-        self.trace_context = trace_context
-        self._call: Any = None
-        self._status: _CallStatus | None = None
-        self._sessions: dict[int, MultiplexedEpisode] = {}
-        self._tags = itertools.count(1)
+    def __init__(self, stub: Any) -> None:
+        # Opened outside the caller's context: the stream serves many episodes, and belongs to no one's trace.
+        detached = contextvars.Context()
+        self._call = detached.run(stub.StreamEpisodes)
+        self._status = _CallStatus(self._call)
+        self.sessions: dict[int, MultiplexedEpisode] = {}
+        self.alive = True
         self._out: list[env_pb.EpisodeRequestFrame] = []
         self._ready = asyncio.Event()
-        self._tasks: tuple[asyncio.Task, ...] = ()
-
-    def open(self, session: MultiplexedEpisode) -> int:
-        """A tag for ``session`` on the current stream (opened here when there is none)."""
-        if self._call is None:
-            # Opened outside the caller's context: the stream serves many episodes, and belongs to no one's trace.
-            detached = contextvars.Context()
-            call = self._call = detached.run(self._stub().StreamEpisodes)
-            self._status = _CallStatus(call)
-            self._tasks = (asyncio.create_task(self._write_loop(call), context=detached),
-                           asyncio.create_task(self._read_loop(call), context=detached))
-        tag = next(self._tags)
-        self._sessions[tag] = session
-        return tag
+        self._tasks = (asyncio.create_task(self._write_loop(), context=detached),
+                       asyncio.create_task(self._read_loop(), context=detached))
 
     def send(self, frame: env_pb.EpisodeRequestFrame) -> None:
-        self._out.append(frame)
-        self._ready.set()
+        if self.alive:
+            self._out.append(frame)
+            self._ready.set()
 
-    async def _write_loop(self, call: Any) -> None:
+    async def _write_loop(self) -> None:
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
                 if self._out:
                     frames, self._out = self._out, []
-                    await call.write(env_pb.StreamEpisodesRequest(frames=frames))
+                    await self._call.write(env_pb.StreamEpisodesRequest(frames=frames))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the stream failed: the read loop reports it to every episode open on it
 
-    async def _read_loop(self, call: Any) -> None:
+    async def _read_loop(self) -> None:
         error: YieldloopError | None = None
         try:
-            while (response := await call.read()) is not grpc.aio.EOF:
+            while (response := await self._call.read()) is not grpc.aio.EOF:
                 for frame in response.frames:
-                    session = self._sessions.get(frame.tag)
+                    session = self.sessions.get(frame.tag)
                     if session is None:
                         continue
                     if frame.HasField("response"):
                         session.deliver(frame.response)
                     if frame.closed:
-                        del self._sessions[frame.tag]
+                        del self.sessions[frame.tag]
                         ended = error_from_wire(dict(code=frame.error.code, message=frame.error.message,
                                                      reason=frame.error.reason, field=frame.error.field))
                         session.ended(ended if frame.HasField("error") else None)
@@ -319,19 +307,46 @@ class _EpisodeStreams:
         except grpc.aio.AioRpcError as err:
             error = await self._status.error(err)
         finally:
-            if self._call is call:
-                self._call, self._out = None, []
-                self._tasks[0].cancel()
-            sessions, self._sessions = self._sessions, {}
+            self.alive, self._out = False, []
+            self._tasks[0].cancel()
+            sessions, self.sessions = self.sessions, {}
             for session in sessions.values():
                 session.ended(error or UnavailableError("the episode stream was closed", reason="EPISODE_STREAM_LOST"))
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+        self._call.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class _EpisodeStreams:
+    """The StreamEpisodes streams to one EnvService address (see ``Client(multiplex_episodes=True)``): an episode
+    joins the least busy stream, and a new stream opens when each has ``per_stream`` episodes open, so behind
+    one address that balances calls (``dns:///`` with round_robin) episodes still spread over the replicas."""
+
+    def __init__(self, stub: Any, trace_context: Any = None, per_stream: int = 64) -> None:
+        self._stub = stub
+        self.trace_context = trace_context
+        self.per_stream = per_stream
+        self._streams: list[_EpisodeStream] = []
+        self._tags = itertools.count(1)
+
+    def open(self, session: MultiplexedEpisode) -> tuple[_EpisodeStream, int]:
+        """The stream ``session`` runs on and its tag there."""
+        self._streams = [stream for stream in self._streams if stream.alive]
+        stream = min(self._streams, key=lambda s: len(s.sessions), default=None)
+        if stream is None or len(stream.sessions) >= self.per_stream:
+            stream = _EpisodeStream(self._stub())
+            self._streams.append(stream)
+        tag = next(self._tags)
+        stream.sessions[tag] = session
+        return stream, tag
+
+    async def close(self) -> None:
+        for stream in self._streams:
+            await stream.close()
+        self._streams.clear()
 
 
 class MultiplexedEpisode(_Episode):
@@ -340,6 +355,7 @@ class MultiplexedEpisode(_Episode):
 
     def __init__(self, streams: _EpisodeStreams, task: common_pb.Task) -> None:
         self._streams = streams
+        self._stream: _EpisodeStream | None = None
         self._task = task
         self._tag = 0
         self._waiter: asyncio.Future | None = None
@@ -360,13 +376,13 @@ class MultiplexedEpisode(_Episode):
         if self._done:
             raise self._error or _closed_early()
         frame = env_pb.EpisodeRequestFrame(request=request, close=last)  # the submit's close: StreamEpisode's half-close
-        if not self._tag:
-            self._tag = self._streams.open(self)
+        if self._stream is None:
+            self._stream, self._tag = self._streams.open(self)
             if self._streams.trace_context is not None:
                 frame.trace_context.update(self._streams.trace_context())
         frame.tag = self._tag
         self._waiter = asyncio.get_running_loop().create_future()
-        self._streams.send(frame)
+        self._stream.send(frame)
         try:
             return await self._waiter
         finally:
@@ -374,9 +390,9 @@ class MultiplexedEpisode(_Episode):
             self._done = self._done or last
 
     async def close(self) -> None:
-        if self._tag and not self._done:
+        if self._stream is not None and not self._done:
             self._done = True
-            self._streams.send(env_pb.EpisodeRequestFrame(tag=self._tag, close=True))
+            self._stream.send(env_pb.EpisodeRequestFrame(tag=self._tag, close=True))
 
 
 class _Keyed:
