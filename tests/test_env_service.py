@@ -355,6 +355,25 @@ async def test_multiplexed_episodes_share_one_stream_and_fail_alone(tmp_path) ->
         await served.server.stop(1.0)
 
 
+async def test_a_stream_ends_when_its_last_frames_and_the_end_come_together() -> None:
+    """The last closing frame and the stream's end queued before the write loop wakes: it writes the frame and
+    returns (it once waited for a wake-up the frame had consumed, and the stream hung to its deadline)."""
+    from yieldloop_server.env.servicer import _Frames
+
+    class Context:
+        written: list = []
+
+        async def write(self, message) -> None:
+            await asyncio.sleep(0)
+            self.written.append(message)
+
+    frames = _Frames(Context())
+    frames.send(env_pb.EpisodeResponseFrame(tag=1, closed=True))
+    frames.finish()
+    await asyncio.wait_for(frames.write_loop(), 5)
+    assert [frame.tag for message in Context.written for frame in message.frames] == [1]
+
+
 def test_load_harness_small_run(tmp_path) -> None:
     """The load harness end to end (128 episodes): every run completes with 0 errors and reports its figures."""
     import subprocess

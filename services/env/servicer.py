@@ -138,7 +138,9 @@ class _Frames:
             if self._out:
                 frames, self._out = self._out, []
                 await self.context.write(pb.StreamEpisodesResponse(frames=frames))
-            elif self._finished:
+            # Frames sent during that write set the event again; finish() may have come with the frames just
+            # written, its wake-up consumed by them: check here, not only when woken with nothing to write.
+            if self._finished and not self._out:
                 return
 
 
@@ -265,11 +267,13 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             open_episodes = [episode.task for episode in frames.episodes.values()]
             for task in open_episodes:
                 task.cancel()
-            await asyncio.gather(*open_episodes, return_exceptions=True)
-            if half_closed:
-                frames.finish()
-            else:
-                writer.cancel()
+            try:
+                await asyncio.gather(*open_episodes, return_exceptions=True)
+            finally:  # even when cancelled again while the episodes' teardown runs: no write loop outlives us
+                if half_closed:
+                    frames.finish()
+                else:
+                    writer.cancel()
         await writer
 
     async def _tagged_episode(self, episode: _TaggedEpisode) -> None:
