@@ -361,17 +361,19 @@ async def test_a_stream_ends_when_its_last_frames_and_the_end_come_together() ->
     from yieldloop_server.env.servicer import _Frames
 
     class Context:
-        written: list = []
+        def __init__(self) -> None:
+            self.written: list[env_pb.StreamEpisodesResponse] = []
 
-        async def write(self, message) -> None:
+        async def write(self, message: env_pb.StreamEpisodesResponse) -> None:
             await asyncio.sleep(0)
             self.written.append(message)
 
-    frames = _Frames(Context())
+    context = Context()
+    frames = _Frames(context)
     frames.send(env_pb.EpisodeResponseFrame(tag=1, closed=True))
     frames.finish()
     await asyncio.wait_for(frames.write_loop(), 5)
-    assert [frame.tag for message in Context.written for frame in message.frames] == [1]
+    assert [frame.tag for message in context.written for frame in message.frames] == [1]
 
 
 def test_load_harness_small_run(tmp_path) -> None:
