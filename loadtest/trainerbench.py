@@ -3,9 +3,14 @@
 A Qwen2 model is built locally (random weights, ``--hidden``/``--layers``), published as the base checkpoint
 of a fresh filesystem store, and trained two ways, alternating step by step:
 
-- ``bare``: forward, the loss, backward and AdamW in plain torch (``yieldloop_server.trainer.losses``);
+- ``bare``: forward, the loss, backward and AdamW in plain torch with torch's defaults (what a user's own loop
+  does: ``log_softmax`` over the whole vocabulary, ``torch.optim.AdamW()``, the loss from
+  ``yieldloop_server.trainer.losses``);
 - ``service``: ``ForwardBackward`` (datums streamed over gRPC) + ``OptimStep`` through the real client and a
   TrainerService in this process (its own worker thread), without and with the checkpoint commit.
+
+``--vocab`` widens the vocabulary (e.g. Qwen2.5's 151936: the logits then matter), ``--compile`` compiles both
+models with ``torch.compile`` (the trainer's ``compile`` option), ``--variants`` picks which of the three run.
 
 Usage: ``python loadtest/trainerbench.py [--steps 8] [--batch 32] [--tokens 128] [--device cpu|cuda] [--out r.json]``
 """
@@ -22,7 +27,8 @@ import tempfile
 import time
 
 
-def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: int = 0, seed: int = 0) -> pathlib.Path:
+def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: int = 0, seed: int = 0,
+                vocab: int = 0, kv_heads: int = 0, context: int = 1024) -> pathlib.Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -30,9 +36,9 @@ def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: in
 
     tokenizer = train_tokenizer(TinyModelConfig())
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
-        max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden, intermediate_size=intermediate or hidden * 3, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=kv_heads or max(1, hidden // 256), head_dim=64,
+        max_position_embeddings=context, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(folder)
@@ -55,20 +61,23 @@ def make_batch(num_datums: int, num_tokens: int, vocab_size: int, seed: int = 0)
     return datums
 
 
-def bare_step(model, optimizer, datums, device: str) -> float:
-    """The same work as the service's step, with nothing around it."""
+def bare_step(model, optimizer, datums, device: str, per_micro_batch: int) -> float:
+    """The same work as the service's step (gradients accumulated over micro-batches of ``per_micro_batch``
+    datums), with nothing around it."""
     import torch
 
     from yieldloop_server.trainer.losses import importance_sampling
 
     started = time.perf_counter()
-    tokens = torch.tensor([d.input_tokens for d in datums], device=device)
-    targets = torch.tensor([d.target_tokens for d in datums], device=device)
-    logits = model(input_ids=tokens).logits.float()
-    lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].flatten()
-    q = torch.tensor([v for d in datums for v in d.sampling_logprobs], device=device)
-    A = torch.tensor([v for d in datums for v in d.advantages], device=device)
-    importance_sampling(lp, q, A, None).backward()
+    for i in range(0, len(datums), per_micro_batch):
+        part = datums[i:i + per_micro_batch]
+        tokens = torch.tensor([d.input_tokens for d in part], device=device)
+        targets = torch.tensor([d.target_tokens for d in part], device=device)
+        logits = model(input_ids=tokens).logits.float()
+        lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].flatten()
+        q = torch.tensor([v for d in part for v in d.sampling_logprobs], device=device)
+        A = torch.tensor([v for d in part for v in d.advantages], device=device)
+        importance_sampling(lp, q, A, None).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if device.startswith("cuda"):
@@ -90,7 +99,8 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.trainer.trainer import TrainerConfig
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="yl-trainerbench-"))
-    folder = build_model(root / "model", args.hidden, args.layers, args.intermediate)
+    folder = build_model(root / "model", args.hidden, args.layers, args.intermediate, vocab=args.vocab,
+                         kv_heads=args.kv_heads, context=max(1024, args.tokens))
     store = open_store(str(root / "store"))
     registry = CheckpointRegistry(store)
     registry.create_model(ModelInfo(slug="bench", base="bench"))
@@ -98,13 +108,16 @@ async def bench(args: argparse.Namespace) -> dict:
     checkpoints = checkpoint_server.build(store)
     address = await checkpoints.start()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    config = TrainerConfig(device=args.device, dtype=dtype, micro_batch_tokens=args.batch * args.tokens)
+    micro_batch_tokens = args.micro_batch_tokens or args.batch * args.tokens
+    config = TrainerConfig(device=args.device, dtype=dtype, micro_batch_tokens=micro_batch_tokens, compile=args.compile)
     server, servicer = await trainer_server.build("bench", store, address, root / "trainer", config)
     client = Client(trainer=await server.start(), checkpoint=address, timeout=600)
 
     model, _ = load_causal_lm(folder, dtype, args.device)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    if args.compile:
+        model.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8)
     num_params = sum(p.numel() for p in model.parameters())
     datums = make_batch(args.batch, args.tokens, model.config.vocab_size)
     messages = [common_pb.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
@@ -116,15 +129,23 @@ async def bench(args: argparse.Namespace) -> dict:
         await client.optim_step(1e-5, set_head=checkpoint, skip_checkpoint=not checkpoint)
         return time.perf_counter() - started
 
-    times: dict[str, list[float]] = {"bare": [], "service": [], "service_with_checkpoint": []}
-    for i in range(args.warmup + args.steps):  # interleaved, so machine noise hits all three alike
-        bare = bare_step(model, optimizer, datums, args.device)
-        plain = await service_step(False)
-        full = await service_step(True)
-        if i >= args.warmup:
-            times["bare"].append(bare)
-            times["service"].append(plain)
-            times["service_with_checkpoint"].append(full)
+    async def bare() -> float:
+        return bare_step(model, optimizer, datums, args.device, max(1, micro_batch_tokens // args.tokens))
+
+    variants = {"bare": bare,
+                "service": lambda: service_step(False), "service_with_checkpoint": lambda: service_step(True)}
+    times: dict[str, list[float]] = {name: [] for name in args.variants}
+    for i in range(args.warmup + args.steps):  # interleaved, so machine noise hits all of them alike
+        for name in args.variants:
+            took = await variants[name]()
+            if i >= args.warmup:
+                times[name].append(took)
+    if args.profile:  # one more service step under the profiler: where the GPU time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            await service_step(False)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
     await client.close()
     await server.stop(1.0)
     await servicer.close()
@@ -134,12 +155,14 @@ async def bench(args: argparse.Namespace) -> dict:
     tokens = args.batch * args.tokens
     result = {
         "device": args.device, "dtype": dtype, "params": num_params, "batch": args.batch, "tokens_per_datum": args.tokens,
+        "micro_batch_tokens": micro_batch_tokens,
         "steps": args.steps,
         "median_step_s": {k: round(v, 4) for k, v in median.items()},
         "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
-        "service_vs_bare": round(median["service"] / median["bare"], 3),
-        "service_with_checkpoint_vs_bare": round(median["service_with_checkpoint"] / median["bare"], 3),
+        "compile": args.compile, "vocab": model.config.vocab_size,
     }
+    if "bare" in median:
+        result.update({f"{k}_vs_bare": round(v / median["bare"], 3) for k, v in median.items() if k != "bare"})
     if args.device.startswith("cuda"):
         flops = 6 * num_params * tokens  # forward + backward, dense matmuls
         peak = args.peak_tflops * 1e12
@@ -169,6 +192,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default hidden / 256)")
+    parser.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the tiny tokenizer's)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--profile", action="store_true", help="print a torch profile of one more service step")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help="tokens per forward/backward, both loops (default: the whole batch)")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=["bare", "service", "service_with_checkpoint"],
+                        help="comma-separated: bare, service, service_with_checkpoint")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H100 SXM: 989)")
     parser.add_argument("--out", type=pathlib.Path)
     run_and_report(bench, parser.parse_args())

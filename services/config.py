@@ -56,6 +56,9 @@ class TrainerOptions:
     """Trainer ranks, data parallel (gloo on CPU, NCCL on CUDA, one GPU per rank)."""
     max_models: int = dataclasses.field(default=2, metadata={"flag": "--trainer-max-models"})
     """Models the trainer keeps loaded at once, one session each (1 when nproc > 1)."""
+    compile: bool = dataclasses.field(default=False, metadata={"flag": "--trainer-compile"})
+    """torch.compile the trained model (worth it on a GPU: fused norms, rotary and activations; each new batch
+    shape compiles first)."""
     state_every: int = 10
     """Save the full training state (optimizer moments) with every Nth step, and when a session closes (0: only
     then and on demand). A trainer crash resumes from the last checkpoint holding it; every step's weights reach

@@ -72,7 +72,7 @@ def _use_torch_threads(opts: ServeOptions) -> None:
 def _trainer_config(opts: ServeOptions) -> Any:
     from yieldloop_server.trainer.trainer import TrainerConfig
 
-    return TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device))
+    return TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device), compile=opts.trainer.compile)
 
 
 async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:

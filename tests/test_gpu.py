@@ -32,8 +32,9 @@ async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
 
 
 async def test_closed_loop_on_cuda(cuda_client: Client) -> None:
-    reports = [r async for r in closed_loop(cuda_client, LoopConfig(steps=2, group_size=4, heldout_tasks=""),
-                                                 train_tasks=tasks("abcd"))]
+    # On-policy (max_off_policy=0): the second batch is sampled by the first step's weights.
+    config = LoopConfig(steps=2, group_size=4, heldout_tasks="", max_off_policy=0)
+    reports = [r async for r in closed_loop(cuda_client, config, train_tasks=tasks("abcd"))]
     assert [r.served_weight_version for r in reports] == [r.checkpoint_id for r in reports]
     assert reports[1].sampled_weight_versions == [reports[0].checkpoint_id]
 
@@ -51,7 +52,8 @@ async def test_cuda_sampler_matches_cuda_trainer(cuda_client: Client) -> None:
     assert worst < 1e-4, worst
 
 
-def test_bf16_trainer_step(tiny_model_dir: pathlib.Path) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_bf16_trainer_step(tiny_model_dir: pathlib.Path, compile: bool) -> None:
     import math
 
     import torch
@@ -59,7 +61,7 @@ def test_bf16_trainer_step(tiny_model_dir: pathlib.Path) -> None:
     from yieldloop.types import Datum
     from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
 
-    trainer = Trainer(tiny_model_dir, TrainerConfig(device="cuda", dtype="bfloat16"))
+    trainer = Trainer(tiny_model_dir, TrainerConfig(device="cuda", dtype="bfloat16", compile=compile))
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
     datum = Datum(list(range(1, 33)), list(range(2, 34)), [-5.0] * 32, [0.0] * 16 + [1.0] * 16, [0.0] * 32)
     metrics = trainer.forward_backward([datum], "importance_sampling", {})

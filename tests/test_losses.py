@@ -97,6 +97,35 @@ def test_micro_batching_does_not_change_the_gradient(tiny_model_dir: pathlib.Pat
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 5, 1000])
+def test_target_logprobs_chunk_by_chunk_match_log_softmax(monkeypatch: pytest.MonkeyPatch, chunk_rows: int) -> None:
+    """The trainer's logprob/entropy function (fp32 chunks, softmax recomputed in backward) against a plain
+    float64 log_softmax: values, entropies and the gradient of the logits, whatever the chunking."""
+    from yieldloop_server.trainer import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "_chunk_rows", lambda vocab_size: chunk_rows)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(23, 50, generator=generator, dtype=torch.float64) * 4).requires_grad_()
+    targets = torch.randint(0, 50, (23,), generator=generator)
+    weights = torch.randn(23, generator=generator, dtype=torch.float64)
+
+    logprobs, entropy = trainer_module.target_logprobs().apply(logits, targets, True)
+    (logprobs * weights).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    expected = log_softmax[torch.arange(23), targets]
+    (expected * weights).sum().backward()
+
+    torch.testing.assert_close(logprobs, expected.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(entropy, -(log_softmax.exp() * log_softmax).sum(-1).detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours, logits.grad, rtol=0, atol=1e-12)
+    assert not entropy.requires_grad
+    with torch.no_grad():
+        values, none = trainer_module.target_logprobs().apply(logits, targets, False)
+    assert none is None and torch.equal(values, logprobs.detach())
+
+
 def test_grpo_advantages_and_groups_without_signal() -> None:
     assert group_advantages([1.0, 0.0, 0.5], normalize_by_std=False) == pytest.approx([0.5, -0.5, 0.0])
     normed = group_advantages([1.0, 0.0], normalize_by_std=True)

@@ -3,12 +3,14 @@
 Plain Python + torch, no grpc. Calls are synchronous; the servicer runs them
 on one dedicated thread so they apply in order.
 
-Legend: B datums in a micro-batch, T tokens, V vocabulary, N flattened valid tokens.
+Legend: B datums in a micro-batch, T tokens, V vocabulary, N flattened valid tokens, M = B x T (padding
+included).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -34,6 +36,9 @@ class TrainerConfig:
     """Training dtype: float32 on CPU, bfloat16 on GPU (float64 for exact comparisons in tests)."""
     micro_batch_tokens: int = 8192
     """Padded tokens per forward/backward micro-batch (bounds activation memory)."""
+    compile: bool = False
+    """``torch.compile`` the model (fuses its norms, rotary and activations; the first steps of each new
+    batch shape compile first)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +140,12 @@ class Trainer:
             self.model = attach_adapter(self.model, adapter)
             folder = adapter.folder
         self.model.train()
+        if config.compile:
+            self.model.compile()  # in place: parameter names and state_dict keys stay the model's own
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=1e-5, foreach=False)
+        # On CUDA one fused kernel per step; elsewhere tensor by tensor (no foreach copies of every moment).
+        fused = {"fused": True} if config.device.startswith("cuda") else {"foreach": False}
+        self.optimizer = torch.optim.AdamW(trainable, lr=1e-5, **fused)
         state_path = folder / STATE_FILE
         self.step = json.loads(state_path.read_text())["step"] if state_path.exists() else 0
         if (folder / OPTIMIZER_FILE).exists():
@@ -157,30 +166,31 @@ class Trainer:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def _logprobs_BT(self, batch: Sequence[Datum], with_entropy: bool = False) -> tuple[Any, ...]:
-        """Learner logprobs of each target token (B, T), the validity mask, and optionally the entropy (B, T)."""
+    def _to_device(self, host: Any) -> Any:
+        """A host tensor on the trainer's device without a stream sync (copies from pinned memory are
+        asynchronous; from pageable memory CUDA first waits for the queued work)."""
+        if not self.config.device.startswith("cuda"):
+            return host
+        return host.pin_memory().to(self.config.device, non_blocking=True)
+
+    def _logprobs_N(self, batch: Sequence[Datum], with_entropy: bool = False) -> tuple[Any, Any | None]:
+        """Learner logprobs of each datum's target tokens, flattened (N: the batch's tokens, datum after datum,
+        no padding), and optionally their entropies (N)."""
         import torch
 
         num_tokens = max(len(d.input_tokens) for d in batch)
-        tokens_BT = torch.zeros((len(batch), num_tokens), dtype=torch.long)
-        targets_BT = torch.zeros_like(tokens_BT)
-        mask_BT = torch.zeros_like(tokens_BT)
-        for i, datum in enumerate(batch):
-            n = len(datum.input_tokens)
-            tokens_BT[i, :n] = torch.tensor(datum.input_tokens)
-            targets_BT[i, :n] = torch.tensor(datum.target_tokens)
-            mask_BT[i, :n] = 1
-        device = self.config.device
-        logits_BTV = self.model(input_ids=tokens_BT.to(device), attention_mask=mask_BT.to(device)).logits
-        if logits_BTV.dtype != torch.float64:  # bf16/fp32 models: the softmax in fp32; fp64 stays fp64
-            logits_BTV = logits_BTV.float()
-        all_logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
-        logprobs_BT = all_logprobs_BTV.gather(-1, targets_BT.to(device)[..., None])[..., 0]
-        if not with_entropy:
-            return logprobs_BT, mask_BT.to(device).bool()
-        with torch.no_grad():
-            entropy_BT = -(all_logprobs_BTV.exp() * all_logprobs_BTV).sum(-1)
-        return logprobs_BT, mask_BT.to(device).bool(), entropy_BT
+        pad = [num_tokens - len(d.input_tokens) for d in batch]
+        tokens_BT = torch.tensor([d.input_tokens + [0] * n for d, n in zip(batch, pad, strict=True)])
+        targets_BT = torch.tensor([d.target_tokens + [0] * n for d, n in zip(batch, pad, strict=True)])
+        # The valid positions as flat indices, known on the host: no boolean indexing (a device sync) later.
+        valid_N = torch.tensor([i * num_tokens + t for i, n in enumerate(pad) for t in range(num_tokens - n)])
+        tokens_BT, targets_BT, valid_N = (self._to_device(t) for t in (tokens_BT, targets_BT, valid_N))
+        # Right padding under causal attention: no valid position sees a padded one, so no attention mask is
+        # needed (and SDPA keeps its fused causal kernel).
+        logits_MV = self.model(input_ids=tokens_BT).logits.flatten(0, 1)  # M = B x T rows, padding included
+        logprobs_M, entropy_M = target_logprobs().apply(logits_MV, targets_BT.flatten(), with_entropy)
+        # Selecting rows after the vocabulary is reduced: a gather of N numbers, not of N x V logits.
+        return logprobs_M[valid_N], None if entropy_M is None else entropy_M[valid_N]
 
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Per-token learner logprobs of each datum (no gradient)."""
@@ -189,8 +199,11 @@ class Trainer:
         out = []
         with torch.no_grad():
             for batch in micro_batches(datums, self.config.micro_batch_tokens):
-                logprobs_BT, mask_BT = self._logprobs_BT(batch)
-                out += [row[m].tolist() for row, m in zip(logprobs_BT, mask_BT, strict=True)]
+                logprobs_N, _ = self._logprobs_N(batch)
+                flat, start = logprobs_N.tolist(), 0
+                for datum in batch:
+                    out.append(flat[start:start + len(datum.input_tokens)])
+                    start += len(datum.input_tokens)
         return out
 
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]) -> dict[str, float]:
@@ -248,37 +261,37 @@ class Trainer:
             raise
 
     def _accumulate(self, datums: Sequence[Datum], loss_fn: str, spec: Any, knobs: dict[str, float]) -> dict[str, float]:
+        """Forward/backward over the micro-batches with every total kept on the device: the host queues work
+        and waits once, at the end (a non-finite loss shows in the totals and the gradients)."""
         import torch
 
-        device = self.config.device
-        totals = zero_totals()
+        sums = torch.zeros(len(_DEVICE_TOTALS), dtype=torch.float64, device=self.config.device)
         for batch in micro_batches(datums, self.config.micro_batch_tokens):
-            logprobs_BT, mask_BT, entropy_BT = self._logprobs_BT(batch, with_entropy=True)
-            lp_N = logprobs_BT[mask_BT]
+            lp_N, entropy_N = self._logprobs_N(batch, with_entropy=True)
 
             def flat(name: str) -> Any:
-                return torch.tensor([v for d in batch for v in getattr(d, name)], dtype=lp_N.dtype, device=device)
+                return self._to_device(torch.tensor([v for d in batch for v in getattr(d, name)], dtype=lp_N.dtype))
 
             q_N, A_N, w_N = flat("sampling_logprobs"), flat("advantages"), flat("weights")
             loss = spec.fn(lp_N, q_N, A_N, w_N, **knobs)
-            if not bool(torch.isfinite(loss)):
-                totals["nonfinite"] = 1.0
-                return totals
             loss.backward()
             with torch.no_grad():
                 action_N = (w_N != 0) if loss_fn == "cross_entropy" else (A_N != 0)
-                ratio_N = (lp_N - q_N).exp()[action_N]
-                totals["loss_sum"] += float(loss)
-                totals["num_action_tokens"] += float(action_N.sum())
-                totals["ratio_sum"] += float(ratio_N.sum())
-                totals["kl_sum"] += float((q_N - lp_N)[action_N].sum())
-                totals["entropy_sum"] += float(entropy_BT[mask_BT][action_N].sum())
+                ratio_N = (lp_N - q_N).exp()
+
+                def over_actions(values_N: Any) -> Any:
+                    return torch.where(action_N, values_N, 0).sum()
+
+                parts = [loss.detach().reshape(()), action_N.sum(), over_actions(ratio_N), over_actions(q_N - lp_N),
+                         over_actions(entropy_N)]
                 if "clip_low_threshold" in knobs:
                     outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
-                    totals["clipped"] += float(outside.sum())
-        grads = [p.grad for p in self._trainable() if p.grad is not None]
-        if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
-            totals["nonfinite"] = 1.0
+                    parts.append((outside & action_N).sum())
+                sums[:len(parts)] += torch.stack([p.to(torch.float64) for p in parts])
+        finite = all_finite([p.grad for p in self._trainable() if p.grad is not None], also=sums[:1])
+        totals = zero_totals()
+        totals.update(zip(_DEVICE_TOTALS, sums.tolist(), strict=True))
+        totals["nonfinite"] = 0.0 if finite else 1.0
         return totals
 
     def optim_step(self, adam: AdamConfig, revocable: bool = False) -> float:
@@ -317,7 +330,7 @@ class Trainer:
             group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
         self.optimizer.step()
         self.step += 1
-        if not all(bool(torch.isfinite(p).all()) for p in params):
+        if not all_finite(params):
             if self._before_step is None:
                 self.spoiled = True
                 raise FailedPreconditionError(
@@ -405,3 +418,64 @@ def zero_totals() -> dict[str, float]:
     return dict.fromkeys(
         ("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "clipped", "entropy_sum", "nonfinite"), 0.0
     )
+
+
+_DEVICE_TOTALS = ("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "entropy_sum", "clipped")
+"""The totals :meth:`Trainer._accumulate` sums on the device, in order."""
+
+
+def all_finite(tensors: Sequence[Any], also: Any = None) -> bool:
+    """Whether every element of every tensor (and of ``also``) is finite: one device sync, not one per tensor."""
+    import torch
+
+    checks = [torch.isfinite(t).all() for t in tensors] + ([torch.isfinite(also).all()] if also is not None else [])
+    return bool(torch.stack(checks).all()) if checks else True
+
+
+@functools.cache
+def target_logprobs() -> Any:
+    """The autograd function ``apply(logits_NV, targets_N, with_entropy) -> (logprobs_N, entropy_N or None)``
+    (defined on first use: torch is imported only by the processes that need it)."""
+    import torch
+
+    class _TargetLogprobs(torch.autograd.Function):
+        """Logprobs (N,) of target tokens under logits (N, V), and optionally the entropies (N,), computed a
+        chunk of rows at a time in float32 (float64 logits stay float64): neither pass materialises an fp32
+        (N, V) tensor, and backward recomputes the softmax from the logits instead of keeping it (fused
+        kernels that cast as they read: about as many bytes moved as a plain log_softmax, a fraction of its
+        memory)."""
+
+        @staticmethod
+        def forward(ctx: Any, logits_NV: Any, targets_N: Any, with_entropy: bool) -> tuple[Any, Any]:
+            dtype = torch.promote_types(logits_NV.dtype, torch.float32)
+            rows = _chunk_rows(logits_NV.shape[-1])
+            logprobs_N = torch.empty(logits_NV.shape[0], dtype=dtype, device=logits_NV.device)
+            entropy_N = torch.empty_like(logprobs_N) if with_entropy else None
+            for s in range(0, logits_NV.shape[0], rows):
+                logp = torch.log_softmax(logits_NV[s:s + rows], dim=-1, dtype=dtype)  # one pass, cast inside
+                logprobs_N[s:s + rows] = logp.gather(-1, targets_N[s:s + rows, None])[:, 0]
+                if entropy_N is not None:
+                    entropy_N[s:s + rows] = -torch.linalg.vecdot(logp.exp(), logp)
+            ctx.save_for_backward(logits_NV, targets_N)
+            if entropy_N is not None:
+                ctx.mark_non_differentiable(entropy_N)
+            return logprobs_N, entropy_N
+
+        @staticmethod
+        def backward(ctx: Any, grad_N: Any, _grad_entropy: Any) -> tuple[Any, None, None]:
+            logits_NV, targets_N = ctx.saved_tensors
+            grad_NV = torch.empty_like(logits_NV)
+            rows = _chunk_rows(logits_NV.shape[-1])
+            for s in range(0, logits_NV.shape[0], rows):
+                g = grad_N[s:s + rows, None]
+                # d logprob[t] / d logit[v] = 1[v == t] - softmax[v]
+                probs = torch.softmax(logits_NV[s:s + rows], dim=-1, dtype=grad_N.dtype).mul_(-g)
+                grad_NV[s:s + rows] = probs.scatter_add_(-1, targets_N[s:s + rows, None], g)
+            return grad_NV, None, None
+
+    return _TargetLogprobs
+
+
+def _chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk: about 256M float32 elements (1 GB) at a time."""
+    return max(1, (1 << 28) // max(vocab_size, 1))
