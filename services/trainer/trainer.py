@@ -288,7 +288,7 @@ class Trainer:
                     outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
                     parts.append((outside & action_N).sum())
                 sums[:len(parts)] += torch.stack([p.to(torch.float64) for p in parts])
-        finite = all_finite([p.grad for p in self._trainable() if p.grad is not None], also=sums[:1])
+        finite = all_finite([*(p.grad for p in self._trainable() if p.grad is not None), sums[:1]])
         totals = zero_totals()
         totals.update(zip(_DEVICE_TOTALS, sums.tolist(), strict=True))
         totals["nonfinite"] = 0.0 if finite else 1.0
@@ -414,22 +414,19 @@ def metrics_from_totals(totals: dict[str, float]) -> dict[str, float]:
     }
 
 
-def zero_totals() -> dict[str, float]:
-    return dict.fromkeys(
-        ("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "clipped", "entropy_sum", "nonfinite"), 0.0
-    )
-
-
 _DEVICE_TOTALS = ("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "entropy_sum", "clipped")
 """The totals :meth:`Trainer._accumulate` sums on the device, in order."""
 
 
-def all_finite(tensors: Sequence[Any], also: Any = None) -> bool:
-    """Whether every element of every tensor (and of ``also``) is finite: one device sync, not one per tensor."""
+def zero_totals() -> dict[str, float]:
+    return dict.fromkeys((*_DEVICE_TOTALS, "nonfinite"), 0.0)
+
+
+def all_finite(tensors: Sequence[Any]) -> bool:
+    """Whether every element of every tensor is finite: one device sync, not one per tensor."""
     import torch
 
-    checks = [torch.isfinite(t).all() for t in tensors] + ([torch.isfinite(also).all()] if also is not None else [])
-    return bool(torch.stack(checks).all()) if checks else True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()) if tensors else True
 
 
 @functools.cache
