@@ -10,7 +10,7 @@ The figure of merit is the ratio grpc / in-process (goal >= 0.9 at 64).
     python loadtest/generatebench.py                       # tiny model made offline, CPU
     python loadtest/generatebench.py --engines torch --device cuda --model-size 0.5b   # a GPU machine
 
-Prints a table and writes JSON (``--out``).
+Prints a table; ``--out`` also writes it as JSON.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--model-size", default="tiny", choices=("tiny", "0.5b"))
     parser.add_argument("--stream-interval-ms", type=float, default=RolloutOptions.stream_interval_ms,
                         help="the streams' interval on both paths (the rollout service's default; 0: every token)")
-    parser.add_argument("--out", default="generatebench.json")
+    parser.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     engines = [e for e in args.engines.split(",") if e != "vllm" or vllm_available()]
@@ -130,8 +130,9 @@ def main() -> None:
         for kind in engines:
             rows += asyncio.run(bench_engine(kind, folder, concurrencies, args.max_tokens, args.repeats, args.device,
                                              args.stream_interval_ms / 1000))
-    pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
-    print(f"wrote {args.out}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--out", default="lorabench.json")
+    parser.add_argument("--out", type=pathlib.Path, help="write the results as JSON here")
     parser.add_argument("--serve-one", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_one:
@@ -253,8 +253,9 @@ def main() -> None:
             rows += asyncio.run(bench_commit(base, pathlib.Path(tmp) / "stack", args.repeats))
         if "train" in parts:
             rows += bench_train(base, pathlib.Path(tmp) / "train", args.steps, args.batch, args.tokens)
-    pathlib.Path(args.out).write_text(json.dumps(rows, indent=2))
-    print(f"wrote {args.out}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -103,6 +103,77 @@ async def test_logprobs_match_the_trainer_recomputation(served_engine: ServedEng
     assert worst < LOGPROB_BOUND[served_engine.kind], worst
 
 
+async def batched_logprob_gap(engine, folder) -> float:
+    """The largest |sampler - trainer| logprob over prompts of different lengths sharing a batch (left padding),
+    half of them sent once the first batch decodes (they join it where the engine can): each completion's
+    logprobs against the trainer's for that sequence alone."""
+    from yieldloop.types import Datum
+    from yieldloop_server.trainer.trainer import Trainer
+
+    prompts = [PROMPT, PROMPT[:2], [1] + [50 + i for i in range(11)], [1, 60, 61]]
+    started = asyncio.Event()
+
+    async def one(prompt: list[int], seed: int, after: asyncio.Event | None = None) -> tuple[list[int], list[float]]:
+        if after is not None:
+            await after.wait()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        async for delta in engine.generate(prompt, SamplingConfig(max_tokens=10, temperature=1.0, seed=seed,
+                                                                  ignore_eos=True)):
+            tokens += delta.token_ids
+            logprobs += delta.logprobs
+            started.set()
+        return tokens, logprobs
+
+    completions = await asyncio.gather(*(one(p, 10 + i) for i, p in enumerate(prompts)),
+                                       *(one(p, 20 + i, started) for i, p in enumerate(prompts)))
+    trainer = await asyncio.to_thread(Trainer, folder)
+    datums = []
+    for prompt, (tokens, _) in zip(prompts * 2, completions, strict=True):
+        sequence = prompt + tokens
+        zeros = [0.0] * (len(sequence) - 1)
+        datums.append(Datum(sequence[:-1], sequence[1:], zeros, zeros, zeros))
+    learner = await asyncio.to_thread(trainer.logprobs, datums)
+    worst = 0.0
+    for prompt, (tokens, logprobs), recomputed in zip(prompts * 2, completions, learner, strict=True):
+        assert len(tokens) == 10
+        worst = max(worst, max(abs(a - b) for a, b in zip(recomputed[len(prompt) - 1:], logprobs, strict=True)))
+    return worst
+
+
+async def test_batched_prompts_of_different_lengths_match_the_trainer(served_engine: ServedEngine) -> None:
+    worst = await batched_logprob_gap(served_engine.engine, served_engine.folders["v1"])
+    assert worst < LOGPROB_BOUND[served_engine.kind], worst
+
+
+async def test_torch_sliding_window_model_matches_the_trainer(engine_folders, tmp_path) -> None:
+    """A model with sliding-window layers gets transformers' own masks under eager attention (requests wait for
+    the running batch to end instead of joining it); plain models run SDPA with the batch's masks."""
+    import json
+    import shutil
+
+    from yieldloop_server.rollout.engines.torch_engine import TorchEngine
+
+    folder = shutil.copytree(engine_folders["v1"], tmp_path / "sliding")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                  layer_types=["sliding_attention", "full_attention"])
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = TorchEngine()
+    try:
+        await engine.load_weights(folder, "sliding")
+        assert not engine._weights.plain and engine._weights.model.config._attn_implementation == "eager"
+        assert await batched_logprob_gap(engine, folder) < LOGPROB_BOUND["torch"]
+    finally:
+        await engine.close()
+    plain = TorchEngine()
+    try:
+        await plain.load_weights(engine_folders["v1"], "v1")
+        assert plain._weights.plain and plain._weights.model.config._attn_implementation == "sdpa"
+    finally:
+        await plain.close()
+
+
 async def test_weight_reload_during_streaming_fails_no_request(served_engine: ServedEngine) -> None:
     engine = served_engine.engine
     produced: dict[int, int] = {}

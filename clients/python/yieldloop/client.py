@@ -445,6 +445,7 @@ class Client:
         self._metadata = (("authorization", f"Bearer {self.transport.api_key}"),) if self.transport.api_key else ()
         self.retry_within_s = retry_within_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[Any, int], Any] = {}
         self._owns_channels = True
         envs = [env] if isinstance(env, str) else list(env or ())
         self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
@@ -457,7 +458,7 @@ class Client:
         clone = copy.copy(self)
         clone.transport = dataclasses.replace(self.transport, api_key=api_key)
         clone._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        clone._owns_channels = False
+        clone._owns_channels, clone._stubs = False, {}
         clone.multiplex_episodes, clone._episode_streams = False, {}  # a shared stream is one caller's
         return clone
 
@@ -488,9 +489,12 @@ class Client:
     def _stub(self, kind: Any, channel: grpc.aio.Channel) -> Any:
         """A stub whose every call carries the API key (``authorization: Bearer``) as call metadata: gRPC's core
         sends it with the call's headers, nothing per message (an interceptor would put Python on every message
-        of every stream)."""
-        stub = kind(channel)
-        return _Keyed(stub, self._metadata) if self._metadata else stub
+        of every stream). Built once per service and channel: a stub builds a callable for each of its methods."""
+        key = (kind, id(channel))
+        stub = self._stubs.get(key)
+        if stub is None:
+            stub = self._stubs[key] = _Keyed(kind(channel), self._metadata) if self._metadata else kind(channel)
+        return stub
 
     @property
     def env_stub(self) -> env_grpc.EnvServiceStub:
@@ -526,6 +530,7 @@ class Client:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._stubs.clear()
 
     async def __aenter__(self) -> Client:
         return self

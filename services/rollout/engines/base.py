@@ -291,10 +291,11 @@ class Engine(abc.ABC):
             raise UnavailableError("no weights loaded yet", reason="ENGINE_NOT_READY")
         if not prompt_ids:
             raise invalid_field("prompt", "the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        vocab_size = self.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+            bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
             raise InvalidArgumentError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
                 reason="TOKEN_OUT_OF_VOCAB",
                 field="prompt_token_ids",
             )

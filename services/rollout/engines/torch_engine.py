@@ -46,6 +46,9 @@ class _Weights:
     signature: tuple[tuple[str, bytes], ...] | None = None
     """Digests of the folder's files other than the weights (config, tokenizer, chat template): a later checkpoint
     with the same ones can be loaded into this model in place (see :func:`reload_in_place`)."""
+    plain: bool = False
+    """Whether every layer is plain full attention (no sliding window): batches then pass the model ready 4D masks
+    (see _Batch._attention) and it runs SDPA; otherwise eager attention and transformers' masks."""
 
 
 @dataclasses.dataclass
@@ -71,18 +74,26 @@ class _Request:
 
 
 def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str) -> _Weights:
-    """Loads an HF checkpoint folder for inference (eager attention: left padding stays NaN-free)."""
+    """Loads an HF checkpoint folder for inference. Models whose layers are all plain full attention run SDPA
+    with the batch's own finite 4D masks; others (sliding windows) eager attention with transformers' masks.
+    Either way a prefill's left-padded rows, which attend to nothing, stay NaN-free."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
     from yieldloop_server.common.hf import load_causal_lm
 
     signature = folder_signature(folder)
-    model, tokenizer = load_causal_lm(folder, dtype, device, attn_implementation="eager")
+    model, tokenizer = load_causal_lm(folder, dtype, device, attn_implementation="sdpa")
+    plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+    if not plain:
+        model.set_attn_implementation("eager")
     model.eval()
     eos = model.generation_config.eos_token_id if model.generation_config else None
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     return _Weights(model, tokenizer, version, frozenset(eos_ids), model.config.max_position_embeddings,
-                    signature=signature)
+                    signature=signature, plain=plain)
 
 
 _OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
@@ -499,9 +510,26 @@ class _Batch:
     def can_join(self) -> bool:
         """Whether requests can join now: the cache's layers can be padded and merged (plain full-attention
         layers); otherwise they wait until the batch is empty."""
-        from transformers.cache_utils import DynamicLayer
+        return not self.rows or self.engine._weights.plain
 
-        return not self.rows or all(type(layer) is DynamicLayer for layer in self.cache.layers)
+    def _attention(self, mask_BT: Any, queries: int) -> Any:
+        """The attention mask the model gets for ``queries`` new positions at the end of ``mask_BT``'s columns (1: a
+        token, 0: padding). When every layer is plain full attention, a ready 4D additive mask: 0 where a query
+        may attend, the dtype's lowest finite value elsewhere (finite: a prefill's padded rows, which attend to
+        nothing, stay NaN-free), so transformers does not rebuild one at every decode step; otherwise the 2D mask
+        (sliding-window layers need masks of their own)."""
+        import torch
+
+        if not self.engine._weights.plain:
+            return mask_BT
+        columns = mask_BT.shape[1]
+        allowed = mask_BT.bool()[:, None, None, :]
+        if queries > 1:  # causal among the new positions
+            allowed = allowed & torch.ones(queries, columns, dtype=torch.bool, device=mask_BT.device).tril(
+                columns - queries)
+        dtype = self.engine._weights.model.dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=mask_BT.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)
 
     def _forward(self, rows: list[_Row], **inputs: Any) -> Any:
         import torch
@@ -550,7 +578,7 @@ class _Batch:
         cache = DynamicCache(config=weights.model.config)
         mask_BL = mask_BL.to(device)
         with torch.inference_mode():
-            logits_BV = self._forward(new, input_ids=tokens_BL.to(device), attention_mask=mask_BL,
+            logits_BV = self._forward(new, input_ids=tokens_BL.to(device), attention_mask=self._attention(mask_BL, length),
                                       position_ids=positions_BL.to(device), past_key_values=cache)
         if not self.rows:
             self.rows, self.cache, self.mask_BT, self.logits_BV = new, cache, mask_BL, logits_BV
@@ -637,7 +665,7 @@ class _Batch:
         positions_B1 = torch.tensor([row.position for row in self.rows], device=engine.device)[:, None]
         with torch.inference_mode():
             self.logits_BV = self._forward(self.rows, input_ids=torch.tensor(step_tokens, device=engine.device)[:, None],
-                                           attention_mask=self.mask_BT, position_ids=positions_B1,
+                                           attention_mask=self._attention(self.mask_BT, 1), position_ids=positions_B1,
                                            past_key_values=self.cache)
         for row in self.rows:
             row.position += 1
