@@ -66,7 +66,7 @@ async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int]
     from yieldloop_server.rollout.engines import create_engine
     from yieldloop_server.rollout.server import serve_engine
 
-    engine = create_engine(kind, device=device)
+    engine = create_engine(kind.removesuffix("-process"), device=device, **({"process": True} if kind.endswith("-process") else {}))
     await engine.load_weights(folder, "bench")
     server = await serve_engine("bench", engine, stream_interval_s=interval_s)
     client = Client(rollout=server.address, timeout=600)
@@ -86,7 +86,7 @@ async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int]
                          "tokens_in_process": local_tokens, "tokens_grpc": remote_tokens,
                          "in_process_tok_s": round(local, 1), "grpc_tok_s": round(remote, 1),
                          "ratio": round(remote / local, 3)})
-            print(f"{kind:6} C={concurrency:3}  in-process {local:9.1f} tok/s  gRPC {remote:9.1f} tok/s  "
+            print(f"{kind:13} C={concurrency:3}  in-process {local:9.1f} tok/s  gRPC {remote:9.1f} tok/s  "
                   f"ratio {remote / local:.3f}  ({messages} messages per stream)", flush=True)
     finally:
         await client.close()
@@ -112,7 +112,9 @@ def main() -> None:
     from yieldloop_server.rollout.engines.vllm_engine import vllm_available
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="torch,vllm", help="comma-separated (vllm skipped when not installed)")
+    parser.add_argument("--engines", default="torch,torch-process,vllm",
+                        help="comma-separated: torch, torch-process (the torch engine in a process of its own), vllm "
+                             "(skipped when not installed)")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per cell")

@@ -91,6 +91,10 @@ class RolloutOptions:
         default="same", metadata={"flag": "--rollout-lora-engine"})
     """Engine serving LoRA forks (one per frozen base, adapters applied per request): the rollout engine's kind
     (same), or torch: on CPU machines vLLM's LoRA kernels run at a few percent of its base throughput."""
+    engine_process: bool = dataclasses.field(default=True, metadata={"flag": "--rollout-engine-process"})
+    """The torch engine decodes in a process of its own (the service's event loop and the decode loop then do not
+    share one interpreter lock; its torch threads leave one core to the service), as vLLM's engine core always
+    does. Off: in a thread of the service's process (starts faster; tests, one-core machines)."""
     stream_interval_ms: float = 20.0
     """Streams (gRPC Generate, OpenAI ``stream: true``) send the first and the last tokens at once and in between
     at most one message per this many milliseconds, holding the tokens sampled meanwhile (0: one message per

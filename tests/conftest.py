@@ -175,7 +175,8 @@ def engine_folders(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPa
     return {"v1": tiny_model_dir, "v2": perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("tiny-v2"))}
 
 
-ENGINE_KINDS = ["torch", "vllm"]
+ENGINE_KINDS = ["torch", "torch-process", "vllm"]
+"""torch-process: the torch engine decoding in a child process (what `yieldloop serve rollout` runs by default)."""
 
 
 @pytest_asyncio.fixture(scope="session", params=ENGINE_KINDS)

@@ -45,7 +45,7 @@ class ServedEngine:
 
 
 async def serve_engine(kind: str, folders: dict[str, pathlib.Path], model: str = "tiny") -> ServedEngine:
-    engine = create_engine(kind)
+    engine = create_engine(kind.removesuffix("-process"), process=kind.endswith("-process"))
     await engine.load_weights(folders["v1"], "v1")
     server = await serve_engine_grpc(model, engine)
     return ServedEngine(kind, engine, folders, server, Client(rollout=server.address, timeout=120))

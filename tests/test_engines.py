@@ -16,13 +16,13 @@ from engine_harness import ServedEngine
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
-from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta, create_engine
 from yieldloop_server.rollout.server import serve_engine as serve_engine_grpc
 
 PROMPT = [1, 40, 41, 42, 43, 44]
 # Sampler vs trainer logprobs on the same tokens, fp32 on CPU. The torch engine runs the trainer's
 # own transformers forward; vLLM's CPU kernels (its attention, fused norms) differ in the last bits.
-LOGPROB_BOUND = {"torch": 1e-4, "vllm": 1e-3}
+LOGPROB_BOUND = {"torch": 1e-4, "torch-process": 1e-4, "vllm": 1e-3}
 
 
 async def collect(engine, prompt, sampling: SamplingConfig) -> list[TokenDelta]:
@@ -367,3 +367,67 @@ async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folde
     (other / "pytorch_model.bin").write_bytes(b"weights in another format")
     assert reload_in_place(spare, other, "x") is None, "weights a full load would read otherwise: not in place"
     assert reload_in_place(spare, v3, "v3").version == "v3"
+
+
+async def test_torch_process_engine_that_dies_fails_its_requests_retryably(engine_folders) -> None:
+    """The torch engine's child process killed mid-stream: the stream and every later call fail with
+    UNAVAILABLE/ENGINE_ERROR (a retryable status), nothing hangs."""
+    engine = create_engine("torch", process=True)
+    try:
+        await engine.load_weights(engine_folders["v1"], "v1")
+        stream = engine.generate(PROMPT, SamplingConfig(max_tokens=1500, temperature=1.0, seed=3, ignore_eos=True))
+        first = await anext(stream)
+        assert first.token_ids and first.weight_version == "v1"
+        engine._process.kill()
+        with pytest.raises(errors.UnavailableError) as failed:
+            async for _ in stream:
+                pass
+        assert failed.value.reason == "ENGINE_ERROR"
+        assert engine.num_unfinished() == 0
+        with pytest.raises(errors.UnavailableError) as later:
+            await collect(engine, PROMPT, SamplingConfig(max_tokens=4))
+        assert later.value.reason == "ENGINE_ERROR"
+        with pytest.raises(errors.UnavailableError):
+            await engine.load_weights(engine_folders["v2"], "v2")
+    finally:
+        await engine.close()
+
+
+def test_torch_process_engine_exits_with_its_server(engine_folders, tmp_path) -> None:
+    """A server killed with -9 leaves no engine process behind: the child sees its pipe close and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import asyncio, os, sys, time\n"
+        "from yieldloop_server.rollout.engines import create_engine\n"
+        "async def main():\n"
+        "    engine = create_engine('torch', process=True)\n"
+        f"    await engine.load_weights(__import__('pathlib').Path({str(engine_folders['v1'])!r}), 'v1')\n"
+        "    print(engine._process.pid, flush=True)\n"
+        "    await asyncio.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n")
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(server.stdout.readline())
+        os.kill(child, 0)  # running
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:  # gone, or a zombie (it has exited; init reaps it)
+                with open(f"/proc/{child}/stat") as stat:
+                    if stat.read().rpartition(")")[2].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"engine process {child} still runs after its server was killed")
+    finally:
+        server.kill()

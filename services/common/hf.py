@@ -25,6 +25,17 @@ def load_causal_lm(folder: pathlib.Path, dtype: str, device: str, **kwargs: Any)
     return model.to(device), load_tokenizer(folder)
 
 
+def import_model_code(folder: pathlib.Path) -> None:
+    """Imports the transformers modules of the folder's model class (seconds the first time in a process), so
+    that a later ``load_causal_lm`` of such a model in this process does not pay them."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    with _LOAD_LOCK:
+        config = AutoConfig.from_pretrained(folder)
+        MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
 def load_tokenizer(folder: pathlib.Path) -> Any:
     """The tokenizer of an HF folder (under the same lock)."""
     from transformers import AutoTokenizer

@@ -63,7 +63,8 @@ class RolloutServer:
         # A batch opens its episodes together: they share one StreamEpisodes stream per EnvService replica.
         self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport,
                               multiplex_episodes=True)
-        # Candidates are evaluated on the light torch engine, beside whatever engine serves the head.
+        # Candidates are evaluated on the light torch engine, beside whatever engine serves the head (in a thread:
+        # a child process would cost its start, seconds, at the first candidate).
         device = str(engine_options.get("device", "cpu"))
 
         async def report(ok: bool) -> None:

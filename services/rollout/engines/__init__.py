@@ -7,8 +7,14 @@ from yieldloop_server.rollout.engines.base import AdapterEngine, Engine, Samplin
 
 def create_engine(kind: str, lora: bool = False, **options: object) -> Engine:
     """The engine named ``kind``: "torch", or "vllm" (``pip install 'yieldloop-server[vllm]'``); with ``lora``
-    one that serves LoRA adapters over its weights (the torch engine always can)."""
+    one that serves LoRA adapters over its weights (the torch engine always can). ``process``: the torch engine
+    decodes in a child process (:mod:`.torch_process`); vLLM's engine core always runs in one."""
+    process = options.pop("process", False)
     if kind == "torch":
+        if process:
+            from yieldloop_server.rollout.engines.torch_process import TorchProcessEngine
+
+            return TorchProcessEngine(**options)
         from yieldloop_server.rollout.engines.torch_engine import TorchEngine
 
         return TorchEngine(**options)

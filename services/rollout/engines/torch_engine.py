@@ -24,6 +24,7 @@ import pathlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -59,18 +60,70 @@ class _Adapter:
     output)."""
 
 
+class Sink:
+    """Where the worker thread hands requests' deltas (and errors): ``deliver`` gets one decode step's items of
+    every request of this sink at once, as (the request's key, item) pairs."""
+
+    def deliver(self, items: list[tuple[Any, TokenDelta | BaseException]]) -> None:
+        raise NotImplementedError
+
+
+class _LoopSink(Sink):
+    """Requests awaited on an event loop, each key an asyncio.Queue: one wake-up of the loop per decode step."""
+
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSink] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopSink:
+        sink = cls._by_loop.get(loop)
+        if sink is None:
+            sink = cls._by_loop[loop] = cls(loop)
+        return sink
+
+    def deliver(self, items: list[tuple[Any, TokenDelta | BaseException]]) -> None:
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
+            self.loop.call_soon_threadsafe(put_all, items)
+
+
+def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for out, item in items:
+        out.put_nowait(item)
+
+
+async def drain(out: asyncio.Queue) -> AsyncIterator[TokenDelta]:
+    """A request's deltas from its queue until the finishing one (an error put there is raised); deltas that
+    queued while the consumer was busy (writing the last one) go out as one."""
+    while True:
+        item = await out.get()
+        while isinstance(item, TokenDelta) and not item.finished and not out.empty():
+            following = out.get_nowait()
+            if not isinstance(following, TokenDelta):
+                yield item
+                item = following
+                break
+            item = merge_deltas(item, following)
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
+
+
 @dataclasses.dataclass
 class _Request:
     prompt_ids: list[int]
     sampling: SamplingConfig
-    out: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    sink: Sink
+    key: Any
     generator: Any
     adapter: str = ""
     cancelled: bool = False
 
     def emit(self, item: TokenDelta | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        self.sink.deliver([(self.key, item)])
 
 
 def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str) -> _Weights:
@@ -330,37 +383,32 @@ class TorchEngine(Engine):
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
     ) -> AsyncIterator[TokenDelta]:
-        import torch
-
         self.validate_prompt(prompt_ids)
         sampling.validate()
+        if adapter and not self.adapter_version(adapter):
+            raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
+        out: asyncio.Queue = asyncio.Queue()
+        request = self.submit(prompt_ids, sampling, adapter, _LoopSink.of(asyncio.get_running_loop()), out)
+        try:
+            async for delta in drain(out):
+                yield delta
+        finally:
+            request.cancelled = True
+
+    def submit(self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str, sink: Sink,
+               key: Any) -> Any:
+        """Queues a validated request whose items go to ``sink`` under ``key``; returns it (setting its
+        ``cancelled`` cancels it)."""
+        import torch
+
         generator = torch.Generator(device="cpu")
         if sampling.seed:
             generator.manual_seed(sampling.seed)
         else:
             generator.seed()
-        if adapter and not self.adapter_version(adapter):
-            raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
-        request = _Request(list(prompt_ids), sampling, asyncio.Queue(), asyncio.get_running_loop(), generator, adapter)
+        request = _Request(list(prompt_ids), sampling, sink, key, generator, adapter)
         self._pending.put(request)
-        try:
-            while True:
-                item = await request.out.get()
-                # Deltas that queued while the consumer was busy (writing the last one) go out as one.
-                while isinstance(item, TokenDelta) and not item.finished and not request.out.empty():
-                    following = request.out.get_nowait()
-                    if not isinstance(following, TokenDelta):
-                        yield item
-                        item = following
-                        break
-                    item = merge_deltas(item, following)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            request.cancelled = True
+        return request
 
     def num_unfinished(self) -> int:
         return self._pending.qsize() + self._live
@@ -480,19 +528,13 @@ class TorchEngine(Engine):
         return ""
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for out, item in items:
-        out.put_nowait(item)
-
-
 def _deliver(outgoing: list[tuple[_Request, Any]]) -> None:
-    """Hands each request its item: one wake-up of each event loop per decode step, not one per request."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    """Hands each request its item: one delivery per sink (one wake-up of each event loop) per decode step."""
+    by_sink: dict[int, tuple[Sink, list[tuple[Any, Any]]]] = {}
     for request, item in outgoing:
-        by_loop.setdefault(request.loop, []).append((request.out, item))
-    for loop, items in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
-            loop.call_soon_threadsafe(_put_all, items)
+        by_sink.setdefault(id(request.sink), (request.sink, []))[1].append((request.key, item))
+    for sink, items in by_sink.values():
+        sink.deliver(items)
 
 
 class _Batch:
