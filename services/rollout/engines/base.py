@@ -285,6 +285,14 @@ class Engine(abc.ABC):
     def eos_token_id(self) -> int:
         return self._require_tokenizer().eos_token_id
 
+    def validate_request(self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = "") -> None:
+        """Typed errors for a request this engine cannot serve: its prompt, its sampling values, an adapter that
+        is not loaded."""
+        self.validate_prompt(prompt_ids)
+        sampling.validate()
+        if adapter and not self.adapter_version(adapter):
+            raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
+
     def validate_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Typed errors for prompts the engine cannot serve."""
         if not self.weight_version:

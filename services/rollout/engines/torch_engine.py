@@ -383,10 +383,7 @@ class TorchEngine(Engine):
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
     ) -> AsyncIterator[TokenDelta]:
-        self.validate_prompt(prompt_ids)
-        sampling.validate()
-        if adapter and not self.adapter_version(adapter):
-            raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
+        self.validate_request(prompt_ids, sampling, adapter)
         out: asyncio.Queue = asyncio.Queue()
         request = self.submit(prompt_ids, sampling, adapter, _LoopSink.of(asyncio.get_running_loop()), out)
         try:

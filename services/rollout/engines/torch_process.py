@@ -124,10 +124,7 @@ class TorchProcessEngine(Engine):
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
     ) -> AsyncIterator[TokenDelta]:
-        self.validate_prompt(prompt_ids)
-        sampling.validate()
-        if adapter and not self.adapter_version(adapter):
-            raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
+        self.validate_request(prompt_ids, sampling, adapter)
         request_id = next(self._ids)
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)

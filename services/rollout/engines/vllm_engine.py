@@ -228,13 +228,8 @@ class VllmEngine(Engine):
     ) -> AsyncIterator[TokenDelta]:
         from vllm.inputs import TokensPrompt
 
-        self.validate_prompt(prompt_ids)
-        sampling.validate()
-        lora_request, adapter_version = None, ""
-        if adapter:
-            if adapter not in self._loras:
-                raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
-            lora_request, adapter_version = self._loras[adapter]
+        self.validate_request(prompt_ids, sampling, adapter)
+        lora_request, adapter_version = self._loras[adapter] if adapter else (None, "")
         llm = self._llm
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         request_id = uuid.uuid4().hex
