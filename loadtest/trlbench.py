@@ -71,10 +71,10 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
     from yieldloop.client import Client
     from yieldloop.envs.letters import heldout_tasks, train_tasks
     from yieldloop.loop import LoopConfig, closed_loop
-    from yieldloop_server.config import StackConfig
+    from yieldloop_server.config import RolloutOptions, StackConfig
     from yieldloop_server.stack import ProcessStack
 
-    stack = ProcessStack(StackConfig(data_dir=data_dir))
+    stack = ProcessStack(StackConfig(data_dir=data_dir, rollout=RolloutOptions(engine_process=args.engine_process)))
     addresses = await stack.start()
     config = LoopConfig(steps=args.max_steps, group_size=GROUP, learning_rate=LEARNING_RATE, max_tokens=MAX_TOKENS,
                         promotion_tolerance=1.0, max_off_policy=off_policy, seed=seed,
@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--off-policy", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the rollout service's torch engine in a process of its own (its default)")
     parser.add_argument("--out", type=pathlib.Path)
     run_and_report(bench, parser.parse_args())
 
