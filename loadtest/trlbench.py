@@ -210,8 +210,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--off-policy", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                        help="the rollout service's torch engine in a process of its own (its default)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                        help="the rollout service's torch engine in a process of its own, or in a thread (default: "
+                             "yieldloop up's choice, a thread where the rollout service gets one core)")
     parser.add_argument("--out", type=pathlib.Path)
     run_and_report(bench, parser.parse_args())
 

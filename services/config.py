@@ -91,11 +91,11 @@ class RolloutOptions:
         default="same", metadata={"flag": "--rollout-lora-engine"})
     """Engine serving LoRA forks (one per frozen base, adapters applied per request): the rollout engine's kind
     (same), or torch: on CPU machines vLLM's LoRA kernels run at a few percent of its base throughput."""
-    engine_process: bool = dataclasses.field(default=True, metadata={"flag": "--rollout-engine-process"})
+    engine_process: bool | None = dataclasses.field(default=None, metadata={"flag": "--rollout-engine-process"})
     """The torch engine decodes in a process of its own (the service's event loop and the decode loop then do not
     share one interpreter lock; its torch threads leave one core to the service), as vLLM's engine core always
-    does. Off: in a thread of the service's process (starts faster; what `yieldloop up` runs where the rollout
-    service's share of a CPU machine is one core)."""
+    does; off: in a thread of the service's process. Default: in a process, except where `yieldloop up` gives the
+    rollout service one core of a CPU machine (the process would take the trainer's core)."""
     stream_interval_ms: float = 20.0
     """Streams (gRPC Generate, OpenAI ``stream: true``) send the first and the last tokens at once and in between
     at most one message per this many milliseconds, holding the tokens sampled meanwhile (0: one message per
@@ -203,16 +203,17 @@ class ServeOptions(StackConfig):
         """These options for a trainer or rollout service that shares a CPU machine with the other one (as
         ``yieldloop up`` runs them): half the cores each for torch, so sampling the next batch and training the
         current one run side by side instead of oversubscribing every core. A rollout service whose half is one
-        core keeps its torch engine in a thread: an engine process of its own would take the trainer's core
-        (measured on 2 cores: the loop's steps 15-25% slower). Unchanged for other services, on GPUs, or when
-        torch_threads or OMP_NUM_THREADS is set."""
+        core keeps its torch engine in a thread unless told otherwise: an engine process of its own would take
+        the trainer's core (measured on 2 cores: the loop's steps 15-25% slower). Unchanged for other services,
+        on GPUs, or when torch_threads or OMP_NUM_THREADS is set."""
         import os
 
         if (self.service not in ("trainer", "rollout") or self.torch_threads or not self.device.startswith("cpu")
                 or os.environ.get("OMP_NUM_THREADS")):
             return self
         share = max(1, (cores or os.cpu_count() or 2) // 2)
-        rollout = self.rollout if share > 1 else dataclasses.replace(self.rollout, engine_process=False)
+        rollout = self.rollout if share > 1 or self.rollout.engine_process is not None else \
+            dataclasses.replace(self.rollout, engine_process=False)
         return dataclasses.replace(self, torch_threads=share, rollout=rollout)
 
     def to_args(self) -> list[str]:

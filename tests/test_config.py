@@ -61,10 +61,12 @@ def test_the_stack_splits_the_cores_between_trainer_and_rollout(monkeypatch) -> 
         options = ServeOptions(service=service).sharing_cores(cores)
         assert options.torch_threads == expected, (service, cores)
     # The rollout's engine decodes in a process of its own unless its share is one core (the trainer's other).
-    assert ServeOptions(service="rollout").rollout.engine_process
-    assert not ServeOptions(service="rollout").sharing_cores(2).rollout.engine_process
+    assert ServeOptions(service="rollout").rollout.engine_process is None  # serve: in a process
+    assert ServeOptions(service="rollout").sharing_cores(2).rollout.engine_process is False
     assert "--no-rollout-engine-process" in ServeOptions(service="rollout").sharing_cores(2).to_args()
-    assert ServeOptions(service="rollout").sharing_cores(8).rollout.engine_process
+    assert ServeOptions(service="rollout").sharing_cores(8).rollout.engine_process is None
+    chosen = ServeOptions(service="rollout", rollout=RolloutOptions(engine_process=True)).sharing_cores(2)
+    assert chosen.rollout.engine_process and "--rollout-engine-process" in chosen.to_args()
     options = ServeOptions(service="trainer").sharing_cores(8)
     args = options.to_args()
     assert args[args.index("--torch-threads") + 1] == "4"
