@@ -215,13 +215,18 @@ def _settle(future: asyncio.Future, error: BaseException | None, result: Any) ->
 class _PipeSink(Sink):
     """The child's requests: one pipe message per decode step carries every request's items."""
 
-    def __init__(self, send: Any, requests: dict[int, Any]) -> None:
-        self.send, self.requests = send, requests
+    def __init__(self, send: Any) -> None:
+        self.send = send
+        self.requests: dict[int, Any] = {}
+        """The requests not finished yet, by id (for cancellations)."""
+        self.lock = threading.Lock()
+        """Held while a request is queued and recorded, so that its end cannot be delivered in between."""
 
     def deliver(self, items: list[tuple[Any, TokenDelta | BaseException]]) -> None:
-        for request_id, item in items:
-            if isinstance(item, BaseException) or item.finished:
-                self.requests.pop(request_id, None)
+        with self.lock:
+            for request_id, item in items:
+                if isinstance(item, BaseException) or item.finished:
+                    self.requests.pop(request_id, None)
         self.send(("deltas", items))
 
 
@@ -237,9 +242,8 @@ class _Child:
     def __init__(self, conn: Any, options: dict[str, Any]) -> None:
         self.conn = conn
         self.engine = TorchEngine(**options)
-        self.requests: dict[int, Any] = {}
         self.send_lock = threading.Lock()
-        self.sink = _PipeSink(self.send, self.requests)
+        self.sink = _PipeSink(self.send)
         self.tasks: set[asyncio.Task] = set()
         self.done = asyncio.Event()
 
@@ -257,7 +261,7 @@ class _Child:
             await self.done.wait()
         finally:
             loop.remove_reader(self.conn.fileno())
-            for request in self.requests.values():
+            for request in list(self.sink.requests.values()):
                 request.cancelled = True
             await self.engine.close()
 
@@ -272,9 +276,12 @@ class _Child:
         kind = message[0]
         if kind == "generate":
             _, request_id, prompt_ids, sampling, adapter = message
-            self.requests[request_id] = self.engine.submit(prompt_ids, sampling, adapter, self.sink, request_id)
+            with self.sink.lock:
+                self.sink.requests[request_id] = self.engine.submit(prompt_ids, sampling, adapter, self.sink,
+                                                                    request_id)
         elif kind == "cancel":
-            request = self.requests.pop(message[1], None)
+            with self.sink.lock:
+                request = self.sink.requests.pop(message[1], None)
             if request is not None:
                 request.cancelled = True
         elif kind == "call":
