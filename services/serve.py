@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from yieldloop.transport import TransportConfig
-from yieldloop_server.common import telemetry
+from yieldloop_server.common import telemetry, write_file_atomically
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore, split_key
 from yieldloop_server.config import ServeOptions
@@ -188,6 +188,4 @@ async def serve(opts: ServeOptions) -> None:
 
 def write_ready_file(path: pathlib.Path, address: str, tls: bool = False, metrics: str = "") -> None:
     """Atomically records a started service's address (whether it speaks TLS, where it serves metrics)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics}))
-    tmp.replace(path)
+    write_file_atomically(path, json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics}))

@@ -150,16 +150,14 @@ HUD_ENV = "run/hud.env"
 
 def write_hud_env(config: StackConfig, base_url: str, api_key: str) -> pathlib.Path:
     """Writes DATA_DIR/run/hud.env (mode 0600: it holds a key) for ``source``-ing before a HUD SDK script."""
+    from yieldloop_server.common import write_file_atomically
     from yieldloop_server.hud.front import hud_settings
 
     path = config.data_dir / HUD_ENV
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = "".join(f"export {name}={value}\n"
                     for name, value in hud_settings(base_url, api_key, config.transport.tls_ca).items())
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as file:
-        file.write(lines)
+    write_file_atomically(path, lines, 0o600)  # a reader (a script waiting for it) never sees it half written
     return path
 
 
