@@ -66,7 +66,7 @@ async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int]
     from yieldloop_server.rollout.engines import create_engine
     from yieldloop_server.rollout.server import serve_engine
 
-    engine = create_engine(kind.removesuffix("-process"), device=device, **({"process": True} if kind.endswith("-process") else {}))
+    engine = create_engine(kind.removesuffix("-process"), device=device, process=kind.endswith("-process"))
     await engine.load_weights(folder, "bench")
     server = await serve_engine("bench", engine, stream_interval_s=interval_s)
     client = Client(rollout=server.address, timeout=600)

@@ -68,16 +68,16 @@ class Sink:
         raise NotImplementedError
 
 
-class _LoopSink(Sink):
+class LoopSink(Sink):
     """Requests awaited on an event loop, each key an asyncio.Queue: one wake-up of the loop per decode step."""
 
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSink] = weakref.WeakKeyDictionary()
+    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopSink] = weakref.WeakKeyDictionary()
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopSink:
+    def of(cls, loop: asyncio.AbstractEventLoop) -> LoopSink:
         sink = cls._by_loop.get(loop)
         if sink is None:
             sink = cls._by_loop[loop] = cls(loop)
@@ -85,10 +85,10 @@ class _LoopSink(Sink):
 
     def deliver(self, items: list[tuple[Any, TokenDelta | BaseException]]) -> None:
         with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
-            self.loop.call_soon_threadsafe(put_all, items)
+            self.loop.call_soon_threadsafe(_put_all, items)
 
 
-def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for out, item in items:
         out.put_nowait(item)
 
@@ -385,7 +385,7 @@ class TorchEngine(Engine):
     ) -> AsyncIterator[TokenDelta]:
         self.validate_request(prompt_ids, sampling, adapter)
         out: asyncio.Queue = asyncio.Queue()
-        request = self.submit(prompt_ids, sampling, adapter, _LoopSink.of(asyncio.get_running_loop()), out)
+        request = self.submit(prompt_ids, sampling, adapter, LoopSink.of(asyncio.get_running_loop()), out)
         try:
             async for delta in drain(out):
                 yield delta
@@ -393,7 +393,7 @@ class TorchEngine(Engine):
             request.cancelled = True
 
     def submit(self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str, sink: Sink,
-               key: Any) -> Any:
+               key: Any) -> _Request:
         """Queues a validated request whose items go to ``sink`` under ``key``; returns it (setting its
         ``cancelled`` cancels it)."""
         import torch
@@ -617,7 +617,8 @@ class _Batch:
         cache = DynamicCache(config=weights.model.config)
         mask_BL = mask_BL.to(device)
         with torch.inference_mode():
-            logits_BV = self._forward(new, input_ids=tokens_BL.to(device), attention_mask=self._attention(mask_BL, length),
+            logits_BV = self._forward(new, input_ids=tokens_BL.to(device),
+                                      attention_mask=self._attention(mask_BL, length),
                                       position_ids=positions_BL.to(device), past_key_values=cache)
         if not self.rows:
             self.rows, self.cache, self.mask_BT, self.logits_BV = new, cache, mask_BL, logits_BV

@@ -16,6 +16,7 @@ UNAVAILABLE/ENGINE_ERROR (retryable), and every later call the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -27,9 +28,7 @@ from typing import Any
 
 from yieldloop.errors import UnavailableError
 from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
-from yieldloop_server.rollout.engines.torch_engine import Sink, TorchEngine, drain, folder_signature, put_all
-
-log = logging.getLogger(__name__)
+from yieldloop_server.rollout.engines.torch_engine import LoopSink, Sink, TorchEngine, drain, folder_signature
 
 
 class TorchProcessEngine(Engine):
@@ -46,7 +45,8 @@ class TorchProcessEngine(Engine):
             threads = min(torch.get_num_threads(), max(1, (os.cpu_count() or 2) - 1))
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(child, threads, options),
+        self._process = context.Process(target=_child_main,
+                                        args=(child, threads, logging.getLogger().getEffectiveLevel(), options),
                                         name="yieldloop-torch-engine", daemon=True)
         self._process.start()
         child.close()
@@ -59,7 +59,6 @@ class TorchProcessEngine(Engine):
         self._limits = (0, 0)
         self._signature: Any = None
         self._dead: BaseException | None = None
-        self.in_place_loads = 0
         self._reader = threading.Thread(target=self._read, name="torch-engine-reader", daemon=True)
         self._reader.start()
 
@@ -106,7 +105,6 @@ class TorchProcessEngine(Engine):
         if loaded is not None:
             self.tokenizer, self._signature = loaded, signature
         self._limits = (facts["vocab_size"], facts["max_model_len"])
-        self.in_place_loads = facts["in_place_loads"]
         self._version = version
         self.weight_loads += 1
 
@@ -170,18 +168,18 @@ class TorchProcessEngine(Engine):
                     if stream is not None:
                         by_loop.setdefault(stream[0], []).append((stream[1], item))
                 for loop, items in by_loop.items():
-                    _call_soon(loop, put_all, items)
+                    LoopSink.of(loop).deliver(items)
             else:  # ("reply", call id, error, result)
                 _, call_id, error, result = message
                 entry = self._calls.get(call_id)
                 if entry is not None:
-                    _call_soon(entry[0], _settle, entry[1], error, result)
+                    _settle_soon(entry[0], entry[1], error, result)
         self._dead = UnavailableError(f"the torch engine process exited (code {self._process.exitcode})",
                                       reason="ENGINE_ERROR")
         for loop, out in list(self._streams.values()):
-            _call_soon(loop, out.put_nowait, self._dead)
+            LoopSink.of(loop).deliver([(out, self._dead)])
         for loop, future in list(self._calls.values()):
-            _call_soon(loop, _settle, future, self._dead, None)
+            _settle_soon(loop, future, self._dead, None)
 
 
 def _tokenizer_and_code(folder: pathlib.Path) -> Any:
@@ -194,19 +192,15 @@ def _tokenizer_and_code(folder: pathlib.Path) -> Any:
     return tokenizer
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:  # that loop is closed: nobody is waiting
-        pass
+def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None,
+                 result: Any) -> None:
+    """Settles a call's future on its loop (from the reader thread)."""
+    def settle() -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
 
-
-def _settle(future: asyncio.Future, error: BaseException | None, result: Any) -> None:
-    if not future.done():
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+    with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
+        loop.call_soon_threadsafe(settle)
 
 
 # The child process ---------------------------------------------------------------------------------------------
@@ -230,11 +224,11 @@ class _PipeSink(Sink):
         self.send(("deltas", items))
 
 
-def _child_main(conn: Any, threads: int, options: dict[str, Any]) -> None:
+def _child_main(conn: Any, threads: int, log_level: int, options: dict[str, Any]) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    logging.basicConfig(level=os.environ.get("YIELDLOOP_LOG_LEVEL", "WARNING"))
+    logging.basicConfig(level=log_level)  # the server's level (spawn starts with logging unconfigured)
     asyncio.run(_Child(conn, options).serve())
 
 
@@ -296,8 +290,7 @@ class _Child:
         try:
             if method == "load_weights":
                 await engine.load_weights(pathlib.Path(args[0]), args[1])
-                result: Any = {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
-                               "in_place_loads": engine.in_place_loads}
+                result: Any = {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}
             elif method == "load_adapter":
                 result = await engine.load_adapter(args[0], pathlib.Path(args[1]), args[2])
             elif method == "unload_adapter":
