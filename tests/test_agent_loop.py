@@ -276,3 +276,31 @@ async def test_runs_are_recorded_in_batches_before_they_are_streamed(served_engi
         seen.append(run)
     assert len(seen) == 24 and sum(map(len, recorded)) == 24
     assert len(recorded) < 12, f"runs recorded in {len(recorded)} batches"
+
+
+def test_chat_renders_are_remembered_per_tokenizer(engine_folders) -> None:
+    """A group's episodes share a prompt: it is rendered once. What is rendered is what the template renders; a
+    template that writes today's date is rendered every time."""
+    from transformers import AutoTokenizer
+
+    from yieldloop_server.rollout.engines.base import RENDER_CACHE_SIZE, ChatRenders
+
+    tokenizer = AutoTokenizer.from_pretrained(engine_folders["v1"])
+    calls = []
+    render = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda *args, **kwargs: calls.append(1) or render(*args, **kwargs)
+    renders = ChatRenders(tokenizer)
+    chat = [{"role": "user", "content": "Write the letter q."}]
+    expected = render(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    first = renders.render(chat, None, True)
+    first.append(-1)  # the caller's list is its own
+    assert renders.render(chat, None, True) == expected and len(calls) == 1
+    assert renders.render(chat, None, False) != expected and len(calls) == 2  # another conversation
+    for i in range(RENDER_CACHE_SIZE):
+        renders.render([{"role": "user", "content": f"{i}"}], None, True)
+    assert renders.render(chat, None, True) == expected and len(calls) == 3 + RENDER_CACHE_SIZE  # forgotten (LRU)
+
+    tokenizer.chat_template = "{{ strftime_now('%d %b %Y') }}" + tokenizer.chat_template
+    dated = ChatRenders(tokenizer)
+    dated.render(chat, None, True), dated.render(chat, None, True)
+    assert len(calls) == 5 + RENDER_CACHE_SIZE

@@ -105,12 +105,13 @@ async def test_logprobs_match_the_trainer_recomputation(served_engine: ServedEng
 
 async def batched_logprob_gap(engine, folder) -> float:
     """The largest |sampler - trainer| logprob over prompts of different lengths sharing a batch (left padding),
-    half of them sent once the first batch decodes (they join it where the engine can): each completion's
-    logprobs against the trainer's for that sequence alone."""
+    one of them three times (a group: the torch engine prefills it once), half of them sent once the first batch
+    decodes (they join it where the engine can): each completion's logprobs against the trainer's for that
+    sequence alone."""
     from yieldloop.types import Datum
     from yieldloop_server.trainer.trainer import Trainer
 
-    prompts = [PROMPT, PROMPT[:2], [1] + [50 + i for i in range(11)], [1, 60, 61]]
+    prompts = [PROMPT, PROMPT[:2], [1] + [50 + i for i in range(11)], [1, 60, 61], PROMPT, PROMPT]
     started = asyncio.Event()
 
     async def one(prompt: list[int], seed: int, after: asyncio.Event | None = None) -> tuple[list[int], list[float]]:
@@ -144,6 +145,36 @@ async def batched_logprob_gap(engine, folder) -> float:
 async def test_batched_prompts_of_different_lengths_match_the_trainer(served_engine: ServedEngine) -> None:
     worst = await batched_logprob_gap(served_engine.engine, served_engine.folders["v1"])
     assert worst < LOGPROB_BOUND[served_engine.kind], worst
+
+
+async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch) -> None:
+    """A group's episodes share one prompt: the torch engine prefills it once for all of them (each row keeps its
+    own generator, so a seeded request samples what it samples alone)."""
+    from yieldloop_server.rollout.engines.torch_engine import TorchEngine, _Batch
+
+    engine = TorchEngine()
+    rows_prefilled: list[int] = []
+    forward = _Batch._forward
+
+    def counting(self, rows, **inputs):
+        if inputs["input_ids"].shape[1] > 1:
+            rows_prefilled.append(inputs["input_ids"].shape[0])
+        return forward(self, rows, **inputs)
+
+    try:
+        await engine.load_weights(engine_folders["v1"], "v1")
+        alone = flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=6, temperature=1.0, seed=3,
+                                                                  ignore_eos=True)))
+        monkeypatch.setattr(_Batch, "_forward", counting)
+        group = await asyncio.gather(*(
+            collect(engine, prompt, SamplingConfig(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True))
+            for prompt, seed in [*((PROMPT, 3 + i) for i in range(8)), ([1, 60, 61], 99)]))
+    finally:
+        await engine.close()
+    assert rows_prefilled == [2]  # nine requests, two distinct prompts, one prefill
+    first = flat(group[0])
+    assert first[0] == alone[0] and max(abs(a - b) for a, b in zip(first[1], alone[1], strict=True)) < 1e-4
+    assert len({tuple(flat(deltas)[0]) for deltas in group[:8]}) > 1  # the rows sample apart
 
 
 async def test_torch_sliding_window_model_matches_the_trainer(engine_folders, tmp_path) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -70,6 +72,8 @@ MAX_CHARS_PER_TOKEN = 64
 """No tokenizer's token is longer: text longer than the context times this is refused without tokenizing it."""
 OFFLOAD_CHARS = 32_768
 """Text at least this long is tokenized in a worker thread."""
+RENDER_CACHE_SIZE = 256
+"""Chat renderings an engine remembers (see ChatRenders)."""
 MIN_TEMPERATURE = 1e-5
 """Below this (and above 0) softmax(logits / temperature) overflows; 0 samples greedily."""
 MAX_STOP_STRINGS = 16
@@ -132,6 +136,37 @@ async def coalesce(deltas: AsyncIterator[TokenDelta], interval_s: float) -> Asyn
         yield held
 
 
+class ChatRenders:
+    """A tokenizer's chat renderings, the last RENDER_CACHE_SIZE remembered by conversation: a group's episodes
+    (and every group of a batch over the same tasks) share their prompts, rendered once instead of once per episode.
+    Long conversations (rendered off the event loop), anything not plain JSON, and every conversation of a template
+    that writes today's date (Llama 3's renders differently tomorrow) are rendered each time."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._ids: collections.OrderedDict[str, tuple[int, ...]] | None = (
+            None if "strftime_now" in str(tokenizer.chat_template) else collections.OrderedDict())
+
+    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+               add_generation_prompt: bool) -> list[int]:
+        key = ""
+        if self._ids is not None:
+            with contextlib.suppress(TypeError, ValueError):
+                key = json.dumps([messages, tools, add_generation_prompt], sort_keys=True)
+        key = key if len(key) < OFFLOAD_CHARS else ""
+        ids = self._ids.pop(key, None) if key else None  # pop, then put back last: the most recently used
+        if ids is None:
+            ids = tuple(self.tokenizer.apply_chat_template(
+                list(messages), tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+            ))
+        if key:
+            self._ids[key] = ids
+            if len(self._ids) > RENDER_CACHE_SIZE:
+                self._ids.popitem(last=False)
+        return list(ids)
+
+
 class Engine(abc.ABC):
     """A policy engine serving one model's weights.
 
@@ -145,6 +180,7 @@ class Engine(abc.ABC):
     tokenizer: Any = None
     weight_loads: int = 0
     """Full weight loads so far (first load and hot reloads)."""
+    _renders: ChatRenders | None = None
 
     @property
     @abc.abstractmethod
@@ -256,12 +292,10 @@ class Engine(abc.ABC):
         if not self.has_chat_template:
             raise InvalidArgumentError("this model's tokenizer has no chat template: send raw text or token ids",
                                        reason="NO_CHAT_TEMPLATE", field="messages")
-        return list(
-            self._require_tokenizer().apply_chat_template(
-                list(messages), tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-            )
-        )
+        tokenizer = self._require_tokenizer()
+        if self._renders is None or self._renders.tokenizer is not tokenizer:  # a load brought another tokenizer
+            self._renders = ChatRenders(tokenizer)
+        return self._renders.render(messages, tools, add_generation_prompt)
 
     def render_chat_text(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, *,

@@ -606,20 +606,34 @@ class _Batch:
                             adapter.layers if adapter else {}, budget, len(request.prompt_ids)))
         if not new:
             return
+        # Identical prompts (a GRPO group's episodes) are prefilled once; their rows then share its cache and logits.
+        distinct: dict[tuple[str, str, tuple[int, ...]], int] = {}
+        firsts: list[_Row] = []
+        source: list[int] = []  # each new row's row in the prefill
+        for row in new:
+            key = (row.request.adapter, row.version, tuple(row.request.prompt_ids))
+            if key not in distinct:
+                distinct[key] = len(firsts)
+                firsts.append(row)
+            source.append(distinct[key])
         device = engine.device
-        length = max(len(row.request.prompt_ids) for row in new)
-        tokens_BL = torch.full((len(new), length), weights.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask_BL = torch.zeros((len(new), length), dtype=torch.long)
-        for i, row in enumerate(new):
+        length = max(len(row.request.prompt_ids) for row in firsts)
+        tokens_BL = torch.full((len(firsts), length), weights.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask_BL = torch.zeros((len(firsts), length), dtype=torch.long)
+        for i, row in enumerate(firsts):
             tokens_BL[i, length - len(row.request.prompt_ids):] = torch.tensor(row.request.prompt_ids)
             mask_BL[i, length - len(row.request.prompt_ids):] = 1
         positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=weights.model.config)
         mask_BL = mask_BL.to(device)
         with torch.inference_mode():
-            logits_BV = self._forward(new, input_ids=tokens_BL.to(device),
+            logits_BV = self._forward(firsts, input_ids=tokens_BL.to(device),
                                       attention_mask=self._attention(mask_BL, length),
                                       position_ids=positions_BL.to(device), past_key_values=cache)
+            if len(firsts) < len(new):
+                index = torch.tensor(source, device=device)
+                cache.batch_select_indices(index)
+                mask_BL, logits_BV = mask_BL[index], logits_BV[index]
         if not self.rows:
             self.rows, self.cache, self.mask_BT, self.logits_BV = new, cache, mask_BL, logits_BV
             return
