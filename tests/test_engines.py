@@ -69,6 +69,20 @@ async def test_seeded_and_greedy_sampling_repeat(served_engine: ServedEngine) ->
     assert flat(await collect(engine, PROMPT, greedy))[0] == flat(await collect(engine, PROMPT, greedy))[0]
 
 
+async def test_seeded_requests_whose_prompts_fill_more_than_one_step(served_engine: ServedEngine) -> None:
+    """Seeded requests whose prompts together exceed what one scheduler step takes (vLLM on CPU: 2048 tokens, so a
+    prompt would be split over steps, and vLLM's CPU sampler cannot rewind the seeded generator of a split prompt:
+    the engine core died) all complete, and the engine keeps serving."""
+    engine = served_engine.engine
+    prompts = [[1] + [40 + (i + j) % 50 for j in range(99)] for i in range(30)]  # 3000 prompt tokens
+    completions = await asyncio.gather(*(
+        collect(engine, prompt, SamplingConfig(max_tokens=4, temperature=1.0, seed=500 + i, ignore_eos=True))
+        for i, prompt in enumerate(prompts)))
+    assert [len(flat(deltas)[0]) for deltas in completions] == [4] * len(prompts)
+    assert len(flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=3, temperature=1.0, seed=1,
+                                                                 ignore_eos=True)))[0]) == 3
+
+
 async def test_context_limit_stops_with_context(served_engine: ServedEngine) -> None:
     engine = served_engine.engine
     prompt = [40] * (engine.max_model_len - 3)

@@ -94,6 +94,11 @@ class VllmEngine(Engine):
         self._lora_ids = itertools.count(1)
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_space_gib))
+            # A prompt split over scheduler steps (chunked prefill) has the token sampled at its partial step
+            # discarded and its seeded generator rewound, which vLLM's CPU sampler cannot do ("CPU Generator does
+            # not use offset"): the engine core died as soon as seeded prompts filled more than one step's budget.
+            # Whole prompts only (vLLM then raises the step's budget to the model's context).
+            self.engine_options.setdefault("enable_chunked_prefill", False)
         self._llm: Any = None
         self._version = ""
         self._folder: pathlib.Path | None = None
