@@ -72,9 +72,10 @@ async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int]
     await engine.load_weights(folder, "bench")
     server = await serve_engine("bench", engine, stream_interval_s=interval_s)
     client = Client(rollout=server.address, timeout=600)
+    # Stream i sends prompt i // group (every stream its own with group 1).
     prompts = [engine.render_chat([{"role": "user", "content": f"Write the letter {chr(97 + j % 26)} over and over "
                                                               f"({j})."}])
-               for j in range(max(concurrencies)) for _ in range(group)][:max(concurrencies)]
+               for j in (i // group for i in range(max(concurrencies)))]
     rows = []
     try:
         await _in_process(engine, prompts, 2, 4, interval_s)  # warm up both paths
@@ -138,7 +139,7 @@ def main() -> None:
         rows = []
         for kind in engines:
             rows += run_async(bench_engine(kind, folder, concurrencies, args.max_tokens, args.repeats, args.device,
-                                             args.stream_interval_ms / 1000, args.group))
+                                           args.stream_interval_ms / 1000, args.group))
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.out}")
