@@ -166,7 +166,7 @@ async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch
     own generator, so a seeded request samples what it samples alone)."""
     from yieldloop_server.rollout.engines.torch_engine import TorchEngine, _Batch
 
-    engine = TorchEngine()
+    engine = TorchEngine(batch_wait_s=0.25)  # all nine requests join the first admission, even on a busy machine
     rows_prefilled: list[int] = []
     forward = _Batch._forward
 
