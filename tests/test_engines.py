@@ -83,6 +83,23 @@ async def test_seeded_requests_whose_prompts_fill_more_than_one_step(served_engi
                                                                  ignore_eos=True)))[0]) == 3
 
 
+async def test_stop_string_ends_the_completion(served_engine: ServedEngine) -> None:
+    """A stop string ends the completion at the token that completes it (stop reason ``stop_string``); the tokens
+    before it are those sampled without it. vLLM decodes text only for requests with stop strings."""
+    engine = served_engine.engine
+    sampling = SamplingConfig(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    prompt = engine.render_chat([{"role": "user", "content": "Say q."}])  # the tiny model answers q's
+    tokens = flat(await collect(engine, prompt, sampling))[0]
+    text = [engine.tokenizer.decode(tokens[:k], skip_special_tokens=True) for k in range(len(tokens) + 1)]
+    end = next(k for k in range(2, len(tokens) + 1) if len(text[k]) > len(text[k - 1]) > 0)
+    stopped = await collect(engine, prompt, dataclasses.replace(sampling, stop=(text[end],)))
+    assert stopped[-1].stop_reason == "stop_string" and stopped[-1].finished
+    assert flat(stopped)[0] == tokens[:end]
+    if served_engine.kind == "vllm":
+        assert engine._sampling_params(dataclasses.replace(sampling, stop=("x",)), 4).detokenize
+        assert not engine._sampling_params(sampling, 4).detokenize
+
+
 async def test_context_limit_stops_with_context(served_engine: ServedEngine) -> None:
     engine = served_engine.engine
     prompt = [40] * (engine.max_model_len - 3)

@@ -217,6 +217,9 @@ class VllmEngine(Engine):
             top_p=sampling.top_p,
             top_k=sampling.top_k or -1,
             stop=list(sampling.stop) or None,
+            # Text only where stop strings need it: the engine streams token ids, and incremental detokenization
+            # is the front process's work per token per request, on the event loop that serves the streams.
+            detokenize=bool(sampling.stop),
             seed=sampling.seed or None,
             ignore_eos=sampling.ignore_eos,
             logprobs=0,
