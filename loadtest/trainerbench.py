@@ -5,7 +5,8 @@ of a fresh filesystem store, and trained two ways, alternating step by step:
 
 - ``bare``: forward, the loss, backward and AdamW in plain torch with torch's defaults (what a user's own loop
   does: ``log_softmax`` over the whole vocabulary, ``torch.optim.AdamW()``, the loss from
-  ``yieldloop_server.trainer.losses``);
+  ``yieldloop_server.trainer.losses``), with logits from the first action token on, as the service computes
+  them (``logits_to_keep``: the prompt's quarter of each datum has advantage 0);
 - ``service``: ``ForwardBackward`` (datums streamed over gRPC) + ``OptimStep`` through the real client and a
   TrainerService in this process (its own worker thread), without and with the checkpoint commit.
 
@@ -71,12 +72,14 @@ def bare_step(model, optimizer, datums, device: str, per_micro_batch: int) -> fl
     started = time.perf_counter()
     for i in range(0, len(datums), per_micro_batch):
         part = datums[i:i + per_micro_batch]
+        # Logits from the first action token on (the prompt's advantages are 0), as the service computes them.
+        start = min(next(t for t, a in enumerate(d.advantages) if a) for d in part)
         tokens = torch.tensor([d.input_tokens for d in part], device=device)
-        targets = torch.tensor([d.target_tokens for d in part], device=device)
-        logits = model(input_ids=tokens).logits.float()
+        targets = torch.tensor([d.target_tokens[start:] for d in part], device=device)
+        logits = model(input_ids=tokens, logits_to_keep=tokens.shape[1] - start).logits.float()
         lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0].flatten()
-        q = torch.tensor([v for d in part for v in d.sampling_logprobs], device=device)
-        A = torch.tensor([v for d in part for v in d.advantages], device=device)
+        q = torch.tensor([v for d in part for v in d.sampling_logprobs[start:]], device=device)
+        A = torch.tensor([v for d in part for v in d.advantages[start:]], device=device)
         importance_sampling(lp, q, A, None).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -164,7 +167,10 @@ async def bench(args: argparse.Namespace) -> dict:
     if "bare" in median:
         result.update({f"{k}_vs_bare": round(v / median["bare"], 3) for k, v in median.items() if k != "bare"})
     if args.device.startswith("cuda"):
-        flops = 6 * num_params * tokens  # forward + backward, dense matmuls
+        # forward + backward, dense matmuls; the output layer (tied to the embedding) computes no logits for the
+        # prompt's quarter of each datum (advantage 0: no loss there)
+        head_params = model.config.vocab_size * model.config.hidden_size
+        flops = 6 * num_params * tokens - 6 * head_params * args.batch * (args.tokens // 4)
         peak = args.peak_tflops * 1e12
         result["mfu"] = {k: round(flops / v / peak, 3) for k, v in median.items()}
     return result

@@ -97,6 +97,34 @@ def test_micro_batching_does_not_change_the_gradient(tiny_model_dir: pathlib.Pat
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_only_action_tokens_are_computed(tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every loss and its gradient are 0 off action tokens: a datum without one is not run through the model,
+    and the output layer sees a micro-batch's positions from its first action token on. The loss and gradient
+    are those of the whole sequences' logits (a model without ``logits_to_keep``, sliced after the output layer)."""
+    from yieldloop_server.trainer import trainer as trainer_module
+
+    trainer = Trainer(tiny_model_dir)
+    datums = random_datums(trainer.vocab_size, seed=2)  # 12, 20 and 7 tokens; actions from 5, 3 and 6
+    idle = Datum(input_tokens=datums[0].input_tokens, target_tokens=datums[0].target_tokens,
+                 sampling_logprobs=datums[0].sampling_logprobs, advantages=[0.0] * 12, weights=[1.0] * 12)
+    batches: list[torch.Size] = []
+    rows: list[int] = []
+    trainer.model.register_forward_pre_hook(lambda _m, _a, kwargs: batches.append(kwargs["input_ids"].shape),
+                                            with_kwargs=True)
+    trainer.model.lm_head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[:-1].numel()))
+    metrics = trainer.forward_backward([idle, *datums], "importance_sampling", {})
+    assert batches == [torch.Size([3, 20])]  # the idle datum left out
+    assert rows == [3 * (20 - 3)]  # positions 3..19 of each row, not 20
+
+    monkeypatch.setattr(trainer_module, "takes_logits_to_keep", lambda _model: False)
+    whole = Trainer(tiny_model_dir)
+    expected = whole.forward_backward(datums, "importance_sampling", {})
+    assert metrics["loss_sum"] == pytest.approx(expected["loss_sum"], rel=1e-5)
+    assert metrics["num_action_tokens"] == expected["num_action_tokens"]
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), whole.model.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("chunk_rows", [1, 5, 1000])
 def test_target_logprobs_chunk_by_chunk_match_log_softmax(monkeypatch: pytest.MonkeyPatch, chunk_rows: int) -> None:
     """The trainer's logprob/entropy function (fp32 chunks, softmax recomputed in backward) against a plain

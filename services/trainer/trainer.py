@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import pathlib
@@ -173,24 +174,33 @@ class Trainer:
             return host
         return host.pin_memory().to(self.config.device, non_blocking=True)
 
-    def _logprobs_N(self, batch: Sequence[Datum], with_entropy: bool = False) -> tuple[Any, Any | None]:
-        """Learner logprobs of each datum's target tokens, flattened (N: the batch's tokens, datum after datum,
-        no padding), and optionally their entropies (N)."""
+    def _logprobs_N(self, batch: Sequence[Datum], with_entropy: bool = False, start: int = 0) -> tuple[Any, Any | None]:
+        """Learner logprobs of each datum's target tokens from position ``start`` on, flattened (N: those
+        positions of the batch, datum after datum, no padding), and optionally their entropies (N). Only those
+        positions' logits are computed (the model still reads every token before them)."""
         import torch
 
         num_tokens = max(len(d.input_tokens) for d in batch)
+        kept = num_tokens - start
         pad = [num_tokens - len(d.input_tokens) for d in batch]
         tokens_BT = torch.tensor([d.input_tokens + [0] * n for d, n in zip(batch, pad, strict=True)])
-        targets_BT = torch.tensor([d.target_tokens + [0] * n for d, n in zip(batch, pad, strict=True)])
+        targets_BK = torch.tensor([d.target_tokens[start:] + [0] * n for d, n in zip(batch, pad, strict=True)])
         # The valid positions as flat indices, known on the host: no boolean indexing (a device sync) later.
-        valid_N = torch.tensor([i * num_tokens + t for i, n in enumerate(pad) for t in range(num_tokens - n)])
-        tokens_BT, targets_BT, valid_N = (self._to_device(t) for t in (tokens_BT, targets_BT, valid_N))
+        valid_N = torch.tensor([i * kept + t for i, n in enumerate(pad) for t in range(kept - n)])
+        tokens_BT, targets_BK, valid_N = (self._to_device(t) for t in (tokens_BT, targets_BK, valid_N))
         # Right padding under causal attention: no valid position sees a padded one, so no attention mask is
         # needed (and SDPA keeps its fused causal kernel).
-        logits_MV = self.model(input_ids=tokens_BT).logits.flatten(0, 1)  # M = B x T rows, padding included
-        logprobs_M, entropy_M = target_logprobs().apply(logits_MV, targets_BT.flatten(), with_entropy)
+        logits_MV = self._last_logits(tokens_BT, kept).flatten(0, 1)  # M = B x K rows, padding included
+        logprobs_M, entropy_M = target_logprobs().apply(logits_MV, targets_BK.flatten(), with_entropy)
         # Selecting rows after the vocabulary is reduced: a gather of N numbers, not of N x V logits.
         return logprobs_M[valid_N], None if entropy_M is None else entropy_M[valid_N]
+
+    def _last_logits(self, tokens_BT: Any, kept: int) -> Any:
+        """The logits (B, kept, V) of the last ``kept`` positions of each row: only those rows go through the
+        output layer where the model takes ``logits_to_keep`` (transformers' causal LMs do)."""
+        if kept < tokens_BT.shape[1] and takes_logits_to_keep(self.model):
+            return self.model(input_ids=tokens_BT, logits_to_keep=kept).logits
+        return self.model(input_ids=tokens_BT).logits[:, tokens_BT.shape[1] - kept:]
 
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Per-token learner logprobs of each datum (no gradient)."""
@@ -266,11 +276,18 @@ class Trainer:
         import torch
 
         sums = torch.zeros(len(_DEVICE_TOTALS), dtype=torch.float64, device=self.config.device)
-        for batch in micro_batches(datums, self.config.micro_batch_tokens):
-            lp_N, entropy_N = self._logprobs_N(batch, with_entropy=True)
+        # Only action tokens count: every loss, and its gradient, is 0 on the others (losses.py). A datum without
+        # one is not computed at all (e.g. a group without reward spread), and a micro-batch's logits start at
+        # its first action token (not over the prompts).
+        acting = "weights" if loss_fn == "cross_entropy" else "advantages"
+        first = {id(d): next((t for t, v in enumerate(getattr(d, acting)) if v != 0), -1) for d in datums}
+        for batch in micro_batches([d for d in datums if first[id(d)] >= 0], self.config.micro_batch_tokens):
+            start = min(first[id(d)] for d in batch)
+            lp_N, entropy_N = self._logprobs_N(batch, with_entropy=True, start=start)
 
             def flat(name: str) -> Any:
-                return self._to_device(torch.tensor([v for d in batch for v in getattr(d, name)], dtype=lp_N.dtype))
+                return self._to_device(torch.tensor([v for d in batch for v in getattr(d, name)[start:]],
+                                                    dtype=lp_N.dtype))
 
             q_N, A_N, w_N = flat("sampling_logprobs"), flat("advantages"), flat("weights")
             loss = spec.fn(lp_N, q_N, A_N, w_N, **knobs)
@@ -471,6 +488,18 @@ def target_logprobs() -> Any:
             return grad_NV, None, None
 
     return _TargetLogprobs
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def takes_logits_to_keep(model: Any) -> bool:
+    """Whether ``model`` (or the model under its LoRA adapter) computes logits for the last positions only when
+    asked (``logits_to_keep``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _forward_takes_logits_to_keep(type(base))
 
 
 def _chunk_rows(vocab_size: int) -> int:
