@@ -431,28 +431,72 @@ async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folde
     assert reload_in_place(spare, v3, "v3").version == "v3"
 
 
-async def test_torch_process_engine_that_dies_fails_its_requests_retryably(engine_folders) -> None:
-    """The torch engine's child process killed mid-stream: the stream and every later call fail with
-    UNAVAILABLE/ENGINE_ERROR (a retryable status), nothing hangs."""
+async def test_torch_process_engine_whose_weights_are_gone_stays_down_retryably(engine_folders, tmp_path) -> None:
+    """A dead child whose weights folder is gone: calls fail with UNAVAILABLE/ENGINE_ERROR (no new child retried
+    for REVIVE_BACKOFF_S), and once the folder is back the next call after the backoff revives the engine."""
+    import shutil
+
+    folder = shutil.copytree(engine_folders["v1"], tmp_path / "v1")
     engine = create_engine("torch", process=True)
     try:
-        await engine.load_weights(engine_folders["v1"], "v1")
-        stream = engine.generate(PROMPT, SamplingConfig(max_tokens=1500, temperature=1.0, seed=3, ignore_eos=True))
-        first = await anext(stream)
-        assert first.token_ids and first.weight_version == "v1"
+        await engine.load_weights(folder, "v1")
         engine._process.kill()
+        engine._process.join(10)
+        shutil.move(folder, tmp_path / "away")
+        for _ in range(2):  # the second within the backoff: refused without a new child
+            with pytest.raises(errors.UnavailableError) as down:
+                await collect(engine, PROMPT, SamplingConfig(max_tokens=4))
+            assert down.value.reason == "ENGINE_ERROR" and engine.revivals == 0
+        shutil.move(tmp_path / "away", folder)
+        engine._revive_after = 0.0  # the backoff over
+        assert await collect(engine, PROMPT, SamplingConfig(max_tokens=4))
+        assert engine.revivals == 1
+    finally:
+        await engine.close()
+
+
+def _engine_process(engine) -> int:
+    """The pid of the process an engine decodes in (the torch engine's child, vLLM's engine core)."""
+    if engine.name == "vllm":
+        return engine._llm.engine_core.resources.engine_manager.processes[0].pid
+    return engine._process.pid
+
+
+@pytest.mark.parametrize("kind", ["torch-process", "vllm"])
+async def test_a_service_whose_engine_process_dies_serves_again(engine_folders, kind: str) -> None:
+    """The engine's process killed -9 under a gRPC Generate stream: that stream fails with UNAVAILABLE/ENGINE_ERROR
+    (retryable), and the service serves the next calls from a new engine process with the weights the dead one
+    served (the same greedy tokens, the same version); a hot reload works after it."""
+    import os
+    import signal
+
+    from engine_harness import serve_engine, stop_engine
+
+    if kind == "vllm":
+        from yieldloop_server.rollout.engines.vllm_engine import vllm_available
+
+        if not vllm_available():
+            pytest.skip("vLLM is not installed")
+    served = await serve_engine(kind, engine_folders)
+    try:
+        greedy = sampling_params(max_tokens=8, temperature=0.0)
+        before = await served.client.generate(PROMPT, sampling=greedy)
+        stream = served.client.generate_stream(
+            PROMPT, sampling=sampling_params(max_tokens=2000, temperature=1.0, seed=5, ignore_eos=True))
+        await anext(stream)
+        os.kill(_engine_process(served.engine), signal.SIGKILL)
         with pytest.raises(errors.UnavailableError) as failed:
             async for _ in stream:
                 pass
         assert failed.value.reason == "ENGINE_ERROR"
-        assert engine.num_unfinished() == 0
-        with pytest.raises(errors.UnavailableError) as later:
-            await collect(engine, PROMPT, SamplingConfig(max_tokens=4))
-        assert later.value.reason == "ENGINE_ERROR"
-        with pytest.raises(errors.UnavailableError):
-            await engine.load_weights(engine_folders["v2"], "v2")
+        after = await asyncio.gather(*(served.client.generate(PROMPT, sampling=greedy) for _ in range(3)))
+        assert served.engine.revivals == 1
+        assert [a.token_ids for a in after] == [before.token_ids] * 3
+        assert {a.weight_version for a in after} == {"v1"}
+        await served.engine.load_weights(engine_folders["v2"], "v2")
+        assert (await served.client.generate(PROMPT, sampling=greedy)).weight_version == "v2"
     finally:
-        await engine.close()
+        await stop_engine(served)
 
 
 def test_torch_process_engine_exits_with_its_server(engine_folders, tmp_path) -> None:

@@ -10,7 +10,9 @@ tokenizer (chat rendering, validation) and the event loop; the child keeps the m
 
 The child is started with ``spawn`` (no inherited threads or CUDA state) and exits when the pipe closes, so
 a server killed with -9 leaves no engine behind. A child that dies fails the requests it held with
-UNAVAILABLE/ENGINE_ERROR (retryable), and every later call the same way.
+UNAVAILABLE/ENGINE_ERROR (retryable); the next call starts a new child with the weights and adapters the dead
+one served, then goes on (a new child that cannot load them is not retried for REVIVE_BACKOFF_S: calls fail
+with the death's error meanwhile).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import multiprocessing
 import os
 import pathlib
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import UnavailableError
-from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta
+from yieldloop_server.rollout.engines.base import REVIVE_BACKOFF_S, Engine, SamplingConfig, TokenDelta
 from yieldloop_server.rollout.engines.torch_engine import LoopSink, Sink, TorchEngine, drain, folder_signature
+
+log = logging.getLogger(__name__)
 
 
 class TorchProcessEngine(Engine):
@@ -43,23 +48,35 @@ class TorchProcessEngine(Engine):
 
         if not threads:
             threads = min(torch.get_num_threads(), max(1, (os.cpu_count() or 2) - 1))
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_child_main,
-                                        args=(child, threads, logging.getLogger().getEffectiveLevel(), options),
-                                        name="yieldloop-torch-engine", daemon=True)
-        self._process.start()
-        child.close()
+        self._child_args = (threads, logging.getLogger().getEffectiveLevel(), options)
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._adapters: dict[str, str] = {}
+        self._adapters: dict[str, tuple[str, str]] = {}
+        """Adapter name -> (folder, version), as loaded (a new child loads them again)."""
+        self._folder = ""
         self._version = ""
         self._limits = (0, 0)
         self._signature: Any = None
         self._dead: BaseException | None = None
-        self._reader = threading.Thread(target=self._read, name="torch-engine-reader", daemon=True)
+        self._closing = False
+        self._revive_lock = asyncio.Lock()
+        self._revive_after = 0.0
+        self.revivals = 0
+        """Children started in place of dead ones."""
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Starts the child process and the thread reading its pipe."""
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_child_main, args=(child, *self._child_args),
+                                        name="yieldloop-torch-engine", daemon=True)
+        self._process.start()
+        child.close()
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._process), name="torch-engine-reader",
+                                        daemon=True)
         self._reader.start()
 
     @property
@@ -74,8 +91,8 @@ class TorchProcessEngine(Engine):
     def max_model_len(self) -> int:
         return self._limits[1]
 
-    def _send(self, message: tuple) -> None:
-        if self._dead is not None:
+    def _send(self, message: tuple, reviving: bool = False) -> None:
+        if self._dead is not None and not reviving:
             raise self._dead
         try:
             with self._send_lock:
@@ -83,16 +100,60 @@ class TorchProcessEngine(Engine):
         except (OSError, EOFError) as exc:
             raise UnavailableError(f"the torch engine process is gone: {exc}", reason="ENGINE_ERROR") from None
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, method: str, *args: Any, reviving: bool = False) -> Any:
+        if not reviving:
+            await self._revive()
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)
         future = loop.create_future()
         self._calls[call_id] = (loop, future)
         try:
-            self._send(("call", call_id, method, args))
+            self._send(("call", call_id, method, args), reviving)
             return await future
         finally:
             self._calls.pop(call_id, None)
+
+    async def _revive(self) -> None:
+        """When the child died: a new one, given the weights and adapters the dead one served (one revival
+        however many calls wait for it). Raises the death's error when the new child cannot take them."""
+        if self._closing or (self._dead is None and self._process.is_alive()):
+            return
+        async with self._revive_lock:
+            if self._closing or (self._dead is None and self._process.is_alive()):
+                return  # revived while this call waited
+            # Dead, though its reader may not have seen the pipe close yet.
+            dead = self._dead or UnavailableError(
+                f"the torch engine process exited (code {self._process.exitcode})", reason="ENGINE_ERROR")
+            if time.monotonic() < self._revive_after:
+                raise dead
+            log.warning("%s: starting a new torch engine process with weights %s", dead, self._version or "(none)")
+            await asyncio.to_thread(self._stop_child)
+            self._spawn()
+            try:
+                if self._folder:
+                    await self._call("load_weights", self._folder, self._version, reviving=True)
+                for name, (folder, version) in self._adapters.items():
+                    await self._call("load_adapter", name, folder, version, reviving=True)
+            except BaseException as exc:
+                self._revive_after = time.monotonic() + REVIVE_BACKOFF_S
+                log.error("the new torch engine process could not load %s: %s", self._version, exc)
+                await asyncio.to_thread(self._stop_child)
+                self._dead = dead
+                raise dead from exc
+            self._dead = None
+            self.revivals += 1
+
+    def _stop_child(self) -> None:
+        """Ends the child (asked, then killed) and waits for its reader thread."""
+        with contextlib.suppress(OSError, EOFError):
+            with self._send_lock:
+                self._conn.send(("close",))
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+        self._reader.join(10)
 
     async def load_weights(self, folder: pathlib.Path, version: str) -> None:
         signature = await asyncio.to_thread(folder_signature, folder)
@@ -105,24 +166,25 @@ class TorchProcessEngine(Engine):
         if loaded is not None:
             self.tokenizer, self._signature = loaded, signature
         self._limits = (facts["vocab_size"], facts["max_model_len"])
-        self._version = version
+        self._folder, self._version = str(folder), version
         self.weight_loads += 1
 
     async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:
         await self._call("load_adapter", name, str(folder), version)
-        self._adapters[name] = version
+        self._adapters[name] = (str(folder), version)
 
     async def unload_adapter(self, name: str) -> None:
         await self._call("unload_adapter", name)
         self._adapters.pop(name, None)
 
     def adapter_version(self, name: str) -> str:
-        return self._adapters.get(name, "")
+        return self._adapters[name][1] if name in self._adapters else ""
 
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
     ) -> AsyncIterator[TokenDelta]:
         self.validate_request(prompt_ids, sampling, adapter)
+        await self._revive()
         request_id = next(self._ids)
         out: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
@@ -143,22 +205,16 @@ class TorchProcessEngine(Engine):
         return len(self._streams)
 
     async def close(self) -> None:
-        try:
-            self._send(("close",))
-        except UnavailableError:
-            pass
-        await asyncio.to_thread(self._process.join, 10)
-        if self._process.is_alive():
-            self._process.kill()
-            await asyncio.to_thread(self._process.join, 5)
-        self._conn.close()
+        self._closing = True
+        async with self._revive_lock:  # not beside a revival's new child
+            await asyncio.to_thread(self._stop_child)
 
-    def _read(self) -> None:
-        """The reader thread: hands deltas to their streams' loops (one wake-up per loop per message) and
-        replies to their calls; fails everything once the child is gone."""
+    def _read(self, conn: Any, process: Any) -> None:
+        """The reader thread of one child: hands deltas to their streams' loops (one wake-up per loop per
+        message) and replies to their calls; fails everything once that child is gone."""
         while True:
             try:
-                message = self._conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 break
             if message[0] == "deltas":
@@ -174,7 +230,7 @@ class TorchProcessEngine(Engine):
                 entry = self._calls.get(call_id)
                 if entry is not None:
                     _settle_soon(entry[0], entry[1], error, result)
-        self._dead = UnavailableError(f"the torch engine process exited (code {self._process.exitcode})",
+        self._dead = UnavailableError(f"the torch engine process exited (code {process.exitcode})",
                                       reason="ENGINE_ERROR")
         for loop, out in list(self._streams.values()):
             LoopSink.of(loop).deliver([(out, self._dead)])

@@ -14,6 +14,9 @@ the old weights (running requests are recomputed) and resumes. Requests never
 fail across a reload; vLLM records which weight version sampled each output
 token, and every delta this engine streams carries exactly one version (a
 delta that straddles a reload is split in two).
+
+An engine core that dies fails the requests it held with UNAVAILABLE/ENGINE_ERROR (retryable); the next call
+starts a new ``AsyncLLM`` on the weights and adapters the dead one served (see ``REVIVE_BACKOFF_S``).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import json
 import logging
 import os
 import pathlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
-from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta, coalesce
+from yieldloop_server.rollout.engines.base import REVIVE_BACKOFF_S, Engine, SamplingConfig, TokenDelta, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +108,9 @@ class VllmEngine(Engine):
         self._folder: pathlib.Path | None = None
         self._vocab_size = 0
         self._reload_lock = asyncio.Lock()
+        self._revive_after = 0.0
+        self.revivals = 0
+        """Engines started in place of dead ones."""
 
     # Weights ---------------------------------------------------------------------------
 
@@ -123,6 +130,7 @@ class VllmEngine(Engine):
         from yieldloop_server.common.hf import load_tokenizer
 
         folder = pathlib.Path(folder)
+        await self._revive()
         async with self._reload_lock:
             tokenizer = await asyncio.to_thread(load_tokenizer, folder)
             if self._llm is None:
@@ -153,6 +161,36 @@ class VllmEngine(Engine):
         )
         return AsyncLLM.from_engine_args(args)
 
+    async def _revive(self) -> None:
+        """When the engine core died: a new engine on the weights and adapters the dead one served (one revival
+        however many calls wait for it). Raises UNAVAILABLE/ENGINE_ERROR when it cannot be started."""
+        llm = self._llm
+        if llm is None or not llm.errored:
+            return
+        async with self._reload_lock:
+            if self._llm is not llm:
+                return  # revived while this call waited
+            dead = UnavailableError("the vLLM engine core died", reason="ENGINE_ERROR")
+            if time.monotonic() < self._revive_after:
+                raise dead
+            log.warning("the vLLM engine core died: starting a new engine with weights %s", self._version)
+            await asyncio.to_thread(llm.shutdown)
+            new = None
+            try:
+                new = await asyncio.to_thread(self._start, self._folder)
+                await new.engine_core.set_weight_version_async(self._version)
+                for request, _ in self._loras.values():
+                    if request is not None:
+                        await new.add_lora(request)
+            except Exception as exc:
+                self._revive_after = time.monotonic() + REVIVE_BACKOFF_S
+                log.error("a new vLLM engine could not start on %s: %s", self._version, exc)
+                if new is not None:
+                    await asyncio.to_thread(new.shutdown)
+                raise dead from exc
+            self._llm = new
+            self.revivals += 1
+
     async def _reload(self, folder: pathlib.Path, version: str) -> None:
         llm = self._llm
         await llm.pause_generation(mode="keep", clear_cache=False)
@@ -177,6 +215,7 @@ class VllmEngine(Engine):
 
         if not self.engine_options.get("enable_lora"):
             await super().load_adapter(name, folder, version)
+        await self._revive()
         request = None
         if (pathlib.Path(folder) / WEIGHTS_FILE).is_file():
             # A new id per version: requests already running keep the adapter they started with.
@@ -237,6 +276,7 @@ class VllmEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         self.validate_request(prompt_ids, sampling, adapter)
+        await self._revive()
         lora_request, adapter_version = self._loras[adapter] if adapter else (None, "")
         llm = self._llm
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
