@@ -450,7 +450,7 @@ async def test_torch_process_engine_whose_weights_are_gone_stays_down_retryably(
         shutil.move(tmp_path / "away", folder)
         engine._revive_after = 0.0  # the backoff over
         assert await collect(engine, PROMPT, SamplingConfig(max_tokens=4))
-        assert engine.revivals == 1
+        assert engine.revivals >= 1 and engine.weight_version == "v1"
     finally:
         await engine.close()
 

@@ -98,7 +98,8 @@ class TorchProcessEngine(Engine):
             with self._send_lock:
                 self._conn.send(message)
         except (OSError, EOFError) as exc:
-            raise UnavailableError(f"the torch engine process is gone: {exc}", reason="ENGINE_ERROR") from None
+            raise UnavailableError(f"the torch engine process is gone ({exc}; exit code {self._process.exitcode})",
+                                   reason="ENGINE_ERROR") from None
 
     async def _call(self, method: str, *args: Any, reviving: bool = False) -> Any:
         if not reviving:
@@ -184,13 +185,21 @@ class TorchProcessEngine(Engine):
         self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str = ""
     ) -> AsyncIterator[TokenDelta]:
         self.validate_request(prompt_ids, sampling, adapter)
-        await self._revive()
-        request_id = next(self._ids)
-        out: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), out)
+        request_id = 0
         finished = False
         try:
-            self._send(("generate", request_id, list(prompt_ids), sampling, adapter))
+            for attempt in range(2):  # a child that died between the check and the send: once more, on a new one
+                await self._revive()
+                request_id = next(self._ids)
+                out: asyncio.Queue = asyncio.Queue()
+                self._streams[request_id] = (asyncio.get_running_loop(), out)
+                try:
+                    self._send(("generate", request_id, list(prompt_ids), sampling, adapter))
+                    break
+                except UnavailableError:
+                    self._streams.pop(request_id, None)
+                    if attempt:
+                        raise
             async for delta in drain(out):
                 finished = delta.finished
                 yield delta
