@@ -499,6 +499,58 @@ async def test_a_service_whose_engine_process_dies_serves_again(engine_folders, 
         await stop_engine(served)
 
 
+async def test_a_dead_engine_is_started_again_with_no_call_and_health_says_while_it_cannot(engine_folders,
+                                                                                             tmp_path) -> None:
+    """The torch engine's child killed with no call waiting: the server starts a new one by itself. While it cannot
+    (its weights folder gone), the server's health, overall (what probes ask) and RolloutService/engine, is
+    NOT_SERVING; SERVING again once a new child took the weights."""
+    import shutil
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from yieldloop_server.rollout.server import ENGINE_HEALTH
+
+    folder = shutil.copytree(engine_folders["v1"], tmp_path / "v1")
+    engine = create_engine("torch", process=True)
+    await engine.load_weights(folder, "v1")
+    server = await serve_engine_grpc("tiny", engine, watch_s=0.2)
+    channel = grpc.aio.insecure_channel(server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    async def statuses() -> set[int]:
+        return {(await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+                for name in ("", ENGINE_HEALTH)}
+
+    async def until(check, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not await check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.1)
+
+    async def serving(expected: int) -> bool:
+        return await statuses() == {expected}
+
+    try:
+        engine._process.kill()
+        await until(lambda: asyncio.sleep(0, engine.revivals == 1), "no new child without a call")
+        assert await serving(health_pb2.HealthCheckResponse.SERVING)
+        shutil.move(folder, tmp_path / "away")
+        engine._process.kill()
+        await until(lambda: serving(health_pb2.HealthCheckResponse.NOT_SERVING), "health still SERVING")
+        assert engine.revivals == 1 and engine.is_down()
+        shutil.move(tmp_path / "away", folder)
+        engine._revive_after = 0.0  # the backoff over
+        await until(lambda: serving(health_pb2.HealthCheckResponse.SERVING), "health not back to SERVING")
+        assert engine.revivals == 2 and not engine.is_down()
+        assert (await Client(rollout=server.address).generate(PROMPT, sampling=sampling_params(max_tokens=3)))
+    finally:
+        await channel.close()
+        await server.stop(1.0)
+        await engine.close()
+
+
 def test_torch_process_engine_exits_with_its_server(engine_folders, tmp_path) -> None:
     """A server killed with -9 leaves no engine process behind: the child sees its pipe close and exits."""
     import os

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import pathlib
 
 from yieldloop.client import Client
+from yieldloop.errors import UnavailableError
 from yieldloop.convert import run_from_bytes, run_to_bytes
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
@@ -20,6 +24,45 @@ from yieldloop_server.store.traces import TraceStore
 SERVICE_NAME = "yieldloop.rollout.v1.RolloutService"
 WEIGHTS_HEALTH = SERVICE_NAME + "/weights"
 """Health name that turns NOT_SERVING while the model's head could not be loaded (old weights keep serving)."""
+ENGINE_HEALTH = SERVICE_NAME + "/engine"
+"""Health name that turns NOT_SERVING, with the server's overall status (its pod's probes then restart it), while an
+engine whose process died cannot be started again."""
+ENGINE_WATCH_S = 2.0
+"""How often the server looks for engines whose process died (to start them again with no call waiting)."""
+
+log = logging.getLogger(__name__)
+
+
+async def watch_engines(models: ServedModels, grpc: GrpcServer, every_s: float = ENGINE_WATCH_S) -> None:
+    """Starts again, with no call waiting, any served engine whose process died, and keeps ``grpc``'s health to
+    what it can serve (:data:`ENGINE_HEALTH`); stops with the server."""
+
+    async def watch() -> None:
+        serving = True
+        while True:
+            await asyncio.sleep(every_s)
+            ok = True
+            for served in models.loaded:
+                if served.engine.is_down():
+                    try:
+                        await served.engine.revive()
+                    except UnavailableError:
+                        ok = False
+            if ok != serving:
+                serving = ok
+                log.log(logging.INFO if ok else logging.ERROR, "engine %s", "serving again" if ok else "down")
+                for name in ("", ENGINE_HEALTH):
+                    await grpc.set_health(name, ok)
+
+    await grpc.set_health(ENGINE_HEALTH, True)
+    task = asyncio.get_running_loop().create_task(watch(), name="engine-watch")
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    grpc.on_stop(stop)
 
 
 class RolloutServer:
@@ -100,7 +143,9 @@ class RolloutServer:
             raise
         if self.http is not None:
             self.servicer.openai_base_url = await self.http.start()
-        return await self.grpc.start()
+        address = await self.grpc.start()
+        await watch_engines(self.models, self.grpc)
+        return address
 
     async def stop(self, grace: float = 5.0) -> None:
         if self.http is not None:
@@ -122,18 +167,19 @@ class _NoFollower:
 
 async def serve_engine(
     model: str, engine, host: str = "127.0.0.1", port: int = 0, stream_interval_s: float = 0.0,
-    transport: TransportConfig = DEFAULT_TRANSPORT,
+    transport: TransportConfig = DEFAULT_TRANSPORT, watch_s: float = ENGINE_WATCH_S,
 ) -> GrpcServer:
     """Serves an already-loaded engine's ``Generate`` over gRPC, with no head to follow and no EnvService.
 
     For benchmarks and tests that compare the engine in process with the same engine behind gRPC.
     """
     server = GrpcServer(host, port, transport)
+    models = ServedModels.fixed(model, engine, _NoFollower())
     server.add(
         pb_grpc.add_RolloutServiceServicer_to_server,
-        RolloutServicer(ServedModels.fixed(model, engine, _NoFollower()), Client(), traces=None,
-                        stream_interval_s=stream_interval_s),
+        RolloutServicer(models, Client(), traces=None, stream_interval_s=stream_interval_s),
         SERVICE_NAME,
     )
     await server.start()
+    await watch_engines(models, server, watch_s)
     return server

@@ -228,6 +228,15 @@ class Engine(abc.ABC):
     def num_unfinished(self) -> int:
         """Requests the engine still holds (queued or decoding); cancelled ones leave promptly."""
 
+    def is_down(self) -> bool:
+        """Whether the process this engine decodes in died (engines with one: the next call, or :meth:`revive`,
+        starts a new one)."""
+        return False
+
+    async def revive(self) -> None:
+        """Starts the engine's process again when it died, on the weights and adapters it served; raises
+        UNAVAILABLE/ENGINE_ERROR when it cannot (then not again for REVIVE_BACKOFF_S)."""
+
     async def close(self) -> None:
         """Releases threads, processes and memory."""
 
@@ -397,6 +406,12 @@ class AdapterEngine(Engine):
 
     def num_unfinished(self) -> int:
         return self.base.num_unfinished()
+
+    def is_down(self) -> bool:
+        return self.base.is_down()
+
+    async def revive(self) -> None:
+        await self.base.revive()
 
     async def close(self) -> None:
         await self.base.unload_adapter(self.adapter)

@@ -103,7 +103,7 @@ class TorchProcessEngine(Engine):
 
     async def _call(self, method: str, *args: Any, reviving: bool = False) -> Any:
         if not reviving:
-            await self._revive()
+            await self.revive()
         loop = asyncio.get_running_loop()
         call_id = next(self._ids)
         future = loop.create_future()
@@ -114,13 +114,16 @@ class TorchProcessEngine(Engine):
         finally:
             self._calls.pop(call_id, None)
 
-    async def _revive(self) -> None:
+    def is_down(self) -> bool:
+        return not self._closing and (self._dead is not None or not self._process.is_alive())
+
+    async def revive(self) -> None:
         """When the child died: a new one, given the weights and adapters the dead one served (one revival
         however many calls wait for it). Raises the death's error when the new child cannot take them."""
-        if self._closing or (self._dead is None and self._process.is_alive()):
+        if not self.is_down():
             return
         async with self._revive_lock:
-            if self._closing or (self._dead is None and self._process.is_alive()):
+            if not self.is_down():
                 return  # revived while this call waited
             # Dead, though its reader may not have seen the pipe close yet.
             dead = self._dead or UnavailableError(
@@ -189,7 +192,7 @@ class TorchProcessEngine(Engine):
         finished = False
         try:
             for attempt in range(2):  # a child that died between the check and the send: once more, on a new one
-                await self._revive()
+                await self.revive()
                 request_id = next(self._ids)
                 out: asyncio.Queue = asyncio.Queue()
                 self._streams[request_id] = (asyncio.get_running_loop(), out)

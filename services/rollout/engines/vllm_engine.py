@@ -130,7 +130,7 @@ class VllmEngine(Engine):
         from yieldloop_server.common.hf import load_tokenizer
 
         folder = pathlib.Path(folder)
-        await self._revive()
+        await self.revive()
         async with self._reload_lock:
             tokenizer = await asyncio.to_thread(load_tokenizer, folder)
             if self._llm is None:
@@ -161,11 +161,14 @@ class VllmEngine(Engine):
         )
         return AsyncLLM.from_engine_args(args)
 
-    async def _revive(self) -> None:
+    def is_down(self) -> bool:
+        return self._llm is not None and self._llm.errored
+
+    async def revive(self) -> None:
         """When the engine core died: a new engine on the weights and adapters the dead one served (one revival
         however many calls wait for it). Raises UNAVAILABLE/ENGINE_ERROR when it cannot be started."""
         llm = self._llm
-        if llm is None or not llm.errored:
+        if not self.is_down():
             return
         async with self._reload_lock:
             if self._llm is not llm:
@@ -215,7 +218,7 @@ class VllmEngine(Engine):
 
         if not self.engine_options.get("enable_lora"):
             await super().load_adapter(name, folder, version)
-        await self._revive()
+        await self.revive()
         request = None
         if (pathlib.Path(folder) / WEIGHTS_FILE).is_file():
             # A new id per version: requests already running keep the adapter they started with.
@@ -276,7 +279,7 @@ class VllmEngine(Engine):
         from vllm.inputs import TokensPrompt
 
         self.validate_request(prompt_ids, sampling, adapter)
-        await self._revive()
+        await self.revive()
         lora_request, adapter_version = self._loras[adapter] if adapter else (None, "")
         llm = self._llm
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
