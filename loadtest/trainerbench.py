@@ -62,6 +62,11 @@ def make_batch(num_datums: int, num_tokens: int, vocab_size: int, seed: int = 0)
     return datums
 
 
+def first_action(datum) -> int:
+    """The position of a datum's first action token (advantage != 0)."""
+    return next(t for t, a in enumerate(datum.advantages) if a)
+
+
 def bare_step(model, optimizer, datums, device: str, per_micro_batch: int) -> float:
     """The same work as the service's step (gradients accumulated over micro-batches of ``per_micro_batch``
     datums), with nothing around it."""
@@ -73,7 +78,7 @@ def bare_step(model, optimizer, datums, device: str, per_micro_batch: int) -> fl
     for i in range(0, len(datums), per_micro_batch):
         part = datums[i:i + per_micro_batch]
         # Logits from the first action token on (the prompt's advantages are 0), as the service computes them.
-        start = min(next(t for t, a in enumerate(d.advantages) if a) for d in part)
+        start = min(first_action(d) for d in part)
         tokens = torch.tensor([d.input_tokens for d in part], device=device)
         targets = torch.tensor([d.target_tokens[start:] for d in part], device=device)
         logits = model(input_ids=tokens, logits_to_keep=tokens.shape[1] - start).logits.float()
@@ -167,10 +172,10 @@ async def bench(args: argparse.Namespace) -> dict:
     if "bare" in median:
         result.update({f"{k}_vs_bare": round(v / median["bare"], 3) for k, v in median.items() if k != "bare"})
     if args.device.startswith("cuda"):
-        # forward + backward, dense matmuls; the output layer (tied to the embedding) computes no logits for the
-        # prompt's quarter of each datum (advantage 0: no loss there)
+        # forward + backward, dense matmuls; the output layer (tied to the embedding) computes no logits for each
+        # datum's prompt (advantage 0: no loss there; every datum's prompt has the same length)
         head_params = model.config.vocab_size * model.config.hidden_size
-        flops = 6 * num_params * tokens - 6 * head_params * args.batch * (args.tokens // 4)
+        flops = 6 * num_params * tokens - 6 * head_params * sum(first_action(d) for d in datums)
         peak = args.peak_tflops * 1e12
         result["mfu"] = {k: round(flops / v / peak, 3) for k, v in median.items()}
     return result

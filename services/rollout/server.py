@@ -8,8 +8,8 @@ import logging
 import pathlib
 
 from yieldloop.client import Client
-from yieldloop.errors import UnavailableError
 from yieldloop.convert import run_from_bytes, run_to_bytes
+from yieldloop.errors import UnavailableError
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.grpc_server import GrpcServer

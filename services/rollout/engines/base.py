@@ -140,6 +140,7 @@ REVIVE_BACKOFF_S = 5.0
 """An engine whose process died starts a new one at the next call; after a new one failed to take the dead one's
 weights, calls fail with the death's error for this many seconds before the next try."""
 
+
 class ChatRenders:
     """A tokenizer's chat renderings, the last RENDER_CACHE_SIZE remembered by conversation: a group's episodes
     (and every group of a batch over the same tasks) share their prompts, rendered once instead of once per episode.

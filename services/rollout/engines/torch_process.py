@@ -132,8 +132,8 @@ class TorchProcessEngine(Engine):
                 raise dead
             log.warning("%s: starting a new torch engine process with weights %s", dead, self._version or "(none)")
             await asyncio.to_thread(self._stop_child)
-            self._spawn()
             try:
+                self._spawn()
                 if self._folder:
                     await self._call("load_weights", self._folder, self._version, reviving=True)
                 for name, (folder, version) in self._adapters.items():

@@ -177,9 +177,9 @@ class VllmEngine(Engine):
             if time.monotonic() < self._revive_after:
                 raise dead
             log.warning("the vLLM engine core died: starting a new engine with weights %s", self._version)
-            await asyncio.to_thread(llm.shutdown)
             new = None
             try:
+                await asyncio.to_thread(llm.shutdown)
                 new = await asyncio.to_thread(self._start, self._folder)
                 await new.engine_core.set_weight_version_async(self._version)
                 for request, _ in self._loras.values():
