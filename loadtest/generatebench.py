@@ -67,10 +67,12 @@ async def bench_engine(kind: str, folder: pathlib.Path, concurrencies: list[int]
     from yieldloop.client import Client
     from yieldloop_server.rollout.engines import create_engine
     from yieldloop_server.rollout.server import serve_engine
+    from yieldloop_server.serve import settle_heap
 
     engine = create_engine(kind.removesuffix("-process"), device=device, process=kind.endswith("-process"))
     await engine.load_weights(folder, "bench")
     server = await serve_engine("bench", engine, stream_interval_s=interval_s)
+    settle_heap()  # this process serves as `yieldloop serve` would (full GC passes of 0.3-0.6 s otherwise)
     client = Client(rollout=server.address, timeout=600)
     # Stream i sends prompt i // group (every stream its own with group 1).
     prompts = [engine.render_chat([{"role": "user", "content": f"Write the letter {chr(97 + j % 26)} over and over "
