@@ -208,6 +208,35 @@ async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch
     assert len({tuple(flat(deltas)[0]) for deltas in group[:8]}) > 1  # the rows sample apart
 
 
+async def test_torch_running_batch_is_bounded_and_the_rest_wait_their_turn(engine_folders, monkeypatch) -> None:
+    """Requests beyond the running batch's bound (``--rollout-max-batch``) wait and join as rows finish, each
+    sampling what it samples in an unbounded batch."""
+    from yieldloop_server.rollout.engines.torch_engine import TorchEngine, _Batch
+
+    widest: list[int] = []
+    forward = _Batch._forward
+
+    def counting(self, rows, **inputs):
+        widest.append(len(rows))
+        return forward(self, rows, **inputs)
+
+    samplings = [SamplingConfig(max_tokens=4 + i, temperature=1.0, seed=20 + i, ignore_eos=True) for i in range(7)]
+    results = {}
+    for bound in (3, 256):
+        engine = TorchEngine(max_batch_size=bound)
+        try:
+            await engine.load_weights(engine_folders["v1"], "v1")
+            monkeypatch.setattr(_Batch, "_forward", counting)
+            widest.clear()
+            results[bound] = [flat(d) for d in await asyncio.gather(*(collect(engine, PROMPT, s) for s in samplings))]
+            monkeypatch.setattr(_Batch, "_forward", forward)
+        finally:
+            await engine.close()
+        assert max(widest) <= bound
+    assert [r[0] for r in results[3]] == [r[0] for r in results[256]]  # each request's own generator
+    assert [len(r[0]) for r in results[3]] == [4 + i for i in range(7)]
+
+
 async def test_torch_sliding_window_model_matches_the_trainer(engine_folders, tmp_path) -> None:
     """A model with sliding-window layers gets transformers' own masks under eager attention (requests wait for
     the running batch to end instead of joining it); plain models run SDPA with the batch's masks."""

@@ -270,8 +270,8 @@ class TorchEngine(Engine):
         device: torch device string.
         dtype: torch dtype name for inference ("float32" keeps sampler/trainer
             logprobs within 1e-4 of each other).
-        max_batch_size: Requests decoded together at most (vLLM's default ``max_num_seqs``: a GRPO batch of 128
-            or 256 episodes decodes as one batch; at 64 the loop's 128 episodes decoded in two waves, each decode
+        max_batch_size: Requests decoded together at most (as vLLM's ``max_num_seqs`` default: a GRPO batch of
+            128 or 256 episodes decodes as one batch; at 64 the loop's 128 episodes decoded in two waves, each decode
             step paying the model's fixed cost for half the rows: -20% per loop step on 2 CPU cores at 256).
         batch_wait_s: When nothing is running, how long the worker waits for more requests to start with.
         spare_max_bytes: Models up to this size stay loaded after a swap, for the next reload to copy its weights

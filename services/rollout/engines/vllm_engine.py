@@ -63,6 +63,7 @@ class VllmEngine(Engine):
         kv_cache_space_gib: KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``)
             unless the environment sets it.
         enforce_eager: No CUDA graphs / compilation (always on for CPU).
+        max_batch_size: Sequences decoded together at most (vLLM's ``max_num_seqs``; None: vLLM's default).
         lora: Serve LoRA adapters (vLLM's ``enable_lora``): up to ``max_loras`` adapters in one batch, of rank
             ``max_lora_rank`` at most; more stay loaded on the CPU side.
         engine_options: Extra ``AsyncEngineArgs`` fields.
@@ -81,6 +82,7 @@ class VllmEngine(Engine):
         lora: bool = False,
         max_loras: int = 8,
         max_lora_rank: int = 64,
+        max_batch_size: int | None = None,
         **engine_options: Any,
     ) -> None:
         self.device = device or _default_device()
@@ -90,6 +92,8 @@ class VllmEngine(Engine):
         self.memory_utilization = memory_utilization or (0.3 if on_cpu else 0.85)
         self.enforce_eager = on_cpu if enforce_eager is None else enforce_eager
         self.engine_options = dict(engine_options)
+        if max_batch_size:
+            self.engine_options.setdefault("max_num_seqs", max_batch_size)
         if lora:
             self.engine_options.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank,
                                        max_cpu_loras=max(4 * max_loras, 32))
