@@ -22,6 +22,7 @@ starts a new ``AsyncLLM`` on the weights and adapters the dead one served (see `
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -49,6 +50,20 @@ def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+async def _shut_down(llm: Any) -> None:
+    """Shuts an ``AsyncLLM`` down. Its ``__del__`` shuts it down again when it is collected, which for one kept
+    alive by reference cycles (or frozen out of the collector, see ``serve.settle_heap``) is at interpreter exit,
+    after its module's globals are gone: "Exception ignored ... TypeError" on every exit. A shut-down engine's
+    object skips that second shutdown."""
+    await asyncio.to_thread(llm.shutdown)
+    llm.__class__ = _shut_down_class(type(llm))
+
+
+@functools.cache
+def _shut_down_class(cls: type) -> type:
+    return type(f"ShutDown{cls.__name__}", (cls,), {"__del__": lambda self: None})
 
 
 class VllmEngine(Engine):
@@ -183,7 +198,7 @@ class VllmEngine(Engine):
             log.warning("the vLLM engine core died: starting a new engine with weights %s", self._version)
             new = None
             try:
-                await asyncio.to_thread(llm.shutdown)
+                await _shut_down(llm)
                 new = await asyncio.to_thread(self._start, self._folder)
                 await new.engine_core.set_weight_version_async(self._version)
                 for request, _ in self._loras.values():
@@ -193,7 +208,7 @@ class VllmEngine(Engine):
                 self._revive_after = time.monotonic() + REVIVE_BACKOFF_S
                 log.error("a new vLLM engine could not start on %s: %s", self._version, exc)
                 if new is not None:
-                    await asyncio.to_thread(new.shutdown)
+                    await _shut_down(new)
                 raise dead from exc
             self._llm = new
             self.revivals += 1
@@ -249,7 +264,7 @@ class VllmEngine(Engine):
     async def close(self) -> None:
         if self._llm is not None:
             llm, self._llm = self._llm, None
-            await asyncio.to_thread(llm.shutdown)
+            await _shut_down(llm)
 
     # Generation ------------------------------------------------------------------------
 
