@@ -618,3 +618,30 @@ def test_torch_process_engine_exits_with_its_server(engine_folders, tmp_path) ->
             raise AssertionError(f"engine process {child} still runs after its server was killed")
     finally:
         server.kill()
+
+
+async def test_a_shut_down_vllm_engine_is_not_shut_down_again_when_collected() -> None:
+    """vLLM's AsyncLLM shuts down again in ``__del__``; for one kept alive to interpreter exit that ran after its
+    module's globals were gone ("Exception ignored ... TypeError" at every exit). A shut-down one skips it."""
+    import gc
+
+    from yieldloop_server.rollout.engines.vllm_engine import _shut_down
+
+    calls: list[str] = []
+
+    class Llm:  # AsyncLLM's shape: __del__ calls shutdown
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __del__(self) -> None:
+            self.shutdown()
+
+        def shutdown(self) -> None:
+            calls.append(self.name)
+
+    closed, dropped = Llm("closed"), Llm("dropped")
+    await _shut_down(closed)
+    assert calls == ["closed"] and isinstance(closed, Llm)
+    del closed, dropped
+    gc.collect()
+    assert calls == ["closed", "dropped"]  # once each: the shut-down one was not shut down again
