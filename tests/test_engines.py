@@ -265,6 +265,24 @@ async def test_torch_sliding_window_model_matches_the_trainer(engine_folders, tm
         await plain.close()
 
 
+async def test_a_reload_that_keeps_the_tokenizer_files_keeps_the_tokenizer_and_its_renderings(
+        served_engine: ServedEngine) -> None:
+    """A training step changes the weights only: the reload keeps the tokenizer object, and with it the chat
+    renderings the engine remembers (the torch engine's two alternating weight sets each loaded a tokenizer of
+    their own, vLLM loaded one per reload: every step rendered every prompt again)."""
+    engine = served_engine.engine
+    messages = [{"role": "user", "content": 'Write the letter "q" at least eight times.'}]
+    ids = engine.render_chat(messages)
+    tokenizer, renders = engine.tokenizer, engine._renders
+    try:
+        for version in ("v2", "v1", "v2"):
+            await engine.load_weights(served_engine.folders[version], version)
+            assert engine.weight_version == version and engine.tokenizer is tokenizer
+            assert engine.render_chat(messages) == ids and engine._renders is renders
+    finally:
+        await engine.load_weights(served_engine.folders["v1"], "v1")
+
+
 async def test_weight_reload_during_streaming_fails_no_request(served_engine: ServedEngine) -> None:
     engine = served_engine.engine
     produced: dict[int, int] = {}

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import pathlib
@@ -134,6 +135,18 @@ async def coalesce(deltas: AsyncIterator[TokenDelta], interval_s: float) -> Asyn
             held = None
     if held is not None:
         yield held
+
+
+_OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def folder_signature(folder: pathlib.Path) -> tuple[tuple[str, bytes], ...] | None:
+    """A digest of every file of an HF folder but its safetensors weights, by name (None when the folder holds
+    weights in another format, which only a full load reads)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix != ".safetensors")
+    if any(p.suffix in _OTHER_WEIGHT_SUFFIXES for p in files):
+        return None
+    return tuple((p.name, hashlib.blake2b(p.read_bytes(), digest_size=16).digest()) for p in files)
 
 
 REVIVE_BACKOFF_S = 5.0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 import pathlib
@@ -29,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
-from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta, merge_deltas
+from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta, folder_signature, merge_deltas
 
 log = logging.getLogger(__name__)
 _WAKE = object()
@@ -147,18 +146,6 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
         eos_ids.add(tokenizer.eos_token_id)
     return _Weights(model, tokenizer, version, frozenset(eos_ids), model.config.max_position_embeddings,
                     signature=signature, plain=plain)
-
-
-_OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
-
-
-def folder_signature(folder: pathlib.Path) -> tuple[tuple[str, bytes], ...] | None:
-    """A digest of every file of an HF folder but its safetensors weights, by name (None when the folder holds
-    weights in another format, which only a full load reads)."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix != ".safetensors")
-    if any(p.suffix in _OTHER_WEIGHT_SUFFIXES for p in files):
-        return None
-    return tuple((p.name, hashlib.blake2b(p.read_bytes(), digest_size=16).digest()) for p in files)
 
 
 def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Weights | None:
@@ -341,9 +328,15 @@ class TorchEngine(Engine):
     def _load(self, spare: _Weights | None, folder: pathlib.Path, version: str) -> _Weights:
         weights = reload_in_place(spare, folder, version) if spare is not None else None
         if weights is None:
-            return load_hf_weights(folder, version, self.device, self.dtype)
-        self.in_place_loads += 1
-        log.info("weights %s loaded in place", version)
+            weights = load_hf_weights(folder, version, self.device, self.dtype)
+        else:
+            self.in_place_loads += 1
+            log.info("weights %s loaded in place", version)
+        serving = self._weights
+        if serving is not None and weights.signature is not None and weights.signature == serving.signature:
+            # The same tokenizer files: keep serving's tokenizer object, and with it the chat renderings it
+            # remembers (ChatRenders is per tokenizer object; the spare's own would reset them at every reload).
+            weights = dataclasses.replace(weights, tokenizer=serving.tokenizer)
         return weights
 
     async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:

@@ -30,8 +30,14 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import UnavailableError
-from yieldloop_server.rollout.engines.base import REVIVE_BACKOFF_S, Engine, SamplingConfig, TokenDelta
-from yieldloop_server.rollout.engines.torch_engine import LoopSink, Sink, TorchEngine, drain, folder_signature
+from yieldloop_server.rollout.engines.base import (
+    REVIVE_BACKOFF_S,
+    Engine,
+    SamplingConfig,
+    TokenDelta,
+    folder_signature,
+)
+from yieldloop_server.rollout.engines.torch_engine import LoopSink, Sink, TorchEngine, drain
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,14 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
-from yieldloop_server.rollout.engines.base import REVIVE_BACKOFF_S, Engine, SamplingConfig, TokenDelta, coalesce
+from yieldloop_server.rollout.engines.base import (
+    REVIVE_BACKOFF_S,
+    Engine,
+    SamplingConfig,
+    TokenDelta,
+    coalesce,
+    folder_signature,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +132,8 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._version = ""
         self._folder: pathlib.Path | None = None
+        self._signature: Any = None
+        """The served folder's files but its weights (folder_signature), to tell a reload that keeps the tokenizer."""
         self._vocab_size = 0
         self._reload_lock = asyncio.Lock()
         self._revive_after = 0.0
@@ -151,14 +160,18 @@ class VllmEngine(Engine):
         folder = pathlib.Path(folder)
         await self.revive()
         async with self._reload_lock:
-            tokenizer = await asyncio.to_thread(load_tokenizer, folder)
+            # A reload whose tokenizer files are those already loaded keeps the tokenizer (and the chat renderings
+            # it remembers): only the weights change from one training step to the next.
+            signature = await asyncio.to_thread(folder_signature, folder)
+            same = self.tokenizer is not None and signature is not None and signature == self._signature
+            tokenizer = self.tokenizer if same else await asyncio.to_thread(load_tokenizer, folder)
             if self._llm is None:
                 self._llm = await asyncio.to_thread(self._start, folder)
                 await self._llm.engine_core.set_weight_version_async(version)
             else:
                 await self._reload(folder, version)
             self._vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
-            self.tokenizer, self._folder, self._version = tokenizer, folder, version
+            self.tokenizer, self._folder, self._version, self._signature = tokenizer, folder, version, signature
             self.weight_loads += 1
         log.info("vLLM serving weights %s", version)
 
