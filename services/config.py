@@ -98,8 +98,9 @@ class RolloutOptions:
     rollout service one core of a CPU machine (the process would take the trainer's core)."""
     max_batch: int = dataclasses.field(default=0, metadata={"flag": "--rollout-max-batch"})
     """Sequences the engine decodes together at most (the torch engine's running batch, vLLM's ``max_num_seqs``;
-    0: the engine's default: 256 for the torch engine, vLLM's own otherwise): more wait their turn. A GRPO batch larger than this decodes in waves,
-    each decode step paying the model's fixed cost for fewer rows; a smaller one bounds the KV cache's memory."""
+    0: the engine's default: 256 for the torch engine, vLLM's own otherwise): more wait their turn. A GRPO batch
+    larger than this decodes in waves, each decode step paying the model's fixed cost for fewer rows; a smaller one
+    bounds the KV cache's memory."""
     stream_interval_ms: float = 20.0
     """Streams (gRPC Generate, OpenAI ``stream: true``) send the first and the last tokens at once and in between
     at most one message per this many milliseconds, holding the tokens sampled meanwhile (0: one message per
