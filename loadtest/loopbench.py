@@ -94,8 +94,8 @@ def _own_cpu_s() -> float:
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    if args.steps <= args.warmup:
-        raise SystemExit("--steps must exceed --warmup")
+    if not 1 <= args.warmup < args.steps:
+        raise SystemExit("--warmup must be at least 1 (the first step starts the engines) and below --steps")
     runs: dict[str, list[dict]] = {variant: [] for variant in args.variants}
     for seed in range(args.rounds):
         for variant in args.variants:

@@ -128,7 +128,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             max_models=opts.rollout.max_models, memory_budget_bytes=opts.rollout.memory_budget_mb * 1_000_000,
             lora_engine="" if opts.rollout.lora_engine == "same" else opts.rollout.lora_engine, device=opts.device,
             process=opts.rollout.engine_process is not False,
-            **({"max_batch_size": opts.rollout.max_batch} if opts.rollout.max_batch > 0 else {}),
+            max_batch_size=max(0, opts.rollout.max_batch),
             limits=RolloutLimits(max_runs=opts.rollout.max_runs, max_episodes=opts.rollout.max_episodes),
             stream_interval_s=max(0.0, opts.rollout.stream_interval_ms) / 1000,
         )

@@ -222,8 +222,9 @@ async def test_torch_running_batch_is_bounded_and_the_rest_wait_their_turn(engin
 
     samplings = [SamplingConfig(max_tokens=4 + i, temperature=1.0, seed=20 + i, ignore_eos=True) for i in range(7)]
     results = {}
-    for bound in (3, 256):
-        engine = TorchEngine(max_batch_size=bound)
+    for bound in (3, 0):  # 0: the default bound
+        engine = TorchEngine(max_batch_size=bound, batch_wait_s=0.25)  # all seven arrive in one admission
+        assert engine.max_batch_size == (bound or 256)
         try:
             await engine.load_weights(engine_folders["v1"], "v1")
             monkeypatch.setattr(_Batch, "_forward", counting)
@@ -232,8 +233,9 @@ async def test_torch_running_batch_is_bounded_and_the_rest_wait_their_turn(engin
             monkeypatch.setattr(_Batch, "_forward", forward)
         finally:
             await engine.close()
-        assert max(widest) <= bound
-    assert [r[0] for r in results[3]] == [r[0] for r in results[256]]  # each request's own generator
+        assert max(widest) <= engine.max_batch_size
+    assert max(widest) == 7  # unbounded by the default: all seven decode together
+    assert [r[0] for r in results[3]] == [r[0] for r in results[0]]  # each request's own generator
     assert [len(r[0]) for r in results[3]] == [4 + i for i in range(7)]
 
 

@@ -259,7 +259,8 @@ class TorchEngine(Engine):
             logprobs within 1e-4 of each other).
         max_batch_size: Requests decoded together at most (as vLLM's ``max_num_seqs`` default: a GRPO batch of
             128 or 256 episodes decodes as one batch; at 64 the loop's 128 episodes decoded in two waves, each decode
-            step paying the model's fixed cost for half the rows: -20% per loop step on 2 CPU cores at 256).
+            step paying the model's fixed cost for half the rows: -20% per loop step on 2 CPU cores at 256);
+            0: that default.
         batch_wait_s: When nothing is running, how long the worker waits for more requests to start with.
         spare_max_bytes: Models up to this size stay loaded after a swap, for the next reload to copy its weights
             into (:func:`reload_in_place`); larger ones are freed (the memory of one model copy while serving)
@@ -281,7 +282,7 @@ class TorchEngine(Engine):
         self.device = device
         self.dtype = dtype
         self.spare_max_bytes = spare_max_bytes
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = max_batch_size or 256
         self.batch_wait_s = batch_wait_s
         self._weights: _Weights | None = None
         self._spare: _Weights | None = None

@@ -85,7 +85,7 @@ class VllmEngine(Engine):
         kv_cache_space_gib: KV cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``)
             unless the environment sets it.
         enforce_eager: No CUDA graphs / compilation (always on for CPU).
-        max_batch_size: Sequences decoded together at most (vLLM's ``max_num_seqs``; None: vLLM's default).
+        max_batch_size: Sequences decoded together at most (vLLM's ``max_num_seqs``; 0: vLLM's default).
         lora: Serve LoRA adapters (vLLM's ``enable_lora``): up to ``max_loras`` adapters in one batch, of rank
             ``max_lora_rank`` at most; more stay loaded on the CPU side.
         engine_options: Extra ``AsyncEngineArgs`` fields.
@@ -104,7 +104,7 @@ class VllmEngine(Engine):
         lora: bool = False,
         max_loras: int = 8,
         max_lora_rank: int = 64,
-        max_batch_size: int | None = None,
+        max_batch_size: int = 0,
         **engine_options: Any,
     ) -> None:
         self.device = device or _default_device()
