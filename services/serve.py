@@ -131,6 +131,7 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             max_batch_size=max(0, opts.rollout.max_batch),
             limits=RolloutLimits(max_runs=opts.rollout.max_runs, max_episodes=opts.rollout.max_episodes),
             stream_interval_s=max(0.0, opts.rollout.stream_interval_ms) / 1000,
+            weights_from=opts.rollout.weights_from,
         )
         return server.start, server.stop
     if opts.service == "hud":

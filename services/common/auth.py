@@ -223,6 +223,7 @@ METHOD_ROLES: dict[str, Role] = {
     "/yieldloop.trainer.v1.TrainerService/ListLosses": "sample",
     "/yieldloop.trainer.v1.TrainerService/GetTrainerInfo": "sample",
     "/yieldloop.trainer.v1.TrainerService/PullWeights": "service",
+    "/yieldloop.trainer.v1.TrainerService/SubscribeWeights": "service",
     # CheckpointService.
     "/yieldloop.checkpoint.v1.CheckpointService/ListModels": "sample",
     "/yieldloop.checkpoint.v1.CheckpointService/GetModel": "sample",

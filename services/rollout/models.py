@@ -86,6 +86,7 @@ class ServedModels:
         max_models: int = 2,
         on_default_reload: Any = None,
         memory_budget_bytes: int = 0,
+        weights_from: str = "auto",
     ) -> None:
         self.default = default
         self.make_engine = make_engine
@@ -93,7 +94,7 @@ class ServedModels:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
-        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir)
+        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir, weights_from)
                         if store is not None and checkpoints is not None and cache_dir is not None else None)
         self.on_default_reload = on_default_reload
         self.memory_budget_bytes = memory_budget_bytes

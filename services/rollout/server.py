@@ -82,6 +82,7 @@ class RolloutServer:
         memory_budget_bytes: Bytes of weights loaded at once (0: only ``max_models`` limits).
         lora_engine: Engine kind for LoRA forks' base engines ("": ``engine``).
         limits: Bounds on StreamRollouts requests (episodes per request, at once, attempts, steps).
+        weights_from: How pending checkpoints come from their trainer (see :class:`CheckpointFetcher`).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class RolloutServer:
         lora_engine: str = "",
         limits: RolloutLimits = RolloutLimits(),
         stream_interval_s: float = 0.0,
+        weights_from: str = "auto",
         **engine_options: object,
     ) -> None:
         # A batch opens its episodes together: they share one StreamEpisodes stream per EnvService replica.
@@ -118,7 +120,7 @@ class RolloutServer:
             lambda lora: create_engine((lora_engine or engine) if lora else engine, lora=lora, **engine_options),
             lambda: create_engine("torch", device=device, max_batch_size=int(engine_options.get("max_batch_size", 0))),
             store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
-            memory_budget_bytes=memory_budget_bytes,
+            memory_budget_bytes=memory_budget_bytes, weights_from=weights_from,
         )
         self.grpc = GrpcServer(host, port, transport)
         self.servicer = RolloutServicer(

@@ -13,6 +13,8 @@ import contextlib
 import itertools
 import logging
 import pathlib
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -25,11 +27,14 @@ from yieldloop.errors import (
     YieldloopError,
 )
 from yieldloop.retry import Backoff
-from yieldloop.types import Head, Manifest
+from yieldloop.types import Head, Manifest, ObjectInfo
 from yieldloop_server.common import telemetry
+from yieldloop_server.common import collective
+from yieldloop_server.common.collective import broadcast_files, close_group, make_group, open_store
 from yieldloop_server.checkpoint.files import download_verified, host_id, link_objects, staged, verify_folder
 from yieldloop_server.rollout.engines import Engine
 from yieldloop_server.store import ObjectStore
+from yieldloop_server.store.base import check_name
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,8 @@ checkpoint is refused as unreachable (its trainer died: a rollback head follows)
 class CheckpointFetcher:
     """Local, verified copies of checkpoints' sampler weights (never the training state): from the object store,
     or, while a checkpoint is pending (not yet in the store), straight from the trainer that committed it
-    (PullWeights: its files in place on the same host, a stream otherwise). Every object is checked against the
-    sha256 its producer computed.
+    (PullWeights: its files in place on the same host, a stream otherwise; or by broadcast, see ``weights_from``).
+    Every object is checked against the sha256 its producer computed.
 
     Args:
         store: Object store holding the durable checkpoints.
@@ -51,11 +56,17 @@ class CheckpointFetcher:
         cache_dir: Local folder for verified copies.
     """
 
-    def __init__(self, store: ObjectStore, checkpoints: Client, cache_dir: pathlib.Path) -> None:
+    def __init__(self, store: ObjectStore, checkpoints: Client, cache_dir: pathlib.Path,
+                 weights_from: str = "auto") -> None:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
+        self.weights_from = weights_from
+        """How pending checkpoints come from their trainer: "auto" (the files in place on the trainer's host, a
+        stream otherwise), "stream" (always a stream), "group" (by broadcast in the trainer's weight group, see
+        :class:`WeightSubscription`; pulled as "auto" when a checkpoint was not broadcast to this service)."""
         self._trainers: dict[str, Client] = {}
+        self._subscriptions: dict[tuple[str, str], WeightSubscription] = {}
 
     async def fetch(self, model: str, checkpoint_id: str, while_head: bool = False) -> pathlib.Path:
         """The local folder of one checkpoint's sampler weights. With ``while_head``, a pending checkpoint
@@ -86,17 +97,30 @@ class CheckpointFetcher:
                 await asyncio.sleep(RETRY.delay(attempt))
         raise AssertionError("unreachable")
 
-    async def _pull(self, manifest: Manifest, folder: pathlib.Path) -> pathlib.Path:
-        trainer = self._trainers.get(manifest.weights_source)
+    def _trainer(self, address: str) -> Client:
+        trainer = self._trainers.get(address)
         if trainer is None:
-            trainer = self._trainers[manifest.weights_source] = Client(
-                trainer=manifest.weights_source, transport=self.checkpoints.transport, retry_within_s=0)
+            trainer = self._trainers[address] = Client(trainer=address, transport=self.checkpoints.transport,
+                                                       retry_within_s=0)
+        return trainer
+
+    async def _pull(self, manifest: Manifest, folder: pathlib.Path) -> pathlib.Path:
+        if self.weights_from == "group":
+            key = (manifest.weights_source, manifest.model)
+            subscription = self._subscriptions.get(key)
+            if subscription is None:  # a member from now on: later checkpoints come by broadcast, this one is pulled
+                subscription = self._subscriptions[key] = WeightSubscription(
+                    self._trainer(manifest.weights_source), manifest.model, self.cache_dir / manifest.model)
+            elif (arrived := await subscription.arrival(manifest.checkpoint_id)) is not None:
+                return arrived
+        trainer = self._trainer(manifest.weights_source)
         what = f"checkpoint {manifest.model}/{manifest.checkpoint_id}"
         objects = {obj.name: obj for obj in manifest.sampler_objects}
+        here = host_id() if self.weights_from != "stream" else ""
         with staged(folder) as staging:
             file = None
             try:
-                async for message in trainer.pull_weights(manifest.model, manifest.checkpoint_id, host_id()):
+                async for message in trainer.pull_weights(manifest.model, manifest.checkpoint_id, here):
                     if message.local_folder:  # the same host: its files, in place
                         await asyncio.to_thread(link_objects, pathlib.Path(message.local_folder), staging,
                                                 list(objects.values()))
@@ -116,9 +140,176 @@ class CheckpointFetcher:
         return folder
 
     async def close(self) -> None:
+        for subscription in self._subscriptions.values():
+            await subscription.close()
+        self._subscriptions.clear()
         for client in self._trainers.values():
             await client.close()
         self._trainers.clear()
+
+
+ANNOUNCE_GRACE_S = 1.0
+"""How long a member waits for a pending checkpoint's announcement before pulling it: its trainer announces
+before committing, so the announcement is usually there before the head move that asks for it."""
+
+
+class WeightSubscription:
+    """This rollout service's membership in one trainer's weight group for one model (SubscribeWeights): joins
+    each group the trainer names, receives every checkpoint it broadcasts into ``cache`` (verified against the
+    announced sizes and sha256, then renamed into place, as a download), and subscribes again after any failure
+    (meanwhile checkpoints are pulled).
+
+    Args:
+        trainer: Client of the trainer.
+        model: The model slug followed.
+        cache: The model's folder of verified checkpoints (``cache/<checkpoint_id>``).
+        backend: "nccl" when this process has CUDA (the group is NCCL if every member and the trainer do).
+    """
+
+    KEEP = 16
+    """Arrivals remembered (checkpoint id -> outcome) for fetches that come late."""
+
+    def __init__(self, trainer: Client, model: str, cache: pathlib.Path, backend: str = "") -> None:
+        self.trainer = trainer
+        self.model = model
+        self.cache = cache
+        self.backend = backend or _local_backend()
+        self.subscribed = False
+        self._joining = False
+        self.received = 0
+        """Checkpoints received by broadcast."""
+        self._arrivals: collections.OrderedDict[str, asyncio.Future[pathlib.Path]] = collections.OrderedDict()
+        self._announced = asyncio.Condition()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def arrival(self, checkpoint_id: str) -> pathlib.Path | None:
+        """The folder of ``checkpoint_id`` once its broadcast arrived and verified; None when it was not (or will
+        not be) broadcast to this member, or its broadcast failed: pull it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ANNOUNCE_GRACE_S
+        async with self._announced:
+            # While a group is being joined the announcements behind it wait: so does this (the join is bounded).
+            while self.subscribed and checkpoint_id not in self._arrivals:
+                try:
+                    await asyncio.wait_for(self._announced.wait(),
+                                           None if self._joining else max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    break
+        future = self._arrivals.get(checkpoint_id)
+        if future is None:
+            return None
+        try:
+            return await asyncio.shield(future)
+        except YieldloopError as err:
+            log.warning("checkpoint %s/%s did not arrive by broadcast (%s); pulling it", self.model, checkpoint_id, err)
+            return None
+
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            group: tuple[Any, str] | None = None  # (process group, backend)
+            try:
+                async for message in self.trainer.subscribe_weights(self.model, self.backend):
+                    event = message.WhichOneof("event")
+                    if event == "subscribed":
+                        self.subscribed, attempt = True, 0
+                    elif event == "group":
+                        if group is not None:
+                            await asyncio.to_thread(close_group, group[0])
+                        group = None
+                        await self._set_joining(True)
+                        try:
+                            group = (await asyncio.to_thread(_join, message.group), message.group.backend)
+                        finally:
+                            await self._set_joining(False)
+                    elif event == "broadcast":
+                        if group is None:
+                            raise UnavailableError("a broadcast was announced before any group",
+                                                   reason="WEIGHT_GROUP_UNAVAILABLE")
+                        await self._receive(group, message.broadcast)
+                raise UnavailableError("the weight group's stream ended", reason="WEIGHT_GROUP_UNAVAILABLE")
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # deliberate degrade: pull meanwhile, subscribe again
+                log.warning("out of the weight group of %s (%s); subscribing again", self.model, err)
+            finally:
+                self.subscribed = False
+                self._fail_waiting("this member left its weight group")
+                with contextlib.suppress(BaseException):
+                    await self._set_joining(False)
+                if group is not None:
+                    close_group(group[0])
+            await asyncio.sleep(RETRY.delay(attempt))
+            attempt += 1
+
+    async def _receive(self, group: tuple[Any, str], announcement: Any) -> None:
+        """Takes part in one broadcast (always: the others wait for every member), then verifies what came."""
+        checkpoint_id = announcement.checkpoint_id
+        future: asyncio.Future[pathlib.Path] = asyncio.get_running_loop().create_future()
+        async with self._announced:
+            self._arrivals[checkpoint_id] = future
+            while len(self._arrivals) > self.KEEP:
+                self._arrivals.popitem(last=False)[1].cancel()
+            self._announced.notify_all()
+        objects = [ObjectInfo(o.name, o.size, o.sha256, key="") for o in announcement.objects]
+        folder = self.cache / checkpoint_id
+        what = f"checkpoint {self.model}/{checkpoint_id} (broadcast)"
+        try:
+            check_name(checkpoint_id, "checkpoint_id")
+            for obj in objects:
+                check_name(obj.name, "objects.name")
+            self.cache.mkdir(parents=True, exist_ok=True)
+            staging = pathlib.Path(tempfile.mkdtemp(dir=self.cache, prefix=".bc-"))
+        except Exception as err:
+            future.set_exception(err)
+            raise
+        try:
+            try:
+                await asyncio.to_thread(broadcast_files, group[0], group[1], objects,
+                                        max(1, announcement.chunk_bytes), target=staging)
+            except Exception as err:  # the group is broken: everyone subscribes again
+                future.set_exception(UnavailableError(f"{what}: {err}", reason="WEIGHT_GROUP_UNAVAILABLE"))
+                raise future.exception() from None  # type: ignore[misc]
+            try:
+                await asyncio.to_thread(verify_folder, staging, objects, what)
+                if not folder.is_dir():
+                    staging.rename(folder)
+            except Exception as err:  # this checkpoint only: it is pulled instead
+                future.set_exception(err if isinstance(err, YieldloopError)
+                                     else UnavailableError(f"{what}: {err}", reason="WEIGHT_GROUP_UNAVAILABLE"))
+                return
+            self.received += 1
+            future.set_result(folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    async def _set_joining(self, joining: bool) -> None:
+        async with self._announced:
+            self._joining = joining
+            self._announced.notify_all()
+
+    def _fail_waiting(self, why: str) -> None:
+        for future in self._arrivals.values():
+            if not future.done():
+                future.set_exception(UnavailableError(why, reason="WEIGHT_GROUP_UNAVAILABLE"))
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def _local_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _join(group: Any) -> Any:
+    """Joins the process group a WeightGroup message names (blocks until every member and the trainer have)."""
+    host, port = group.address.rsplit(":", 1)
+    store = open_store(host.strip("[]"), int(port), collective.GROUP_TIMEOUT_S)
+    return make_group(store, group.name, group.rank, group.size, group.backend, collective.GROUP_TIMEOUT_S)
 
 
 class WeightFollower:

@@ -2,8 +2,9 @@
 
 An optimizer step writes its checkpoint folder under ``published/<model>/<checkpoint_id>/`` and commits the
 checkpoint *pending* with this trainer's address as its weights source; rollout services pull the sampler
-weights from here (PullWeights: the folder itself on the same host, a chunked stream otherwise) while the
-objects are written to the store in the background. Folders stay while their checkpoint is pending and for
+weights from here (PullWeights: the folder itself on the same host, a chunked stream otherwise; or, members of
+the model's weight group, receive them by broadcast: :mod:`.broadcast`) while the objects are written to the
+store in the background. Folders stay while their checkpoint is pending and for
 the last few after it became durable (followers still pulling), then go.
 """
 
@@ -16,6 +17,7 @@ import socket
 from collections.abc import Callable
 
 from yieldloop.types import Manifest
+from yieldloop_server.trainer.broadcast import WeightGroups
 
 KEEP_DURABLE = 2
 """Folders kept after their checkpoint became durable (pulls in progress finish from here)."""
@@ -43,9 +45,12 @@ class WeightPublisher:
             checkpoints are then written to the store before they are committed).
     """
 
-    def __init__(self, root: pathlib.Path, address: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, root: pathlib.Path, address: Callable[[], str] = lambda: "",
+                 groups: WeightGroups | None = None) -> None:
         self.root = root / "published"
         self._address = address
+        self.groups = groups
+        """Broadcasts every published checkpoint to the model's subscribed rollout services (None: pulls only)."""
         self._manifests: dict[tuple[str, str], Manifest] = {}
         self._durable: dict[str, list[str]] = {}
         """Per model: published checkpoints already durable, oldest first."""
@@ -58,8 +63,11 @@ class WeightPublisher:
         return self.root / model / checkpoint_id
 
     def publish(self, manifest: Manifest) -> None:
-        """Serves the sampler weights of ``manifest`` (written into :meth:`folder`) until :meth:`release`."""
+        """Serves the sampler weights of ``manifest`` (written into :meth:`folder`) until :meth:`release`, and
+        broadcasts them to the model's weight group (members are told before the checkpoint is committed)."""
         self._manifests[manifest.model, manifest.checkpoint_id] = manifest
+        if self.groups is not None:
+            self.groups.announce(manifest, self.folder(manifest.model, manifest.checkpoint_id))
 
     def find(self, model: str, checkpoint_id: str) -> tuple[Manifest, pathlib.Path] | None:
         """The manifest and folder of a checkpoint this trainer still serves, or None."""

@@ -11,6 +11,7 @@ from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
+from yieldloop_server.trainer.broadcast import WeightGroups
 from yieldloop_server.trainer.publish import WeightPublisher, advertised
 from yieldloop_server.trainer.servicer import TrainerServicer
 from yieldloop_server.trainer.session import TrainingSession, TrainingSessions
@@ -42,7 +43,10 @@ async def build(
     checkpoints = Client(checkpoint=checkpoint_address, transport=transport, retry_within_s=0)
     traces = TraceStore(store, run_to_bytes, run_from_bytes)
     server = GrpcServer(host, port, transport)
-    publisher = WeightPublisher(work_dir, lambda: advertised(server.host, server.port))
+    address = lambda: advertised(server.host, server.port)  # noqa: E731
+    groups = WeightGroups(address)
+    publisher = WeightPublisher(work_dir, address, groups)
+    server.on_stop(groups.close)
     sessions = TrainingSessions(
         lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc, publisher, state_every),
         default=model, max_sessions=1 if nproc > 1 else max_sessions, checkpoints=checkpoints,

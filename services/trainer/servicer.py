@@ -9,16 +9,18 @@ from collections.abc import AsyncIterator
 import grpc
 
 from yieldloop.convert import datum_from_pb, datum_to_pb, run_from_pb
-from yieldloop.errors import NotFoundError, check_json_object, invalid_field
+from yieldloop.errors import NotFoundError, UnavailableError, check_json_object, invalid_field
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, Run, RunStatus
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess, require_run
+from yieldloop_server.common.collective import BACKENDS
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.trainer import losses
 from yieldloop_server.checkpoint.files import host_id
+from yieldloop_server.store.base import check_name
 from yieldloop_server.trainer.publish import WeightPublisher
 from yieldloop_server.trainer.session import LossOptions, TrainingSessions
 from yieldloop_server.trainer.trainer import AdamConfig
@@ -220,6 +222,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 checkpoint_id=session.checkpoint_id,
                 num_pending_datums=session.trainer.num_pending_datums,
                 device=session.config.device,
+                weight_group_members=self.publisher.groups.members(session.model)
+                if self.publisher is not None and self.publisher.groups is not None else 0,
             )
 
     @rpc
@@ -238,3 +242,15 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             with open(folder / obj.name, "rb") as file:  # noqa: ASYNC230  (opening is cheap; reads go to a thread)
                 while chunk := await asyncio.to_thread(file.read, PULL_CHUNK_BYTES):
                     yield pb.PullWeightsResponse(name=obj.name, data=chunk)
+
+    @rpc
+    async def SubscribeWeights(
+        self, request: pb.SubscribeWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SubscribeWeightsResponse]:
+        check_name(request.model, "model")
+        if request.backend not in BACKENDS:
+            raise invalid_field("backend", f"backend {request.backend!r:.40} must be one of {', '.join(BACKENDS)}")
+        if self.publisher is None or self.publisher.groups is None:
+            raise UnavailableError("this trainer broadcasts no weights: pull them", reason="WEIGHT_GROUP_UNAVAILABLE")
+        async for message in self.publisher.groups.subscribe(request.model, request.backend):
+            yield message

@@ -774,6 +774,12 @@ class Client:
         request = trainer_pb.PullWeightsRequest(model=model, checkpoint_id=checkpoint_id, host_id=host_id)
         return _stream(self.trainer_stub.PullWeights(request, timeout=self.timeout))
 
+    def subscribe_weights(self, model: str, backend: str = "gloo") -> AsyncIterator[trainer_pb.SubscribeWeightsResponse]:
+        """Membership in the trainer's weight group for ``model``, for as long as the stream is read (see
+        TrainerService.SubscribeWeights; no deadline)."""
+        request = trainer_pb.SubscribeWeightsRequest(model=model, backend=backend)
+        return _stream(self.trainer_stub.SubscribeWeights(request))
+
     async def train_step(
         self,
         runs: Sequence[Run | common_pb.Run | str],

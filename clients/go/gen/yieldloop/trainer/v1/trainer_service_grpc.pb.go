@@ -62,6 +62,18 @@ type TrainerServiceClient interface {
 	// sha256 against the manifest. Returns: OK; NOT_FOUND (CHECKPOINT_NOT_FOUND) when this trainer no longer
 	// holds it (read it from the store: it is durable by then, or was rolled back from).
 	PullWeights(ctx context.Context, in *PullWeightsRequest, opts ...grpc.CallOption) (TrainerService_PullWeightsClient, error)
+	// Keeps the caller (a rollout service) in this trainer's weight group for `model`: the sampler weights of
+	// every checkpoint of `model` this trainer publishes from then on are broadcast to all the group's members at
+	// once over torch.distributed (NCCL when this trainer and every member have CUDA and asked for it, gloo
+	// otherwise), instead of one PullWeights stream per member. The stream first says the caller is in
+	// (`subscribed`); before a checkpoint is committed it names the group to join when members came or went
+	// since the last broadcast (`group`), then announces the checkpoint's sampler objects (`broadcast`), whose
+	// bytes follow over the group in that order. Every member takes part in every broadcast of its group and
+	// checks sizes and sha256 against the announcement; PullWeights stays the way to any checkpoint not
+	// broadcast to it. A broadcast that fails (a member gone, a timeout) ends every member's stream with
+	// UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE): they subscribe again. Returns: INVALID_ARGUMENT (INVALID_FIELD:
+	// model, backend); UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE).
+	SubscribeWeights(ctx context.Context, in *SubscribeWeightsRequest, opts ...grpc.CallOption) (TrainerService_SubscribeWeightsClient, error)
 }
 
 type trainerServiceClient struct {
@@ -233,6 +245,38 @@ func (x *trainerServicePullWeightsClient) Recv() (*PullWeightsResponse, error) {
 	return m, nil
 }
 
+func (c *trainerServiceClient) SubscribeWeights(ctx context.Context, in *SubscribeWeightsRequest, opts ...grpc.CallOption) (TrainerService_SubscribeWeightsClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_TrainerService_serviceDesc.Streams[4], "/yieldloop.trainer.v1.TrainerService/SubscribeWeights", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &trainerServiceSubscribeWeightsClient{stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+type TrainerService_SubscribeWeightsClient interface {
+	Recv() (*SubscribeWeightsResponse, error)
+	grpc.ClientStream
+}
+
+type trainerServiceSubscribeWeightsClient struct {
+	grpc.ClientStream
+}
+
+func (x *trainerServiceSubscribeWeightsClient) Recv() (*SubscribeWeightsResponse, error) {
+	m := new(SubscribeWeightsResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 // TrainerServiceServer is the server API for TrainerService service.
 // All implementations must embed UnimplementedTrainerServiceServer
 // for forward compatibility
@@ -282,6 +326,18 @@ type TrainerServiceServer interface {
 	// sha256 against the manifest. Returns: OK; NOT_FOUND (CHECKPOINT_NOT_FOUND) when this trainer no longer
 	// holds it (read it from the store: it is durable by then, or was rolled back from).
 	PullWeights(*PullWeightsRequest, TrainerService_PullWeightsServer) error
+	// Keeps the caller (a rollout service) in this trainer's weight group for `model`: the sampler weights of
+	// every checkpoint of `model` this trainer publishes from then on are broadcast to all the group's members at
+	// once over torch.distributed (NCCL when this trainer and every member have CUDA and asked for it, gloo
+	// otherwise), instead of one PullWeights stream per member. The stream first says the caller is in
+	// (`subscribed`); before a checkpoint is committed it names the group to join when members came or went
+	// since the last broadcast (`group`), then announces the checkpoint's sampler objects (`broadcast`), whose
+	// bytes follow over the group in that order. Every member takes part in every broadcast of its group and
+	// checks sizes and sha256 against the announcement; PullWeights stays the way to any checkpoint not
+	// broadcast to it. A broadcast that fails (a member gone, a timeout) ends every member's stream with
+	// UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE): they subscribe again. Returns: INVALID_ARGUMENT (INVALID_FIELD:
+	// model, backend); UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE).
+	SubscribeWeights(*SubscribeWeightsRequest, TrainerService_SubscribeWeightsServer) error
 	mustEmbedUnimplementedTrainerServiceServer()
 }
 
@@ -309,6 +365,9 @@ func (UnimplementedTrainerServiceServer) GetTrainerInfo(context.Context, *GetTra
 }
 func (UnimplementedTrainerServiceServer) PullWeights(*PullWeightsRequest, TrainerService_PullWeightsServer) error {
 	return status.Errorf(codes.Unimplemented, "method PullWeights not implemented")
+}
+func (UnimplementedTrainerServiceServer) SubscribeWeights(*SubscribeWeightsRequest, TrainerService_SubscribeWeightsServer) error {
+	return status.Errorf(codes.Unimplemented, "method SubscribeWeights not implemented")
 }
 func (UnimplementedTrainerServiceServer) mustEmbedUnimplementedTrainerServiceServer() {}
 
@@ -476,6 +535,27 @@ func (x *trainerServicePullWeightsServer) Send(m *PullWeightsResponse) error {
 	return x.ServerStream.SendMsg(m)
 }
 
+func _TrainerService_SubscribeWeights_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(SubscribeWeightsRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(TrainerServiceServer).SubscribeWeights(m, &trainerServiceSubscribeWeightsServer{stream})
+}
+
+type TrainerService_SubscribeWeightsServer interface {
+	Send(*SubscribeWeightsResponse) error
+	grpc.ServerStream
+}
+
+type trainerServiceSubscribeWeightsServer struct {
+	grpc.ServerStream
+}
+
+func (x *trainerServiceSubscribeWeightsServer) Send(m *SubscribeWeightsResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
 var _TrainerService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "yieldloop.trainer.v1.TrainerService",
 	HandlerType: (*TrainerServiceServer)(nil),
@@ -512,6 +592,11 @@ var _TrainerService_serviceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "PullWeights",
 			Handler:       _TrainerService_PullWeights_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "SubscribeWeights",
+			Handler:       _TrainerService_SubscribeWeights_Handler,
 			ServerStreams: true,
 		},
 	},

@@ -95,6 +95,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FORWARD_NOT_FOUND: _ClassVar[ErrorReason]
     GATEWAY_UNAVAILABLE: _ClassVar[ErrorReason]
     EPISODE_STREAM_LOST: _ClassVar[ErrorReason]
+    WEIGHT_GROUP_UNAVAILABLE: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -169,6 +170,7 @@ RUN_NOT_OWNED: ErrorReason
 FORWARD_NOT_FOUND: ErrorReason
 GATEWAY_UNAVAILABLE: ErrorReason
 EPISODE_STREAM_LOST: ErrorReason
+WEIGHT_GROUP_UNAVAILABLE: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

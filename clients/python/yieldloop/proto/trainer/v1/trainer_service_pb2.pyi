@@ -7,6 +7,58 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SubscribeWeightsRequest(_message.Message):
+    __slots__ = ("model", "backend")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    backend: str
+    def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class WeightGroup(_message.Message):
+    __slots__ = ("address", "name", "rank", "size", "backend")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    name: str
+    rank: int
+    size: int
+    backend: str
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class WeightBroadcast(_message.Message):
+    __slots__ = ("checkpoint_id", "objects", "chunk_bytes")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    objects: _containers.RepeatedCompositeFieldContainer[WeightObject]
+    chunk_bytes: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[WeightObject, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightObject(_message.Message):
+    __slots__ = ("name", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class SubscribeWeightsResponse(_message.Message):
+    __slots__ = ("subscribed", "group", "broadcast")
+    SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    subscribed: bool
+    group: WeightGroup
+    broadcast: WeightBroadcast
+    def __init__(self, subscribed: _Optional[bool] = ..., group: _Optional[_Union[WeightGroup, _Mapping]] = ..., broadcast: _Optional[_Union[WeightBroadcast, _Mapping]] = ...) -> None: ...
+
 class PullWeightsRequest(_message.Message):
     __slots__ = ("model", "checkpoint_id", "host_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -231,15 +283,17 @@ class GetTrainerInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class GetTrainerInfoResponse(_message.Message):
-    __slots__ = ("model", "step", "checkpoint_id", "num_pending_datums", "device")
+    __slots__ = ("model", "step", "checkpoint_id", "num_pending_datums", "device", "weight_group_members")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_DATUMS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_GROUP_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     step: int
     checkpoint_id: str
     num_pending_datums: int
     device: str
-    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., num_pending_datums: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    weight_group_members: int
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., num_pending_datums: _Optional[int] = ..., device: _Optional[str] = ..., weight_group_members: _Optional[int] = ...) -> None: ...

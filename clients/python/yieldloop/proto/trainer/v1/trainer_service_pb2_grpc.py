@@ -74,6 +74,11 @@ class TrainerServiceStub:
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeWeights = channel.unary_stream(
+                '/yieldloop.trainer.v1.TrainerService/SubscribeWeights',
+                request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.SubscribeWeightsRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.SubscribeWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -164,6 +169,23 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeWeights(self, request, context):
+        """Keeps the caller (a rollout service) in this trainer's weight group for `model`: the sampler weights of
+        every checkpoint of `model` this trainer publishes from then on are broadcast to all the group's members at
+        once over torch.distributed (NCCL when this trainer and every member have CUDA and asked for it, gloo
+        otherwise), instead of one PullWeights stream per member. The stream first says the caller is in
+        (`subscribed`); before a checkpoint is committed it names the group to join when members came or went
+        since the last broadcast (`group`), then announces the checkpoint's sampler objects (`broadcast`), whose
+        bytes follow over the group in that order. Every member takes part in every broadcast of its group and
+        checks sizes and sha256 against the announcement; PullWeights stays the way to any checkpoint not
+        broadcast to it. A broadcast that fails (a member gone, a timeout) ends every member's stream with
+        UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE): they subscribe again. Returns: INVALID_ARGUMENT (INVALID_FIELD:
+        model, backend); UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +223,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.PullWeights,
                     request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsRequest.FromString,
                     response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsResponse.SerializeToString,
+            ),
+            'SubscribeWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeWeights,
+                    request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.SubscribeWeightsRequest.FromString,
+                    response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.SubscribeWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +424,33 @@ class TrainerService:
             '/yieldloop.trainer.v1.TrainerService/PullWeights',
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsRequest.SerializeToString,
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/yieldloop.trainer.v1.TrainerService/SubscribeWeights',
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.SubscribeWeightsRequest.SerializeToString,
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.SubscribeWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

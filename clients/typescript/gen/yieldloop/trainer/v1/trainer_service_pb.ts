@@ -14,7 +14,174 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file yieldloop/trainer/v1/trainer_service.proto.
  */
 export const file_yieldloop_trainer_v1_trainer_service: GenFile = /*@__PURE__*/
-  fileDesc("Cip5aWVsZGxvb3AvdHJhaW5lci92MS90cmFpbmVyX3NlcnZpY2UucHJvdG8SFHlpZWxkbG9vcC50cmFpbmVyLnYxIksKElB1bGxXZWlnaHRzUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIVCg1jaGVja3BvaW50X2lkGAIgASgJEg8KB2hvc3RfaWQYAyABKAkiRwoTUHVsbFdlaWdodHNSZXNwb25zZRIUCgxsb2NhbF9mb2xkZXIYASABKAkSDAoEbmFtZRgCIAEoCRIMCgRkYXRhGAMgASgMItcCChVGb3J3YXJkQmFja3dhcmRDb25maWcSDwoHbG9zc19mbhgBIAEoCRJVCg5sb3NzX2ZuX2NvbmZpZxgCIAMoCzI9LnlpZWxkbG9vcC50cmFpbmVyLnYxLkZvcndhcmRCYWNrd2FyZENvbmZpZy5Mb3NzRm5Db25maWdFbnRyeRIjChtub3JtYWxpemVfYWR2YW50YWdlc19ieV9zdGQYAyABKAgSIgoaZHJvcF9ncm91cHNfd2l0aG91dF9zaWduYWwYBCABKAgSFAoMcmV3YXJkX3NjYWxlGAUgASgBEhIKCmdyb3VwX3NpemUYBiABKAUSHwoXYWxsb3dfaW5jb21wbGV0ZV9ncm91cHMYByABKAgSDQoFbW9kZWwYCCABKAkaMwoRTG9zc0ZuQ29uZmlnRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgBOgI4ASLJAQoWRm9yd2FyZEJhY2t3YXJkUmVxdWVzdBI9CgZjb25maWcYASABKAsyKy55aWVsZGxvb3AudHJhaW5lci52MS5Gb3J3YXJkQmFja3dhcmRDb25maWdIABIrCgVkYXR1bRgCIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW1IABInCgNydW4YAyABKAsyGC55aWVsZGxvb3AuY29tbW9uLnYxLlJ1bkgAEhIKCHRyYWNlX2lkGAQgASgJSABCBgoEaXRlbSKOAgoXRm9yd2FyZEJhY2t3YXJkUmVzcG9uc2USEAoIbG9zc19zdW0YASABKAESEgoKbnVtX2RhdHVtcxgCIAEoAxIZChFudW1fYWN0aW9uX3Rva2VucxgDIAEoAxISCgpudW1fZ3JvdXBzGAQgASgDEiEKGW51bV9ncm91cHNfd2l0aG91dF9zaWduYWwYBSABKAMSSwoHbWV0cmljcxgGIAMoCzI6LnlpZWxkbG9vcC50cmFpbmVyLnYxLkZvcndhcmRCYWNrd2FyZFJlc3BvbnNlLk1ldHJpY3NFbnRyeRouCgxNZXRyaWNzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgBOgI4ASJ9Cg5Gb3J3YXJkUmVxdWVzdBIrCgVkYXR1bRgBIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW1IABInCgNydW4YAiABKAsyGC55aWVsZGxvb3AuY29tbW9uLnYxLlJ1bkgAEg0KBW1vZGVsGAMgASgJQgYKBGl0ZW0iTAoNVG9rZW5Mb2dwcm9icxIQCghsb2dwcm9icxgBIAMoAhIpCgVkYXR1bRgCIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW0iRwoPRm9yd2FyZFJlc3BvbnNlEjQKB3Jlc3VsdHMYASADKAsyIy55aWVsZGxvb3AudHJhaW5lci52MS5Ub2tlbkxvZ3Byb2JzIksKD0JhY2t3YXJkUmVxdWVzdBIpCgVkYXR1bRgBIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW0SDQoFbW9kZWwYAiABKAkiOgoQQmFja3dhcmRSZXNwb25zZRISCgpudW1fZGF0dW1zGAEgASgDEhIKCm51bV90b2tlbnMYAiABKAMiewoKQWRhbVBhcmFtcxIVCg1sZWFybmluZ19yYXRlGAEgASgBEg0KBWJldGExGAIgASgBEg0KBWJldGEyGAMgASgBEgsKA2VwcxgEIAEoARIUCgx3ZWlnaHRfZGVjYXkYBSABKAESFQoNbWF4X2dyYWRfbm9ybRgGIAEoASL5AQoQT3B0aW1TdGVwUmVxdWVzdBIuCgRhZGFtGAEgASgLMiAueWllbGRsb29wLnRyYWluZXIudjEuQWRhbVBhcmFtcxIQCghzZXRfaGVhZBgCIAEoCBIVCg1tZXRhZGF0YV9qc29uGAMgASgJEhcKD3NraXBfY2hlY2twb2ludBgEIAEoCBINCgVtb2RlbBgFIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBiABKAkSIQoZZHJvcF9ncmFkaWVudHNfaWZfcmVmdXNlZBgHIAEoCBISCgpzYXZlX3N0YXRlGAggASgIEhQKDHdhaXRfZHVyYWJsZRgJIAEoCCK8AgoRT3B0aW1TdGVwUmVzcG9uc2USDAoEc3RlcBgBIAEoAxI2CgpjaGVja3BvaW50GAIgASgLMiIueWllbGRsb29wLmNvbW1vbi52MS5DaGVja3BvaW50UmVmEhEKCWdyYWRfbm9ybRgDIAEoARIVCg1oZWFkX3NlcXVlbmNlGAQgASgDEhwKFHBhcmVudF9jaGVja3BvaW50X2lkGAUgASgJEkUKB3RpbWluZ3MYBiADKAsyNC55aWVsZGxvb3AudHJhaW5lci52MS5PcHRpbVN0ZXBSZXNwb25zZS5UaW1pbmdzRW50cnkSDwoHZHVyYWJsZRgHIAEoCBIRCgloYXNfc3RhdGUYCCABKAgaLgoMVGltaW5nc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoAToCOAEiRAoITG9zc0tub2ISDAoEbmFtZRgBIAEoCRIVCg1kZWZhdWx0X3ZhbHVlGAIgASgBEhMKC2Rlc2NyaXB0aW9uGAMgASgJIlwKCExvc3NTcGVjEgwKBG5hbWUYASABKAkSEwoLZGVzY3JpcHRpb24YAiABKAkSLQoFa25vYnMYAyADKAsyHi55aWVsZGxvb3AudHJhaW5lci52MS5Mb3NzS25vYiITChFMaXN0TG9zc2VzUmVxdWVzdCJEChJMaXN0TG9zc2VzUmVzcG9uc2USLgoGbG9zc2VzGAEgAygLMh4ueWllbGRsb29wLnRyYWluZXIudjEuTG9zc1NwZWMiJgoVR2V0VHJhaW5lckluZm9SZXF1ZXN0Eg0KBW1vZGVsGAEgASgJIngKFkdldFRyYWluZXJJbmZvUmVzcG9uc2USDQoFbW9kZWwYASABKAkSDAoEc3RlcBgCIAEoAxIVCg1jaGVja3BvaW50X2lkGAMgASgJEhoKEm51bV9wZW5kaW5nX2RhdHVtcxgEIAEoAxIOCgZkZXZpY2UYBSABKAkyywUKDlRyYWluZXJTZXJ2aWNlEnAKD0ZvcndhcmRCYWNrd2FyZBIsLnlpZWxkbG9vcC50cmFpbmVyLnYxLkZvcndhcmRCYWNrd2FyZFJlcXVlc3QaLS55aWVsZGxvb3AudHJhaW5lci52MS5Gb3J3YXJkQmFja3dhcmRSZXNwb25zZSgBElgKB0ZvcndhcmQSJC55aWVsZGxvb3AudHJhaW5lci52MS5Gb3J3YXJkUmVxdWVzdBolLnlpZWxkbG9vcC50cmFpbmVyLnYxLkZvcndhcmRSZXNwb25zZSgBElsKCEJhY2t3YXJkEiUueWllbGRsb29wLnRyYWluZXIudjEuQmFja3dhcmRSZXF1ZXN0GiYueWllbGRsb29wLnRyYWluZXIudjEuQmFja3dhcmRSZXNwb25zZSgBElwKCU9wdGltU3RlcBImLnlpZWxkbG9vcC50cmFpbmVyLnYxLk9wdGltU3RlcFJlcXVlc3QaJy55aWVsZGxvb3AudHJhaW5lci52MS5PcHRpbVN0ZXBSZXNwb25zZRJfCgpMaXN0TG9zc2VzEicueWllbGRsb29wLnRyYWluZXIudjEuTGlzdExvc3Nlc1JlcXVlc3QaKC55aWVsZGxvb3AudHJhaW5lci52MS5MaXN0TG9zc2VzUmVzcG9uc2USawoOR2V0VHJhaW5lckluZm8SKy55aWVsZGxvb3AudHJhaW5lci52MS5HZXRUcmFpbmVySW5mb1JlcXVlc3QaLC55aWVsZGxvb3AudHJhaW5lci52MS5HZXRUcmFpbmVySW5mb1Jlc3BvbnNlEmQKC1B1bGxXZWlnaHRzEigueWllbGRsb29wLnRyYWluZXIudjEuUHVsbFdlaWdodHNSZXF1ZXN0GikueWllbGRsb29wLnRyYWluZXIudjEuUHVsbFdlaWdodHNSZXNwb25zZTABYgZwcm90bzM", [file_yieldloop_common_v1_common]);
+  fileDesc("Cip5aWVsZGxvb3AvdHJhaW5lci92MS90cmFpbmVyX3NlcnZpY2UucHJvdG8SFHlpZWxkbG9vcC50cmFpbmVyLnYxIjkKF1N1YnNjcmliZVdlaWdodHNSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEg8KB2JhY2tlbmQYAiABKAkiWQoLV2VpZ2h0R3JvdXASDwoHYWRkcmVzcxgBIAEoCRIMCgRuYW1lGAIgASgJEgwKBHJhbmsYAyABKAUSDAoEc2l6ZRgEIAEoBRIPCgdiYWNrZW5kGAUgASgJInIKD1dlaWdodEJyb2FkY2FzdBIVCg1jaGVja3BvaW50X2lkGAEgASgJEjMKB29iamVjdHMYAiADKAsyIi55aWVsZGxvb3AudHJhaW5lci52MS5XZWlnaHRPYmplY3QSEwoLY2h1bmtfYnl0ZXMYAyABKAMiOgoMV2VpZ2h0T2JqZWN0EgwKBG5hbWUYASABKAkSDAoEc2l6ZRgCIAEoAxIOCgZzaGEyNTYYAyABKAkiqQEKGFN1YnNjcmliZVdlaWdodHNSZXNwb25zZRIUCgpzdWJzY3JpYmVkGAEgASgISAASMgoFZ3JvdXAYAiABKAsyIS55aWVsZGxvb3AudHJhaW5lci52MS5XZWlnaHRHcm91cEgAEjoKCWJyb2FkY2FzdBgDIAEoCzIlLnlpZWxkbG9vcC50cmFpbmVyLnYxLldlaWdodEJyb2FkY2FzdEgAQgcKBWV2ZW50IksKElB1bGxXZWlnaHRzUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIVCg1jaGVja3BvaW50X2lkGAIgASgJEg8KB2hvc3RfaWQYAyABKAkiRwoTUHVsbFdlaWdodHNSZXNwb25zZRIUCgxsb2NhbF9mb2xkZXIYASABKAkSDAoEbmFtZRgCIAEoCRIMCgRkYXRhGAMgASgMItcCChVGb3J3YXJkQmFja3dhcmRDb25maWcSDwoHbG9zc19mbhgBIAEoCRJVCg5sb3NzX2ZuX2NvbmZpZxgCIAMoCzI9LnlpZWxkbG9vcC50cmFpbmVyLnYxLkZvcndhcmRCYWNrd2FyZENvbmZpZy5Mb3NzRm5Db25maWdFbnRyeRIjChtub3JtYWxpemVfYWR2YW50YWdlc19ieV9zdGQYAyABKAgSIgoaZHJvcF9ncm91cHNfd2l0aG91dF9zaWduYWwYBCABKAgSFAoMcmV3YXJkX3NjYWxlGAUgASgBEhIKCmdyb3VwX3NpemUYBiABKAUSHwoXYWxsb3dfaW5jb21wbGV0ZV9ncm91cHMYByABKAgSDQoFbW9kZWwYCCABKAkaMwoRTG9zc0ZuQ29uZmlnRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgBOgI4ASLJAQoWRm9yd2FyZEJhY2t3YXJkUmVxdWVzdBI9CgZjb25maWcYASABKAsyKy55aWVsZGxvb3AudHJhaW5lci52MS5Gb3J3YXJkQmFja3dhcmRDb25maWdIABIrCgVkYXR1bRgCIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW1IABInCgNydW4YAyABKAsyGC55aWVsZGxvb3AuY29tbW9uLnYxLlJ1bkgAEhIKCHRyYWNlX2lkGAQgASgJSABCBgoEaXRlbSKOAgoXRm9yd2FyZEJhY2t3YXJkUmVzcG9uc2USEAoIbG9zc19zdW0YASABKAESEgoKbnVtX2RhdHVtcxgCIAEoAxIZChFudW1fYWN0aW9uX3Rva2VucxgDIAEoAxISCgpudW1fZ3JvdXBzGAQgASgDEiEKGW51bV9ncm91cHNfd2l0aG91dF9zaWduYWwYBSABKAMSSwoHbWV0cmljcxgGIAMoCzI6LnlpZWxkbG9vcC50cmFpbmVyLnYxLkZvcndhcmRCYWNrd2FyZFJlc3BvbnNlLk1ldHJpY3NFbnRyeRouCgxNZXRyaWNzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgBOgI4ASJ9Cg5Gb3J3YXJkUmVxdWVzdBIrCgVkYXR1bRgBIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW1IABInCgNydW4YAiABKAsyGC55aWVsZGxvb3AuY29tbW9uLnYxLlJ1bkgAEg0KBW1vZGVsGAMgASgJQgYKBGl0ZW0iTAoNVG9rZW5Mb2dwcm9icxIQCghsb2dwcm9icxgBIAMoAhIpCgVkYXR1bRgCIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW0iRwoPRm9yd2FyZFJlc3BvbnNlEjQKB3Jlc3VsdHMYASADKAsyIy55aWVsZGxvb3AudHJhaW5lci52MS5Ub2tlbkxvZ3Byb2JzIksKD0JhY2t3YXJkUmVxdWVzdBIpCgVkYXR1bRgBIAEoCzIaLnlpZWxkbG9vcC5jb21tb24udjEuRGF0dW0SDQoFbW9kZWwYAiABKAkiOgoQQmFja3dhcmRSZXNwb25zZRISCgpudW1fZGF0dW1zGAEgASgDEhIKCm51bV90b2tlbnMYAiABKAMiewoKQWRhbVBhcmFtcxIVCg1sZWFybmluZ19yYXRlGAEgASgBEg0KBWJldGExGAIgASgBEg0KBWJldGEyGAMgASgBEgsKA2VwcxgEIAEoARIUCgx3ZWlnaHRfZGVjYXkYBSABKAESFQoNbWF4X2dyYWRfbm9ybRgGIAEoASL5AQoQT3B0aW1TdGVwUmVxdWVzdBIuCgRhZGFtGAEgASgLMiAueWllbGRsb29wLnRyYWluZXIudjEuQWRhbVBhcmFtcxIQCghzZXRfaGVhZBgCIAEoCBIVCg1tZXRhZGF0YV9qc29uGAMgASgJEhcKD3NraXBfY2hlY2twb2ludBgEIAEoCBINCgVtb2RlbBgFIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBiABKAkSIQoZZHJvcF9ncmFkaWVudHNfaWZfcmVmdXNlZBgHIAEoCBISCgpzYXZlX3N0YXRlGAggASgIEhQKDHdhaXRfZHVyYWJsZRgJIAEoCCK8AgoRT3B0aW1TdGVwUmVzcG9uc2USDAoEc3RlcBgBIAEoAxI2CgpjaGVja3BvaW50GAIgASgLMiIueWllbGRsb29wLmNvbW1vbi52MS5DaGVja3BvaW50UmVmEhEKCWdyYWRfbm9ybRgDIAEoARIVCg1oZWFkX3NlcXVlbmNlGAQgASgDEhwKFHBhcmVudF9jaGVja3BvaW50X2lkGAUgASgJEkUKB3RpbWluZ3MYBiADKAsyNC55aWVsZGxvb3AudHJhaW5lci52MS5PcHRpbVN0ZXBSZXNwb25zZS5UaW1pbmdzRW50cnkSDwoHZHVyYWJsZRgHIAEoCBIRCgloYXNfc3RhdGUYCCABKAgaLgoMVGltaW5nc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoAToCOAEiRAoITG9zc0tub2ISDAoEbmFtZRgBIAEoCRIVCg1kZWZhdWx0X3ZhbHVlGAIgASgBEhMKC2Rlc2NyaXB0aW9uGAMgASgJIlwKCExvc3NTcGVjEgwKBG5hbWUYASABKAkSEwoLZGVzY3JpcHRpb24YAiABKAkSLQoFa25vYnMYAyADKAsyHi55aWVsZGxvb3AudHJhaW5lci52MS5Mb3NzS25vYiITChFMaXN0TG9zc2VzUmVxdWVzdCJEChJMaXN0TG9zc2VzUmVzcG9uc2USLgoGbG9zc2VzGAEgAygLMh4ueWllbGRsb29wLnRyYWluZXIudjEuTG9zc1NwZWMiJgoVR2V0VHJhaW5lckluZm9SZXF1ZXN0Eg0KBW1vZGVsGAEgASgJIpYBChZHZXRUcmFpbmVySW5mb1Jlc3BvbnNlEg0KBW1vZGVsGAEgASgJEgwKBHN0ZXAYAiABKAMSFQoNY2hlY2twb2ludF9pZBgDIAEoCRIaChJudW1fcGVuZGluZ19kYXR1bXMYBCABKAMSDgoGZGV2aWNlGAUgASgJEhwKFHdlaWdodF9ncm91cF9tZW1iZXJzGAYgASgFMsAGCg5UcmFpbmVyU2VydmljZRJwCg9Gb3J3YXJkQmFja3dhcmQSLC55aWVsZGxvb3AudHJhaW5lci52MS5Gb3J3YXJkQmFja3dhcmRSZXF1ZXN0Gi0ueWllbGRsb29wLnRyYWluZXIudjEuRm9yd2FyZEJhY2t3YXJkUmVzcG9uc2UoARJYCgdGb3J3YXJkEiQueWllbGRsb29wLnRyYWluZXIudjEuRm9yd2FyZFJlcXVlc3QaJS55aWVsZGxvb3AudHJhaW5lci52MS5Gb3J3YXJkUmVzcG9uc2UoARJbCghCYWNrd2FyZBIlLnlpZWxkbG9vcC50cmFpbmVyLnYxLkJhY2t3YXJkUmVxdWVzdBomLnlpZWxkbG9vcC50cmFpbmVyLnYxLkJhY2t3YXJkUmVzcG9uc2UoARJcCglPcHRpbVN0ZXASJi55aWVsZGxvb3AudHJhaW5lci52MS5PcHRpbVN0ZXBSZXF1ZXN0GicueWllbGRsb29wLnRyYWluZXIudjEuT3B0aW1TdGVwUmVzcG9uc2USXwoKTGlzdExvc3NlcxInLnlpZWxkbG9vcC50cmFpbmVyLnYxLkxpc3RMb3NzZXNSZXF1ZXN0GigueWllbGRsb29wLnRyYWluZXIudjEuTGlzdExvc3Nlc1Jlc3BvbnNlEmsKDkdldFRyYWluZXJJbmZvEisueWllbGRsb29wLnRyYWluZXIudjEuR2V0VHJhaW5lckluZm9SZXF1ZXN0GiwueWllbGRsb29wLnRyYWluZXIudjEuR2V0VHJhaW5lckluZm9SZXNwb25zZRJkCgtQdWxsV2VpZ2h0cxIoLnlpZWxkbG9vcC50cmFpbmVyLnYxLlB1bGxXZWlnaHRzUmVxdWVzdBopLnlpZWxkbG9vcC50cmFpbmVyLnYxLlB1bGxXZWlnaHRzUmVzcG9uc2UwARJzChBTdWJzY3JpYmVXZWlnaHRzEi0ueWllbGRsb29wLnRyYWluZXIudjEuU3Vic2NyaWJlV2VpZ2h0c1JlcXVlc3QaLi55aWVsZGxvb3AudHJhaW5lci52MS5TdWJzY3JpYmVXZWlnaHRzUmVzcG9uc2UwAWIGcHJvdG8z", [file_yieldloop_common_v1_common]);
+
+/**
+ * @generated from message yieldloop.trainer.v1.SubscribeWeightsRequest
+ */
+export type SubscribeWeightsRequest = Message<"yieldloop.trainer.v1.SubscribeWeightsRequest"> & {
+  /**
+   * The model slug whose checkpoints the caller follows.
+   *
+   * @generated from field: string model = 1;
+   */
+  model: string;
+
+  /**
+   * "gloo", or "nccl" when the caller has a CUDA device (the group is NCCL only when every member asked so).
+   *
+   * @generated from field: string backend = 2;
+   */
+  backend: string;
+};
+
+/**
+ * Describes the message yieldloop.trainer.v1.SubscribeWeightsRequest.
+ * Use `create(SubscribeWeightsRequestSchema)` to create a new message.
+ */
+export const SubscribeWeightsRequestSchema: GenMessage<SubscribeWeightsRequest> = /*@__PURE__*/
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 0);
+
+/**
+ * @generated from message yieldloop.trainer.v1.WeightGroup
+ */
+export type WeightGroup = Message<"yieldloop.trainer.v1.WeightGroup"> & {
+  /**
+   * host:port of the group's rendezvous store (a torch.distributed TCPStore on the trainer).
+   *
+   * @generated from field: string address = 1;
+   */
+  address: string;
+
+  /**
+   * This group's key prefix in that store (each generation of members has its own).
+   *
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * The caller's rank (the trainer is rank 0) and the group's size.
+   *
+   * @generated from field: int32 rank = 3;
+   */
+  rank: number;
+
+  /**
+   * @generated from field: int32 size = 4;
+   */
+  size: number;
+
+  /**
+   * "gloo" or "nccl".
+   *
+   * @generated from field: string backend = 5;
+   */
+  backend: string;
+};
+
+/**
+ * Describes the message yieldloop.trainer.v1.WeightGroup.
+ * Use `create(WeightGroupSchema)` to create a new message.
+ */
+export const WeightGroupSchema: GenMessage<WeightGroup> = /*@__PURE__*/
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 1);
+
+/**
+ * @generated from message yieldloop.trainer.v1.WeightBroadcast
+ */
+export type WeightBroadcast = Message<"yieldloop.trainer.v1.WeightBroadcast"> & {
+  /**
+   * @generated from field: string checkpoint_id = 1;
+   */
+  checkpointId: string;
+
+  /**
+   * The sampler objects, in the order their bytes follow over the group (each in pieces of at most
+   * `chunk_bytes`): sizes and sha256 as the checkpoint's manifest will have them.
+   *
+   * @generated from field: repeated yieldloop.trainer.v1.WeightObject objects = 2;
+   */
+  objects: WeightObject[];
+
+  /**
+   * @generated from field: int64 chunk_bytes = 3;
+   */
+  chunkBytes: bigint;
+};
+
+/**
+ * Describes the message yieldloop.trainer.v1.WeightBroadcast.
+ * Use `create(WeightBroadcastSchema)` to create a new message.
+ */
+export const WeightBroadcastSchema: GenMessage<WeightBroadcast> = /*@__PURE__*/
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 2);
+
+/**
+ * @generated from message yieldloop.trainer.v1.WeightObject
+ */
+export type WeightObject = Message<"yieldloop.trainer.v1.WeightObject"> & {
+  /**
+   * Relative to the checkpoint folder (e.g. "model.safetensors").
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * @generated from field: int64 size = 2;
+   */
+  size: bigint;
+
+  /**
+   * @generated from field: string sha256 = 3;
+   */
+  sha256: string;
+};
+
+/**
+ * Describes the message yieldloop.trainer.v1.WeightObject.
+ * Use `create(WeightObjectSchema)` to create a new message.
+ */
+export const WeightObjectSchema: GenMessage<WeightObject> = /*@__PURE__*/
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 3);
+
+/**
+ * @generated from message yieldloop.trainer.v1.SubscribeWeightsResponse
+ */
+export type SubscribeWeightsResponse = Message<"yieldloop.trainer.v1.SubscribeWeightsResponse"> & {
+  /**
+   * @generated from oneof yieldloop.trainer.v1.SubscribeWeightsResponse.event
+   */
+  event: {
+    /**
+     * The first message: the caller is a member from now on (checkpoints published later reach it).
+     *
+     * @generated from field: bool subscribed = 1;
+     */
+    value: boolean;
+    case: "subscribed";
+  } | {
+    /**
+     * @generated from field: yieldloop.trainer.v1.WeightGroup group = 2;
+     */
+    value: WeightGroup;
+    case: "group";
+  } | {
+    /**
+     * @generated from field: yieldloop.trainer.v1.WeightBroadcast broadcast = 3;
+     */
+    value: WeightBroadcast;
+    case: "broadcast";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message yieldloop.trainer.v1.SubscribeWeightsResponse.
+ * Use `create(SubscribeWeightsResponseSchema)` to create a new message.
+ */
+export const SubscribeWeightsResponseSchema: GenMessage<SubscribeWeightsResponse> = /*@__PURE__*/
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 4);
 
 /**
  * @generated from message yieldloop.trainer.v1.PullWeightsRequest
@@ -43,7 +210,7 @@ export type PullWeightsRequest = Message<"yieldloop.trainer.v1.PullWeightsReques
  * Use `create(PullWeightsRequestSchema)` to create a new message.
  */
 export const PullWeightsRequestSchema: GenMessage<PullWeightsRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 0);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 5);
 
 /**
  * @generated from message yieldloop.trainer.v1.PullWeightsResponse
@@ -74,7 +241,7 @@ export type PullWeightsResponse = Message<"yieldloop.trainer.v1.PullWeightsRespo
  * Use `create(PullWeightsResponseSchema)` to create a new message.
  */
 export const PullWeightsResponseSchema: GenMessage<PullWeightsResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 1);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 6);
 
 /**
  * @generated from message yieldloop.trainer.v1.ForwardBackwardConfig
@@ -142,7 +309,7 @@ export type ForwardBackwardConfig = Message<"yieldloop.trainer.v1.ForwardBackwar
  * Use `create(ForwardBackwardConfigSchema)` to create a new message.
  */
 export const ForwardBackwardConfigSchema: GenMessage<ForwardBackwardConfig> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 2);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 7);
 
 /**
  * @generated from message yieldloop.trainer.v1.ForwardBackwardRequest
@@ -183,7 +350,7 @@ export type ForwardBackwardRequest = Message<"yieldloop.trainer.v1.ForwardBackwa
  * Use `create(ForwardBackwardRequestSchema)` to create a new message.
  */
 export const ForwardBackwardRequestSchema: GenMessage<ForwardBackwardRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 3);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 8);
 
 /**
  * @generated from message yieldloop.trainer.v1.ForwardBackwardResponse
@@ -231,7 +398,7 @@ export type ForwardBackwardResponse = Message<"yieldloop.trainer.v1.ForwardBackw
  * Use `create(ForwardBackwardResponseSchema)` to create a new message.
  */
 export const ForwardBackwardResponseSchema: GenMessage<ForwardBackwardResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 4);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 9);
 
 /**
  * @generated from message yieldloop.trainer.v1.ForwardRequest
@@ -271,7 +438,7 @@ export type ForwardRequest = Message<"yieldloop.trainer.v1.ForwardRequest"> & {
  * Use `create(ForwardRequestSchema)` to create a new message.
  */
 export const ForwardRequestSchema: GenMessage<ForwardRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 5);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 10);
 
 /**
  * @generated from message yieldloop.trainer.v1.TokenLogprobs
@@ -298,7 +465,7 @@ export type TokenLogprobs = Message<"yieldloop.trainer.v1.TokenLogprobs"> & {
  * Use `create(TokenLogprobsSchema)` to create a new message.
  */
 export const TokenLogprobsSchema: GenMessage<TokenLogprobs> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 6);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 11);
 
 /**
  * @generated from message yieldloop.trainer.v1.ForwardResponse
@@ -317,7 +484,7 @@ export type ForwardResponse = Message<"yieldloop.trainer.v1.ForwardResponse"> & 
  * Use `create(ForwardResponseSchema)` to create a new message.
  */
 export const ForwardResponseSchema: GenMessage<ForwardResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 7);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 12);
 
 /**
  * @generated from message yieldloop.trainer.v1.BackwardRequest
@@ -344,7 +511,7 @@ export type BackwardRequest = Message<"yieldloop.trainer.v1.BackwardRequest"> & 
  * Use `create(BackwardRequestSchema)` to create a new message.
  */
 export const BackwardRequestSchema: GenMessage<BackwardRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 8);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 13);
 
 /**
  * @generated from message yieldloop.trainer.v1.BackwardResponse
@@ -368,7 +535,7 @@ export type BackwardResponse = Message<"yieldloop.trainer.v1.BackwardResponse"> 
  * Use `create(BackwardResponseSchema)` to create a new message.
  */
 export const BackwardResponseSchema: GenMessage<BackwardResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 9);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 14);
 
 /**
  * @generated from message yieldloop.trainer.v1.AdamParams
@@ -420,7 +587,7 @@ export type AdamParams = Message<"yieldloop.trainer.v1.AdamParams"> & {
  * Use `create(AdamParamsSchema)` to create a new message.
  */
 export const AdamParamsSchema: GenMessage<AdamParams> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 10);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 15);
 
 /**
  * @generated from message yieldloop.trainer.v1.OptimStepRequest
@@ -497,7 +664,7 @@ export type OptimStepRequest = Message<"yieldloop.trainer.v1.OptimStepRequest"> 
  * Use `create(OptimStepRequestSchema)` to create a new message.
  */
 export const OptimStepRequestSchema: GenMessage<OptimStepRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 11);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 16);
 
 /**
  * @generated from message yieldloop.trainer.v1.OptimStepResponse
@@ -563,7 +730,7 @@ export type OptimStepResponse = Message<"yieldloop.trainer.v1.OptimStepResponse"
  * Use `create(OptimStepResponseSchema)` to create a new message.
  */
 export const OptimStepResponseSchema: GenMessage<OptimStepResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 12);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 17);
 
 /**
  * @generated from message yieldloop.trainer.v1.LossKnob
@@ -590,7 +757,7 @@ export type LossKnob = Message<"yieldloop.trainer.v1.LossKnob"> & {
  * Use `create(LossKnobSchema)` to create a new message.
  */
 export const LossKnobSchema: GenMessage<LossKnob> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 13);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 18);
 
 /**
  * @generated from message yieldloop.trainer.v1.LossSpec
@@ -617,7 +784,7 @@ export type LossSpec = Message<"yieldloop.trainer.v1.LossSpec"> & {
  * Use `create(LossSpecSchema)` to create a new message.
  */
 export const LossSpecSchema: GenMessage<LossSpec> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 14);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 19);
 
 /**
  * @generated from message yieldloop.trainer.v1.ListLossesRequest
@@ -630,7 +797,7 @@ export type ListLossesRequest = Message<"yieldloop.trainer.v1.ListLossesRequest"
  * Use `create(ListLossesRequestSchema)` to create a new message.
  */
 export const ListLossesRequestSchema: GenMessage<ListLossesRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 15);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 20);
 
 /**
  * @generated from message yieldloop.trainer.v1.ListLossesResponse
@@ -647,7 +814,7 @@ export type ListLossesResponse = Message<"yieldloop.trainer.v1.ListLossesRespons
  * Use `create(ListLossesResponseSchema)` to create a new message.
  */
 export const ListLossesResponseSchema: GenMessage<ListLossesResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 16);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 21);
 
 /**
  * @generated from message yieldloop.trainer.v1.GetTrainerInfoRequest
@@ -667,7 +834,7 @@ export type GetTrainerInfoRequest = Message<"yieldloop.trainer.v1.GetTrainerInfo
  * Use `create(GetTrainerInfoRequestSchema)` to create a new message.
  */
 export const GetTrainerInfoRequestSchema: GenMessage<GetTrainerInfoRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 17);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 22);
 
 /**
  * @generated from message yieldloop.trainer.v1.GetTrainerInfoResponse
@@ -699,6 +866,13 @@ export type GetTrainerInfoResponse = Message<"yieldloop.trainer.v1.GetTrainerInf
    * @generated from field: string device = 5;
    */
   device: string;
+
+  /**
+   * Rollout services in the model's weight group (SubscribeWeights): each step's weights reach them by broadcast.
+   *
+   * @generated from field: int32 weight_group_members = 6;
+   */
+  weightGroupMembers: number;
 };
 
 /**
@@ -706,7 +880,7 @@ export type GetTrainerInfoResponse = Message<"yieldloop.trainer.v1.GetTrainerInf
  * Use `create(GetTrainerInfoResponseSchema)` to create a new message.
  */
 export const GetTrainerInfoResponseSchema: GenMessage<GetTrainerInfoResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_trainer_v1_trainer_service, 18);
+  messageDesc(file_yieldloop_trainer_v1_trainer_service, 23);
 
 /**
  * Trains model slugs, one session per slug (loaded on first use from the slug's head; the least recently
@@ -818,6 +992,26 @@ export const TrainerService: GenService<{
     methodKind: "server_streaming";
     input: typeof PullWeightsRequestSchema;
     output: typeof PullWeightsResponseSchema;
+  },
+  /**
+   * Keeps the caller (a rollout service) in this trainer's weight group for `model`: the sampler weights of
+   * every checkpoint of `model` this trainer publishes from then on are broadcast to all the group's members at
+   * once over torch.distributed (NCCL when this trainer and every member have CUDA and asked for it, gloo
+   * otherwise), instead of one PullWeights stream per member. The stream first says the caller is in
+   * (`subscribed`); before a checkpoint is committed it names the group to join when members came or went
+   * since the last broadcast (`group`), then announces the checkpoint's sampler objects (`broadcast`), whose
+   * bytes follow over the group in that order. Every member takes part in every broadcast of its group and
+   * checks sizes and sha256 against the announcement; PullWeights stays the way to any checkpoint not
+   * broadcast to it. A broadcast that fails (a member gone, a timeout) ends every member's stream with
+   * UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE): they subscribe again. Returns: INVALID_ARGUMENT (INVALID_FIELD:
+   * model, backend); UNAVAILABLE (WEIGHT_GROUP_UNAVAILABLE).
+   *
+   * @generated from rpc yieldloop.trainer.v1.TrainerService.SubscribeWeights
+   */
+  subscribeWeights: {
+    methodKind: "server_streaming";
+    input: typeof SubscribeWeightsRequestSchema;
+    output: typeof SubscribeWeightsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_yieldloop_trainer_v1_trainer_service, 0);

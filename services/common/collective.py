@@ -1,0 +1,97 @@
+"""Process groups of their own for moving weights: a trainer (rank 0) and the rollout services of a weight group.
+
+These groups are not torch.distributed's global one (a trainer's own data-parallel ranks, an engine's tensor
+parallel workers are untouched): each is built directly on a prefix of a TCPStore the trainer owns, so one
+process can hold several, one per generation of members, and close them. gloo moves bytes between CPU
+buffers; NCCL between CUDA ones (each side copies its pieces to and from its current device).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+from yieldloop.types import ObjectInfo
+
+BACKENDS = ("gloo", "nccl")
+
+GROUP_TIMEOUT_S = 30.0
+"""How long joining a group (every rank must) or one piece of a broadcast may take before the group is given up."""
+
+
+def open_store(host: str, port: int, timeout_s: float, master: bool = False) -> Any:
+    """A TCPStore: the trainer's (``master``: listening, ``port`` 0 picks a free one), or a client of it."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if master:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def make_group(store: Any, name: str, rank: int, size: int, backend: str, timeout_s: float) -> Any:
+    """Joins the group ``name`` (a key prefix of ``store``) as ``rank`` of ``size``; blocks until every rank has
+    (at most ``timeout_s``: then raises)."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(name, store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        import torch
+
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        probe = torch.zeros(1, device="cuda")  # NCCL connects at the first collective: do it now, within the timeout
+        group.allreduce([probe]).wait()
+        torch.cuda.synchronize()
+        return group
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+def close_group(group: Any) -> None:
+    """Releases a group's connections (a member gone or a failed broadcast leaves nothing behind)."""
+    if group is None:
+        return
+    try:
+        group.shutdown()
+    except Exception:  # noqa: BLE001  (closing what already failed)
+        pass
+
+
+def broadcast_files(
+    group: Any, backend: str, objects: Sequence[ObjectInfo], chunk_bytes: int,
+    source: pathlib.Path | None = None, target: pathlib.Path | None = None,
+) -> None:
+    """Rank 0 (``source``: the folder holding the objects) sends every object's bytes to the group, in pieces of
+    at most ``chunk_bytes``; every other rank (``target``) writes them under that folder. Both sides walk the same
+    list, so the pieces line up without any other message."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    folder = source if source is not None else target
+    assert folder is not None
+    for obj in objects:
+        path = folder / obj.name
+        with path.open("rb" if source is not None else "wb") as file:
+            left = obj.size
+            while left > 0:
+                size = min(left, chunk_bytes)
+                if source is not None:
+                    data = bytearray(file.read(size))
+                    if len(data) != size:
+                        raise OSError(f"{path} is shorter than its manifest says ({obj.size} bytes)")
+                    buffer = torch.frombuffer(data, dtype=torch.uint8).to(device)
+                else:
+                    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                group.broadcast([buffer], options).wait()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                if target is not None:
+                    file.write(memoryview(buffer.cpu().numpy()))
+                left -= size

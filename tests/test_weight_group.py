@@ -1,0 +1,149 @@
+"""Weights to the fleet by broadcast: rollout services in a trainer's weight group get each step once, over gloo.
+
+A rollout service with ``--rollout-weights-from group`` subscribes to the trainer of the first pending checkpoint
+it pulls (SubscribeWeights); from then on every checkpoint the trainer publishes is announced to the whole group
+before it is committed and broadcast over a torch.distributed group of its own (gloo here; NCCL where every side
+has CUDA), verified against the trainer's sha256 by every member. Members that come or go make the next
+broadcast form a new group; a broadcast that fails ends the members' streams, they pull meanwhile and subscribe
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import pathlib
+
+import pytest
+import pytest_asyncio
+
+from yieldloop import errors
+from yieldloop.client import Client, sampling_params
+from yieldloop.transport import TransportConfig
+from yieldloop_server.common import collective
+from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig
+from yieldloop_server.rollout.weights import WeightSubscription
+from yieldloop_server.stack import InProcessStack
+
+from test_training_safety import good_batch
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+class CountPulls:
+    """Counts PullWeights calls (a checkpoint that came by broadcast is never pulled)."""
+
+    def __init__(self) -> None:
+        self.pulls = 0
+
+    @contextlib.asynccontextmanager
+    async def intercept(self, call):
+        if call.method.endswith("/PullWeights"):
+            self.pulls += 1
+        yield
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def grouped(tmp_path_factory):
+    counter = CountPulls()
+    data_dir = tmp_path_factory.mktemp("group")
+    config = StackConfig(data_dir=data_dir, env=EnvOptions(workers=0), rollout=RolloutOptions(weights_from="group"),
+                         transport=TransportConfig(server_interceptors=(counter,)))
+    stack = InProcessStack(config)
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
+            await client.fork_model("tiny", "grp")
+            await client.generate([1, 2], sampling=sampling_params(max_tokens=1), model="grp")  # served from now on
+            yield client, counter, data_dir
+    finally:
+        await stack.stop()
+
+
+async def step(client: Client, seed: int) -> str:
+    """One training step of "grp"; returns its checkpoint id once the rollout service serves it."""
+    await client.forward_backward(datums=good_batch(seed), model="grp")
+    checkpoint_id = (await client.optim_step(1e-2, model="grp")).checkpoint.checkpoint_id
+    info = await client.get_serving_info(wait_for_checkpoint_id=checkpoint_id, model="grp")
+    assert info.weight_version == checkpoint_id and not info.last_reload_error
+    completion = await client.generate([1, 2, 3], sampling=sampling_params(max_tokens=2), model="grp")
+    assert completion.weight_version == checkpoint_id
+    return checkpoint_id
+
+
+async def members(client: Client, count: int) -> None:
+    for _ in range(400):
+        if (await client.get_trainer_info("grp")).weight_group_members == count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the weight group never had {count} members")
+
+
+async def same_as_manifest(client: Client, folder: pathlib.Path, checkpoint_id: str) -> None:
+    manifest = await client.get_checkpoint("grp", checkpoint_id)
+    for obj in manifest.sampler_objects:
+        assert hashlib.sha256((folder / obj.name).read_bytes()).hexdigest() == obj.sha256, obj.name
+    assert not any(p.name.startswith(".bc-") for p in folder.parent.iterdir())  # no staging left behind
+
+
+async def test_a_step_reaches_every_member_by_one_broadcast(grouped, tmp_path) -> None:
+    client, counter, data_dir = grouped
+    # A second member beside the stack's rollout service: another rollout service's subscription, its own cache.
+    other = WeightSubscription(client, "grp", tmp_path / "other")
+    try:
+        first = await step(client, 1)  # pulled: the rollout service was no member when it was published
+        assert counter.pulls == 1
+        await members(client, 2)
+        pulls = counter.pulls
+        for seed in (2, 3):
+            checkpoint_id = await step(client, seed)
+            assert counter.pulls == pulls  # came by broadcast, to both members
+            await same_as_manifest(client, data_dir / "work" / "rollout" / "grp" / checkpoint_id, checkpoint_id)
+            assert await other.arrival(checkpoint_id) == tmp_path / "other" / checkpoint_id
+            await same_as_manifest(client, tmp_path / "other" / checkpoint_id, checkpoint_id)
+        # It was a member before the first step (then alone in the group): it got all three.
+        assert other.received == 3 and (tmp_path / "other" / first).is_dir()
+        # A member leaves: the next step forms a group without it.
+        await other.close()
+        await members(client, 1)
+        checkpoint_id = await step(client, 4)
+        assert counter.pulls == pulls and not (tmp_path / "other" / checkpoint_id).exists()
+    finally:
+        await other.close()
+
+
+async def test_a_member_that_never_joins_fails_the_broadcast_not_the_step(grouped, monkeypatch) -> None:
+    client, counter, _ = grouped
+    await members(client, 1)
+    monkeypatch.setattr(collective, "GROUP_TIMEOUT_S", 2.0)
+    seen: list = []
+
+    async def stalled() -> None:  # subscribes, reads, never joins a group
+        async for message in client.subscribe_weights("grp"):
+            seen.append(message.WhichOneof("event"))
+
+    task = asyncio.create_task(stalled())
+    try:
+        await members(client, 2)
+        pulls = counter.pulls
+        await step(client, 5)  # the group is never complete: the broadcast fails, the rollout service pulls it
+        assert counter.pulls == pulls + 1
+        with pytest.raises(errors.UnavailableError) as err:
+            await asyncio.wait_for(task, 30)
+        assert err.value.reason == "WEIGHT_GROUP_UNAVAILABLE" and seen[:3] == ["subscribed", "group", "broadcast"]
+        # The rollout service subscribed again: the next step comes by broadcast.
+        await members(client, 1)
+        await step(client, 6)
+        assert counter.pulls == pulls + 1
+    finally:
+        task.cancel()
+
+
+async def test_subscribe_weights_bad_input(grouped) -> None:
+    client, _, _ = grouped
+    for model, backend, field in (("grp", "mpi", "backend"), ("../x", "gloo", "model"), ("grp", "", "backend")):
+        with pytest.raises(errors.InvalidArgumentError) as err:
+            async for _ in client.subscribe_weights(model, backend):
+                pass
+        assert err.value.field == field
