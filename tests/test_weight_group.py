@@ -84,7 +84,7 @@ async def same_as_manifest(client: Client, folder: pathlib.Path, checkpoint_id: 
     manifest = await client.get_checkpoint("grp", checkpoint_id)
     for obj in manifest.sampler_objects:
         assert hashlib.sha256((folder / obj.name).read_bytes()).hexdigest() == obj.sha256, obj.name
-    assert not any(p.name.startswith(".bc-") for p in folder.parent.iterdir())  # no staging left behind
+    assert not any(p.name.startswith(".dl-") for p in folder.parent.iterdir())  # no staging left behind
 
 
 async def test_a_step_reaches_every_member_by_one_broadcast(grouped, tmp_path) -> None:
@@ -138,6 +138,30 @@ async def test_a_member_that_never_joins_fails_the_broadcast_not_the_step(groupe
         assert counter.pulls == pulls + 1
     finally:
         task.cancel()
+
+
+async def test_bytes_damaged_in_flight_are_refused_and_that_checkpoint_pulled(grouped, monkeypatch) -> None:
+    from yieldloop_server.rollout import weights
+
+    client, counter, _ = grouped
+    await members(client, 1)
+    received = weights.broadcast_files
+
+    def damaged(group, backend, objects, chunk_bytes, source=None, target=None) -> None:
+        received(group, backend, objects, chunk_bytes, source=source, target=target)
+        path = target / "model.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(weights, "broadcast_files", damaged)
+    pulls = counter.pulls
+    await step(client, 7)  # the broadcast copy fails its sha256: pulled instead, still in the group
+    assert counter.pulls == pulls + 1
+    monkeypatch.setattr(weights, "broadcast_files", received)
+    await members(client, 1)
+    await step(client, 8)
+    assert counter.pulls == pulls + 1
 
 
 async def test_subscribe_weights_bad_input(grouped) -> None:

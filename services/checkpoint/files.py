@@ -91,12 +91,17 @@ def download_verified(
 @contextlib.contextmanager
 def staged(folder: pathlib.Path) -> Iterator[pathlib.Path]:
     """A temporary sibling of ``folder`` to fill, renamed to ``folder`` when the block succeeds (removed when it
-    fails): ``folder`` is either complete or absent."""
+    fails): ``folder`` is either complete or absent. When another writer completed ``folder`` meanwhile (the same
+    verified checkpoint, pulled and broadcast at once), theirs stays."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(dir=folder.parent, prefix=".dl-"))
     try:
         yield staging
-        staging.rename(folder)
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

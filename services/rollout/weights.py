@@ -13,8 +13,6 @@ import contextlib
 import itertools
 import logging
 import pathlib
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -109,6 +107,8 @@ class CheckpointFetcher:
             key = (manifest.weights_source, manifest.model)
             subscription = self._subscriptions.get(key)
             if subscription is None:  # a member from now on: later checkpoints come by broadcast, this one is pulled
+                for other in [k for k in self._subscriptions if k[1] == manifest.model]:  # its trainer moved
+                    await self._subscriptions.pop(other).close()
                 subscription = self._subscriptions[key] = WeightSubscription(
                     self._trainer(manifest.weights_source), manifest.model, self.cache_dir / manifest.model)
             elif (arrived := await subscription.arrival(manifest.checkpoint_id)) is not None:
@@ -248,40 +248,34 @@ class WeightSubscription:
         future: asyncio.Future[pathlib.Path] = asyncio.get_running_loop().create_future()
         async with self._announced:
             self._arrivals[checkpoint_id] = future
-            while len(self._arrivals) > self.KEEP:
-                self._arrivals.popitem(last=False)[1].cancel()
+            while len(self._arrivals) > self.KEEP:  # a fetch still waiting on one holds it
+                self._arrivals.popitem(last=False)
             self._announced.notify_all()
         objects = [ObjectInfo(o.name, o.size, o.sha256, key="") for o in announcement.objects]
-        folder = self.cache / checkpoint_id
         what = f"checkpoint {self.model}/{checkpoint_id} (broadcast)"
         try:
             check_name(checkpoint_id, "checkpoint_id")
             for obj in objects:
                 check_name(obj.name, "objects.name")
-            self.cache.mkdir(parents=True, exist_ok=True)
-            staging = pathlib.Path(tempfile.mkdtemp(dir=self.cache, prefix=".bc-"))
-        except Exception as err:
-            future.set_exception(err)
+        except YieldloopError as err:  # a trainer that names files out of the cache: out of its group
+            _settle(future, err)
             raise
         try:
-            try:
-                await asyncio.to_thread(broadcast_files, group[0], group[1], objects,
-                                        max(1, announcement.chunk_bytes), target=staging)
-            except Exception as err:  # the group is broken: everyone subscribes again
-                future.set_exception(UnavailableError(f"{what}: {err}", reason="WEIGHT_GROUP_UNAVAILABLE"))
-                raise future.exception() from None  # type: ignore[misc]
-            try:
+            with staged(self.cache / checkpoint_id) as staging:
+                try:
+                    await asyncio.to_thread(broadcast_files, group[0], group[1], objects,
+                                            max(1, announcement.chunk_bytes), target=staging)
+                except Exception as err:  # the group is broken: every member subscribes again
+                    raise _GroupBroken(f"{what}: {err}") from err
                 await asyncio.to_thread(verify_folder, staging, objects, what)
-                if not folder.is_dir():
-                    staging.rename(folder)
-            except Exception as err:  # this checkpoint only: it is pulled instead
-                future.set_exception(err if isinstance(err, YieldloopError)
-                                     else UnavailableError(f"{what}: {err}", reason="WEIGHT_GROUP_UNAVAILABLE"))
-                return
-            self.received += 1
-            future.set_result(folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        except _GroupBroken as err:
+            raise _settle(future, UnavailableError(str(err), reason="WEIGHT_GROUP_UNAVAILABLE")) from None
+        except Exception as err:  # this checkpoint only (it failed verification): it is pulled instead
+            _settle(future, err if isinstance(err, YieldloopError)
+                    else UnavailableError(f"{what}: {err}", reason="WEIGHT_GROUP_UNAVAILABLE"))
+            return
+        self.received += 1
+        future.set_result(self.cache / checkpoint_id)
 
     async def _set_joining(self, joining: bool) -> None:
         async with self._announced:
@@ -291,12 +285,23 @@ class WeightSubscription:
     def _fail_waiting(self, why: str) -> None:
         for future in self._arrivals.values():
             if not future.done():
-                future.set_exception(UnavailableError(why, reason="WEIGHT_GROUP_UNAVAILABLE"))
+                _settle(future, UnavailableError(why, reason="WEIGHT_GROUP_UNAVAILABLE"))
 
     async def close(self) -> None:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+def _settle(future: asyncio.Future, error: Exception) -> Exception:
+    """Fails ``future`` with ``error`` (marked retrieved: most arrivals are never awaited); returns ``error``."""
+    future.set_exception(error)
+    future.exception()
+    return error
+
+
+class _GroupBroken(Exception):
+    """A broadcast piece failed: the group is unusable."""
 
 
 def _local_backend() -> str:

@@ -29,8 +29,9 @@ from yieldloop_server.common.collective import broadcast_files, close_group, mak
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 << 20
-"""Bytes per broadcast piece: a bound on each side's buffer, whatever a file's size."""
+CHUNK_BYTES = {"gloo": 4 << 20, "nccl": 64 << 20}
+"""Bytes per broadcast piece, per backend: a bound on each side's buffer whatever a file's size (gloo over TCP
+moves small pieces faster: one is written while the next arrives; NCCL wants large ones)."""
 
 
 
@@ -65,6 +66,8 @@ class WeightGroups:
         self._generations: dict[str, _Generation] = {}
         self._sending: dict[str, asyncio.Task] = {}
         self._numbers = itertools.count(1)
+        self._nccl_failed: set[str] = set()
+        """Models whose NCCL group failed (e.g. two members on one GPU): their groups use gloo from then on."""
 
     def members(self, model: str) -> int:
         return len(self._members.get(model, ()))
@@ -100,7 +103,8 @@ class WeightGroups:
         if previous is None or previous.failed or previous.members != members:
             import torch
 
-            cuda = torch.cuda.is_available() and all(m.backend == "nccl" for m in members)
+            cuda = (torch.cuda.is_available() and manifest.model not in self._nccl_failed
+                    and all(m.backend == "nccl" for m in members))
             generation = _Generation(f"{manifest.model}/{next(self._numbers)}/", members, "nccl" if cuda else "gloo")
             self._generations[manifest.model] = generation
             address = f"{self._host().rsplit(':', 1)[0]}:{self._store.port}"
@@ -111,7 +115,7 @@ class WeightGroups:
         assert generation is not None
         objects = list(manifest.sampler_objects)
         announcement = pb.SubscribeWeightsResponse(broadcast=pb.WeightBroadcast(
-            checkpoint_id=manifest.checkpoint_id, chunk_bytes=CHUNK_BYTES,
+            checkpoint_id=manifest.checkpoint_id, chunk_bytes=CHUNK_BYTES[generation.backend],
             objects=[pb.WeightObject(name=o.name, size=o.size, sha256=o.sha256) for o in objects]))
         for member in generation.members:
             member.queue.put_nowait(announcement)
@@ -134,8 +138,8 @@ class WeightGroups:
                 generation.group = await asyncio.to_thread(
                     make_group, self._store, generation.name, 0, len(generation.members) + 1, generation.backend,
                     collective.GROUP_TIMEOUT_S)
-            await asyncio.to_thread(broadcast_files, generation.group, generation.backend, objects, CHUNK_BYTES,
-                                    source=folder)
+            await asyncio.to_thread(broadcast_files, generation.group, generation.backend, objects,
+                                    CHUNK_BYTES[generation.backend], source=folder)
         except Exception as err:  # deliberate degrade: the members pull instead, and subscribe again
             log.warning("broadcasting checkpoint %s to %d members failed (%s); they pull it instead",
                         checkpoint_id, len(generation.members), err)
@@ -145,6 +149,8 @@ class WeightGroups:
         """Ends the group and its members' streams; they are out at once (the next group is formed without them,
         not with members that will never join it), and subscribe again."""
         generation.failed = True
+        if generation.backend == "nccl":
+            self._nccl_failed.add(generation.name.split("/")[0])
         close_group(generation.group)
         generation.group = None
         for member in generation.members:
