@@ -73,6 +73,8 @@ class ServedModels:
         max_models: Engines loaded at once.
         on_default_reload: ``async (ok) -> None`` after each head of the default slug was handled (health).
         memory_budget_bytes: Bytes of weights loaded at once (0: no byte budget, only ``max_models``).
+        weights_from: How pending checkpoints come from their trainer (see :class:`CheckpointFetcher`).
+        device: The engines' device (a weight group on CUDA may be NCCL).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class ServedModels:
         on_default_reload: Any = None,
         memory_budget_bytes: int = 0,
         weights_from: str = "auto",
+        device: str = "cpu",
     ) -> None:
         self.default = default
         self.make_engine = make_engine
@@ -94,7 +97,7 @@ class ServedModels:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
-        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir, weights_from)
+        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir, weights_from, device)
                         if store is not None and checkpoints is not None and cache_dir is not None else None)
         self.on_default_reload = on_default_reload
         self.memory_budget_bytes = memory_budget_bytes

@@ -120,7 +120,7 @@ class RolloutServer:
             lambda lora: create_engine((lora_engine or engine) if lora else engine, lora=lora, **engine_options),
             lambda: create_engine("torch", device=device, max_batch_size=int(engine_options.get("max_batch_size", 0))),
             store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
-            memory_budget_bytes=memory_budget_bytes, weights_from=weights_from,
+            memory_budget_bytes=memory_budget_bytes, weights_from=weights_from, device=device,
         )
         self.grpc = GrpcServer(host, port, transport)
         self.servicer = RolloutServicer(

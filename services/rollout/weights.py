@@ -55,7 +55,7 @@ class CheckpointFetcher:
     """
 
     def __init__(self, store: ObjectStore, checkpoints: Client, cache_dir: pathlib.Path,
-                 weights_from: str = "auto") -> None:
+                 weights_from: str = "auto", device: str = "cpu") -> None:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
@@ -63,6 +63,8 @@ class CheckpointFetcher:
         """How pending checkpoints come from their trainer: "auto" (the files in place on the trainer's host, a
         stream otherwise), "stream" (always a stream), "group" (by broadcast in the trainer's weight group, see
         :class:`WeightSubscription`; pulled as "auto" when a checkpoint was not broadcast to this service)."""
+        self.group_backend = "nccl" if device.startswith("cuda") else "gloo"
+        """What this service asks its weight groups for: NCCL when its engine is on CUDA."""
         self._trainers: dict[str, Client] = {}
         self._subscriptions: dict[tuple[str, str], WeightSubscription] = {}
 
@@ -110,7 +112,8 @@ class CheckpointFetcher:
                 for other in [k for k in self._subscriptions if k[1] == manifest.model]:  # its trainer moved
                     await self._subscriptions.pop(other).close()
                 subscription = self._subscriptions[key] = WeightSubscription(
-                    self._trainer(manifest.weights_source), manifest.model, self.cache_dir / manifest.model)
+                    self._trainer(manifest.weights_source), manifest.model, self.cache_dir / manifest.model,
+                    self.group_backend)
             elif (arrived := await subscription.arrival(manifest.checkpoint_id)) is not None:
                 return arrived
         trainer = self._trainer(manifest.weights_source)
@@ -153,6 +156,11 @@ ANNOUNCE_GRACE_S = 1.0
 before committing, so the announcement is usually there before the head move that asks for it."""
 
 
+JOIN_GRACE_S = 10.0
+"""How long that wait goes on while this member joins a new group (NCCL connects in seconds; a group whose other
+member never joins fails only after GROUP_TIMEOUT_S: the checkpoint is pulled meanwhile)."""
+
+
 class WeightSubscription:
     """This rollout service's membership in one trainer's weight group for one model (SubscribeWeights): joins
     each group the trainer names, receives every checkpoint it broadcasts into ``cache`` (verified against the
@@ -163,17 +171,18 @@ class WeightSubscription:
         trainer: Client of the trainer.
         model: The model slug followed.
         cache: The model's folder of verified checkpoints (``cache/<checkpoint_id>``).
-        backend: "nccl" when this process has CUDA (the group is NCCL if every member and the trainer do).
+        backend: "nccl" when this service's engine is on CUDA (the group is NCCL if every member and the trainer
+            are), else "gloo".
     """
 
     KEEP = 16
     """Arrivals remembered (checkpoint id -> outcome) for fetches that come late."""
 
-    def __init__(self, trainer: Client, model: str, cache: pathlib.Path, backend: str = "") -> None:
+    def __init__(self, trainer: Client, model: str, cache: pathlib.Path, backend: str = "gloo") -> None:
         self.trainer = trainer
         self.model = model
         self.cache = cache
-        self.backend = backend or _local_backend()
+        self.backend = backend
         self.subscribed = False
         self._joining = False
         self.received = 0
@@ -186,15 +195,15 @@ class WeightSubscription:
         """The folder of ``checkpoint_id`` once its broadcast arrived and verified; None when it was not (or will
         not be) broadcast to this member, or its broadcast failed: pull it."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + ANNOUNCE_GRACE_S
+        started = loop.time()
         async with self._announced:
-            # While a group is being joined the announcements behind it wait: so does this (the join is bounded).
+            # While a group is being joined the announcements behind it wait: so does this, a while longer.
             while self.subscribed and checkpoint_id not in self._arrivals:
-                try:
-                    await asyncio.wait_for(self._announced.wait(),
-                                           None if self._joining else max(0.0, deadline - loop.time()))
-                except TimeoutError:
+                left = started + (JOIN_GRACE_S if self._joining else ANNOUNCE_GRACE_S) - loop.time()
+                if left <= 0:
                     break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._announced.wait(), left)
         future = self._arrivals.get(checkpoint_id)
         if future is None:
             return None
@@ -302,12 +311,6 @@ def _settle(future: asyncio.Future, error: Exception) -> Exception:
 
 class _GroupBroken(Exception):
     """A broadcast piece failed: the group is unusable."""
-
-
-def _local_backend() -> str:
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _join(group: Any) -> Any:

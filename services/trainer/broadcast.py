@@ -55,12 +55,14 @@ class WeightGroups:
     """The weight groups of one TrainerService, one per model slug with subscribers.
 
     Args:
-        host: The trainer's host as members reach it (its advertised name); the rendezvous store listens on
-            every interface of it, on a free port.
+        host: The trainer's address as members reach it (its advertised name); the rendezvous store listens on
+            every interface of that host, on a free port.
+        cuda: The trainer trains on CUDA: its groups may be NCCL (when every member asked for it).
     """
 
-    def __init__(self, host: Callable[[], str]) -> None:
+    def __init__(self, host: Callable[[], str], cuda: bool = False) -> None:
         self._host = host
+        self.cuda = cuda
         self._store: Any = None
         self._members: dict[str, list[_Member]] = {}
         self._generations: dict[str, _Generation] = {}
@@ -101,9 +103,7 @@ class WeightGroups:
         previous = self._generations.get(manifest.model)
         generation = previous
         if previous is None or previous.failed or previous.members != members:
-            import torch
-
-            cuda = (torch.cuda.is_available() and manifest.model not in self._nccl_failed
+            cuda = (self.cuda and manifest.model not in self._nccl_failed
                     and all(m.backend == "nccl" for m in members))
             generation = _Generation(f"{manifest.model}/{next(self._numbers)}/", members, "nccl" if cuda else "gloo")
             self._generations[manifest.model] = generation

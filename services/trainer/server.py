@@ -44,7 +44,7 @@ async def build(
     traces = TraceStore(store, run_to_bytes, run_from_bytes)
     server = GrpcServer(host, port, transport)
     address = lambda: advertised(server.host, server.port)  # noqa: E731
-    groups = WeightGroups(address)
+    groups = WeightGroups(address, cuda=config.device.startswith("cuda"))
     publisher = WeightPublisher(work_dir, address, groups)
     server.on_stop(groups.close)
     sessions = TrainingSessions(
