@@ -141,24 +141,32 @@ async def test_a_member_that_never_joins_fails_the_broadcast_not_the_step(groupe
 
 
 async def test_bytes_damaged_in_flight_are_refused_and_that_checkpoint_pulled(grouped, monkeypatch) -> None:
-    from yieldloop_server.rollout import weights
+    import shutil
+
+    from yieldloop_server.trainer import broadcast
 
     client, counter, _ = grouped
     await members(client, 1)
-    received = weights.broadcast_files
+    sent = broadcast.broadcast_files
 
-    def damaged(group, backend, objects, chunk_bytes, source=None, target=None) -> None:
-        received(group, backend, objects, chunk_bytes, source=source, target=target)
-        path = target / "model.safetensors"
+    def damaged(group, backend, objects, chunk_bytes, source=None, target=None):
+        """Sends other bytes than the announced ones (a copy of the folder with one byte flipped)."""
+        copy = source.parent / f".damaged-{source.name}"
+        shutil.copytree(source, copy)
+        path = copy / "model.safetensors"
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
+        try:
+            return sent(group, backend, objects, chunk_bytes, source=copy)
+        finally:
+            shutil.rmtree(copy)
 
-    monkeypatch.setattr(weights, "broadcast_files", damaged)
+    monkeypatch.setattr(broadcast, "broadcast_files", damaged)
     pulls = counter.pulls
-    await step(client, 7)  # the broadcast copy fails its sha256: pulled instead, still in the group
+    await step(client, 7)  # the received bytes fail their sha256: pulled instead, still in the group
     assert counter.pulls == pulls + 1
-    monkeypatch.setattr(weights, "broadcast_files", received)
+    monkeypatch.setattr(broadcast, "broadcast_files", sent)
     await members(client, 1)
     await step(client, 8)
     assert counter.pulls == pulls + 1

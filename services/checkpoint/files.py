@@ -56,9 +56,10 @@ def upload_folder(store: ObjectStore, model: str, checkpoint_id: str, folder: pa
     return objects
 
 
-def verify_file(path: pathlib.Path, obj: ObjectInfo, what: str) -> None:
-    """CHECKPOINT_CORRUPT unless the file has the object's size and sha256 (computed where it was produced)."""
-    if not path.is_file() or path.stat().st_size != obj.size or sha256_file(path) != obj.sha256:
+def verify_file(path: pathlib.Path, obj: ObjectInfo, what: str, digest: str = "") -> None:
+    """CHECKPOINT_CORRUPT unless the file has the object's size and sha256 (computed where it was produced);
+    ``digest``: the file's sha256 as computed while it was received (not read again)."""
+    if not path.is_file() or path.stat().st_size != obj.size or (digest or sha256_file(path)) != obj.sha256:
         raise FailedPreconditionError(f"{what}: object {obj.name} fails its checksum", reason="CHECKPOINT_CORRUPT")
 
 
@@ -125,10 +126,12 @@ def link_objects(source: pathlib.Path, target: pathlib.Path, objects: Sequence[O
             shutil.copyfile(source / obj.name, target / obj.name)
 
 
-def verify_folder(folder: pathlib.Path, objects: Sequence[ObjectInfo], what: str) -> None:
-    """Every object's file is in ``folder`` with its size and sha256, and no tensor is NaN or inf."""
+def verify_folder(folder: pathlib.Path, objects: Sequence[ObjectInfo], what: str,
+                  digests: dict[str, str] | None = None) -> None:
+    """Every object's file is in ``folder`` with its size and sha256 (``digests``: by name, as computed while the
+    files were received), and no tensor is NaN or inf."""
     for obj in objects:
-        verify_file(folder / obj.name, obj, what)
+        verify_file(folder / obj.name, obj, what, (digests or {}).get(obj.name, ""))
     check_finite(folder, what)
 
 

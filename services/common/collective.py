@@ -64,10 +64,13 @@ def close_group(group: Any) -> None:
 def broadcast_files(
     group: Any, backend: str, objects: Sequence[ObjectInfo], chunk_bytes: int,
     source: pathlib.Path | None = None, target: pathlib.Path | None = None,
-) -> None:
+) -> dict[str, str]:
     """Rank 0 (``source``: the folder holding the objects) sends every object's bytes to the group, in pieces of
-    at most ``chunk_bytes``; every other rank (``target``) writes them under that folder. Both sides walk the same
-    list, so the pieces line up without any other message."""
+    at most ``chunk_bytes``; every other rank (``target``) writes them under that folder and returns each file's
+    sha256 as received (name -> hex digest), hashed piece by piece. Both sides walk the same list, so the pieces
+    line up without any other message."""
+    import hashlib
+
     import torch
     import torch.distributed as dist
 
@@ -76,8 +79,10 @@ def broadcast_files(
     options.rootRank = 0
     folder = source if source is not None else target
     assert folder is not None
+    digests = {}
     for obj in objects:
         path = folder / obj.name
+        digest = hashlib.sha256()
         with path.open("rb" if source is not None else "wb") as file:
             left = obj.size
             while left > 0:
@@ -93,5 +98,9 @@ def broadcast_files(
                 if device != "cpu":
                     torch.cuda.synchronize()
                 if target is not None:
-                    file.write(memoryview(buffer.cpu().numpy()))
+                    received = memoryview(buffer.cpu().numpy())
+                    digest.update(received)
+                    file.write(received)
                 left -= size
+        digests[obj.name] = digest.hexdigest()
+    return digests if target is not None else {}

@@ -272,11 +272,11 @@ class WeightSubscription:
         try:
             with staged(self.cache / checkpoint_id) as staging:
                 try:
-                    await asyncio.to_thread(broadcast_files, group[0], group[1], objects,
-                                            max(1, announcement.chunk_bytes), target=staging)
+                    digests = await asyncio.to_thread(broadcast_files, group[0], group[1], objects,
+                                                      max(1, announcement.chunk_bytes), target=staging)
                 except Exception as err:  # the group is broken: every member subscribes again
                     raise _GroupBroken(f"{what}: {err}") from err
-                await asyncio.to_thread(verify_folder, staging, objects, what)
+                await asyncio.to_thread(verify_folder, staging, objects, what, digests)
         except _GroupBroken as err:
             raise _settle(future, UnavailableError(str(err), reason="WEIGHT_GROUP_UNAVAILABLE")) from None
         except Exception as err:  # this checkpoint only (it failed verification): it is pulled instead
