@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -123,6 +124,7 @@ async def bench(args: argparse.Namespace) -> dict:
     await client.close()
     for stop in reversed(stoppers):
         await stop(1.0)
+    shutil.rmtree(root, ignore_errors=True)  # gigabytes: every way's store, fleet caches and trainer folders
     result = {"model": base, "weights_mb": round(weights_mb, 1), "fleet": args.fleet, "steps_each": args.steps,
               "state_every": args.state_every}
     if "group" in args.ways:

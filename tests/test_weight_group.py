@@ -172,6 +172,17 @@ async def test_bytes_damaged_in_flight_are_refused_and_that_checkpoint_pulled(gr
     assert counter.pulls == pulls + 1
 
 
+async def test_the_cache_keeps_the_served_and_the_last_few_checkpoints(grouped) -> None:
+    from yieldloop_server.rollout.weights import KEEP_CACHED
+
+    client, _, data_dir = grouped
+    for seed in range(9, 9 + KEEP_CACHED):
+        served = await step(client, seed)
+    cache = data_dir / "work" / "rollout" / "grp"
+    kept = {p.name for p in cache.iterdir() if not p.name.startswith(".")}
+    assert served in kept and len(kept) == KEEP_CACHED  # after 10+ steps: not a copy of every step's weights
+
+
 async def test_subscribe_weights_bad_input(grouped) -> None:
     client, _, _ = grouped
     for model, backend, field in (("grp", "mpi", "backend"), ("../x", "gloo", "model"), ("grp", "", "backend")):

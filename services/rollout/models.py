@@ -97,7 +97,7 @@ class ServedModels:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
-        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir, weights_from, device)
+        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir, weights_from, device, self._serving)
                         if store is not None and checkpoints is not None and cache_dir is not None else None)
         self.on_default_reload = on_default_reload
         self.memory_budget_bytes = memory_budget_bytes
@@ -140,6 +140,17 @@ class ServedModels:
         if slug not in self._infos:
             self._infos[slug] = await self.checkpoints.get_model(slug)  # NOT_FOUND (MODEL_NOT_FOUND)
         return self._infos[slug]
+
+    def _serving(self) -> set[tuple[str, str]]:
+        """(model, checkpoint id) of what every loaded engine serves, candidates' pinned engines included."""
+        versions = set()
+        for item in self._pool.items:
+            for served in (item, *item.adapters.values()):
+                slug = served.slug.split("@")[0]
+                versions.add((slug, served.engine.weight_version))
+                if served.pinned is not None:
+                    versions.update((slug, checkpoint_id) for checkpoint_id in served.pinned.loaded_checkpoints)
+        return versions
 
     @property
     def loaded(self) -> list[ServedModel]:

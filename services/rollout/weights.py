@@ -12,8 +12,10 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import pathlib
-from collections.abc import AsyncIterator, Callable
+import shutil
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 from yieldloop.client import RETRY, Client
@@ -37,6 +39,25 @@ from yieldloop_server.store.base import check_name
 log = logging.getLogger(__name__)
 
 
+KEEP_CACHED = 4
+"""Checkpoint folders kept per model in a rollout service's cache besides those engines serve: the most recently
+used; older ones go, or a long run would fill the disk with a copy of every step's weights."""
+
+
+def prune_cache(model_dir: pathlib.Path, in_use: Collection[str] = (), keep: int = KEEP_CACHED) -> None:
+    """Removes the checkpoint folders of ``model_dir`` but the ``keep`` most recently used and those named in
+    ``in_use`` (an engine serves them: a revived engine loads them again); staging folders of fetches in progress
+    stay."""
+    try:
+        folders = [p for p in model_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return
+    folders.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for old in folders[keep:]:
+        if old.name not in in_use:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 PULL_ATTEMPTS = 8
 """Tries to pull a pending checkpoint's weights from its trainer (about 20 s with the client's backoff) before the
 checkpoint is refused as unreachable (its trainer died: a rollback head follows)."""
@@ -51,11 +72,13 @@ class CheckpointFetcher:
     Args:
         store: Object store holding the durable checkpoints.
         checkpoints: Client connected to CheckpointService.
-        cache_dir: Local folder for verified copies.
+        cache_dir: Local folder for verified copies (per model, the :data:`KEEP_CACHED` most recently used and
+            those engines serve).
     """
 
     def __init__(self, store: ObjectStore, checkpoints: Client, cache_dir: pathlib.Path,
-                 weights_from: str = "auto", device: str = "cpu") -> None:
+                 weights_from: str = "auto", device: str = "cpu",
+                 in_use: Callable[[], Collection[tuple[str, str]]] = tuple) -> None:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
@@ -63,6 +86,8 @@ class CheckpointFetcher:
         """How pending checkpoints come from their trainer: "auto" (the files in place on the trainer's host, a
         stream otherwise), "stream" (always a stream), "group" (by broadcast in the trainer's weight group, see
         :class:`WeightSubscription`; pulled as "auto" when a checkpoint was not broadcast to this service)."""
+        self.in_use = in_use
+        """(model, checkpoint id) of what engines serve now (their folders are never pruned)."""
         self.group_backend = "nccl" if device.startswith("cuda") else "gloo"
         """What this service asks its weight groups for: NCCL when its engine is on CUDA."""
         self._trainers: dict[str, Client] = {}
@@ -81,11 +106,12 @@ class CheckpointFetcher:
             manifest = await self.checkpoints.get_checkpoint(model, checkpoint_id)  # names checked there
             folder = self.cache_dir / model / manifest.checkpoint_id
             if folder.is_dir():
-                return folder
+                return await self._used(folder)
             if not manifest.pending:
-                return await asyncio.to_thread(download_verified, self.store, manifest, folder, manifest.sampler_objects)
+                await asyncio.to_thread(download_verified, self.store, manifest, folder, manifest.sampler_objects)
+                return await self._used(folder)
             try:
-                return await self._pull(manifest, folder)
+                return await self._used(await self._pull(manifest, folder))
             except (UnavailableError, NotFoundError, DeadlineExceededError) as err:
                 # NOT_FOUND: the trainer released it, durable by now; UNAVAILABLE: the trainer is away.
                 if attempt + 1 >= PULL_ATTEMPTS or (
@@ -96,6 +122,15 @@ class CheckpointFetcher:
                     ) from None
                 await asyncio.sleep(RETRY.delay(attempt))
         raise AssertionError("unreachable")
+
+    async def _used(self, folder: pathlib.Path) -> pathlib.Path:
+        """Marks ``folder`` used now (the last of its model's to go) and prunes the model's older ones."""
+        with contextlib.suppress(OSError):
+            os.utime(folder)
+        model = folder.parent.name
+        await asyncio.to_thread(prune_cache, folder.parent,
+                                {folder.name, *(cid for slug, cid in self.in_use() if slug == model)})
+        return folder
 
     def _trainer(self, address: str) -> Client:
         trainer = self._trainers.get(address)
@@ -443,6 +478,11 @@ class PinnedEngines:
         self._engines: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
         """checkpoint id -> [engine, users]."""
         self._lock = asyncio.Lock()
+
+    @property
+    def loaded_checkpoints(self) -> list[str]:
+        """The checkpoints loaded in pinned engines."""
+        return list(self._engines)
 
     @contextlib.asynccontextmanager
     async def engine(self, checkpoint_id: str) -> AsyncIterator[Engine]:
