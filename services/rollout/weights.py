@@ -92,6 +92,7 @@ class CheckpointFetcher:
         """What this service asks its weight groups for: NCCL when its engine is on CUDA."""
         self._trainers: dict[str, Client] = {}
         self._subscriptions: dict[tuple[str, str], WeightSubscription] = {}
+        self._pruning: asyncio.Task | None = None
 
     async def fetch(self, model: str, checkpoint_id: str, while_head: bool = False) -> pathlib.Path:
         """The local folder of one checkpoint's sampler weights. With ``while_head``, a pending checkpoint
@@ -124,12 +125,15 @@ class CheckpointFetcher:
         raise AssertionError("unreachable")
 
     async def _used(self, folder: pathlib.Path) -> pathlib.Path:
-        """Marks ``folder`` used now (the last of its model's to go) and prunes the model's older ones."""
+        """Marks ``folder`` used now (the last of its model's to go); the model's older ones are pruned behind
+        (not on the way to the engine)."""
         with contextlib.suppress(OSError):
             os.utime(folder)
-        model = folder.parent.name
-        await asyncio.to_thread(prune_cache, folder.parent,
-                                {folder.name, *(cid for slug, cid in self.in_use() if slug == model)})
+        if self._pruning is None or self._pruning.done():
+            model = folder.parent.name
+            keep = {folder.name, *(cid for slug, cid in self.in_use() if slug == model)}
+            self._pruning = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(prune_cache, folder.parent, keep))
         return folder
 
     def _trainer(self, address: str) -> Client:
@@ -178,6 +182,8 @@ class CheckpointFetcher:
         return folder
 
     async def close(self) -> None:
+        if self._pruning is not None:
+            await self._pruning
         for subscription in self._subscriptions.values():
             await subscription.close()
         self._subscriptions.clear()
