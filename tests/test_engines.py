@@ -504,6 +504,25 @@ async def test_torch_process_engine_whose_weights_are_gone_stays_down_retryably(
         await engine.close()
 
 
+async def test_torch_process_engine_whose_pipe_broke_starts_a_new_child(engine_folders) -> None:
+    """A pipe to the child that broke while its process still looks alive (it exits after its end closed; is_alive
+    lags behind): the call that finds it gets its tokens from a new child, not UNAVAILABLE twice."""
+    import multiprocessing
+
+    engine = create_engine("torch", process=True)
+    try:
+        await engine.load_weights(engine_folders["v1"], "v1")
+        expected = await collect(engine, PROMPT, SamplingConfig(max_tokens=4, temperature=0.0))
+        ours, theirs = multiprocessing.Pipe()
+        theirs.close()
+        engine._conn = ours  # writes now fail with EPIPE; the child itself is alive and well
+        assert engine._process.is_alive() and not engine.is_down()
+        assert await collect(engine, PROMPT, SamplingConfig(max_tokens=4, temperature=0.0)) == expected
+        assert engine.revivals == 1 and engine.weight_version == "v1"
+    finally:
+        await engine.close()
+
+
 def _engine_process(engine) -> int:
     """The pid of the process an engine decodes in (the torch engine's child, vLLM's engine core)."""
     if engine.name == "vllm":

@@ -104,8 +104,13 @@ class TorchProcessEngine(Engine):
             with self._send_lock:
                 self._conn.send(message)
         except (OSError, EOFError) as exc:
-            raise UnavailableError(f"the torch engine process is gone ({exc}; exit code {self._process.exitcode})",
-                                   reason="ENGINE_ERROR") from None
+            gone = UnavailableError(f"the torch engine process is gone ({exc}; exit code {self._process.exitcode})",
+                                    reason="ENGINE_ERROR")
+            if not reviving and self._dead is None:
+                # A pipe that broke is a child lost, whether or not its process has exited yet (is_alive can lag
+                # behind): the next call starts a new one instead of writing to this pipe again.
+                self._dead = gone
+            raise gone from None
 
     async def _call(self, method: str, *args: Any, reviving: bool = False) -> Any:
         if not reviving:
@@ -154,11 +159,13 @@ class TorchProcessEngine(Engine):
             self.revivals += 1
 
     def _stop_child(self) -> None:
-        """Ends the child (asked, then killed) and waits for its reader thread."""
+        """Ends the child (asked, then killed; at once when it cannot be asked) and waits for its reader thread."""
+        asked = False
         with contextlib.suppress(OSError, EOFError):
             with self._send_lock:
                 self._conn.send(("close",))
-        self._process.join(10)
+            asked = True
+        self._process.join(10 if asked else 0)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
