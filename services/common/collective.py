@@ -82,7 +82,7 @@ def broadcast_files(
     digests = {}
     for obj in objects:
         path = folder / obj.name
-        digest = hashlib.sha256()
+        digest = hashlib.sha256() if target is not None else None
         with path.open("rb" if source is not None else "wb") as file:
             left = obj.size
             while left > 0:
@@ -97,10 +97,11 @@ def broadcast_files(
                 group.broadcast([buffer], options).wait()
                 if device != "cpu":
                     torch.cuda.synchronize()
-                if target is not None:
+                if digest is not None:
                     received = memoryview(buffer.cpu().numpy())
                     digest.update(received)
                     file.write(received)
                 left -= size
-        digests[obj.name] = digest.hexdigest()
-    return digests if target is not None else {}
+        if digest is not None:
+            digests[obj.name] = digest.hexdigest()
+    return digests

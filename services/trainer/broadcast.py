@@ -44,6 +44,7 @@ class _Member:
 
 @dataclasses.dataclass(eq=False)
 class _Generation:
+    model: str
     name: str
     members: tuple[_Member, ...]
     backend: str
@@ -105,7 +106,8 @@ class WeightGroups:
         if previous is None or previous.failed or previous.members != members:
             cuda = (self.cuda and manifest.model not in self._nccl_failed
                     and all(m.backend == "nccl" for m in members))
-            generation = _Generation(f"{manifest.model}/{next(self._numbers)}/", members, "nccl" if cuda else "gloo")
+            generation = _Generation(manifest.model, f"{manifest.model}/{next(self._numbers)}/", members,
+                                     "nccl" if cuda else "gloo")
             self._generations[manifest.model] = generation
             address = f"{self._host().rsplit(':', 1)[0]}:{self._store.port}"
             for rank, member in enumerate(members, 1):
@@ -150,14 +152,14 @@ class WeightGroups:
         not with members that will never join it), and subscribe again."""
         generation.failed = True
         if generation.backend == "nccl":
-            self._nccl_failed.add(generation.name.split("/")[0])
+            self._nccl_failed.add(generation.model)
         close_group(generation.group)
         generation.group = None
+        members = self._members.get(generation.model, [])
         for member in generation.members:
             member.queue.put_nowait(UnavailableError(why, reason="WEIGHT_GROUP_UNAVAILABLE"))
-            for members in self._members.values():
-                if member in members:
-                    members.remove(member)
+            if member in members:
+                members.remove(member)
 
     async def close(self) -> None:
         """Ends every broadcast and group (the members' streams end with the server)."""
