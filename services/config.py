@@ -42,6 +42,13 @@ class EnvOptions:
     """Environments EnvService loads: module:attr or file.py:attr (repeatable)."""
     workers: int = dataclasses.field(default=2, metadata={"flag": "--env-workers"})
     """EnvService worker processes running environment code (0: in the service's own process)."""
+    processes: int = dataclasses.field(default=1, metadata={"flag": "--env-processes"})
+    """EnvService processes serving its one port: this one and N-1 it starts (and starts again when one dies),
+    bound with SO_REUSEPORT so the kernel spreads connections over them; each has its own --env-workers. For
+    hosts with cores to spare: clients spread episodes over connections (--env-connections N)."""
+    share_port: bool = dataclasses.field(default=False, metadata={"flag": "--env-share-port"})
+    """Bind a port other EnvService processes serve too (how --env-processes starts the others; for processes
+    started by hand, give it to each). Without it, binding a port in use fails."""
 
 
 @dataclasses.dataclass

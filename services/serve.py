@@ -97,8 +97,12 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
         workers = opts.env.workers
         config = HostConfig(type="workers", num_workers=workers) if workers else HostConfig("inprocess")
-        server = await build(create_host(opts.env.specs, config), opts.host, opts.port, opts.transport)
-        return server.start, server.stop
+        shared = opts.env.share_port or opts.env.processes > 1
+        transport = dataclasses.replace(opts.transport, share_port=True) if shared else opts.transport
+        server = await build(create_host(opts.env.specs, config), opts.host, opts.port, transport)
+        if opts.env.share_port or opts.env.processes <= 1:
+            return server.start, server.stop
+        return _with_replicas(opts, server.start, server.stop)
     if opts.service == "trainer":
         from yieldloop_server.trainer import distributed
         from yieldloop_server.trainer.server import build
@@ -148,6 +152,41 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
         return front.start, stop_front
     raise ValueError(f"unknown service {opts.service!r}")
+
+
+def _with_replicas(opts: ServeOptions, start: Starter, stop: Stopper) -> tuple[Starter, Stopper]:
+    """An EnvService served by ``opts.env.processes`` processes on one port: this one (``start``, ``stop``) and the
+    others, started once this one is bound, on its port, each supervised (started again when it dies, on the same
+    port) and ended with this process (SIGTERM when it stops; the kernel's parent-death signal when it is killed).
+    The service key goes to them in their environment, as ``yieldloop up`` hands it to its services."""
+    from yieldloop_server.stack import ServiceProcess
+
+    replicas: list[ServiceProcess] = []
+
+    async def start_all() -> str:
+        address = await start()
+        port = int(address.rsplit(":", 1)[1])
+        work_dir = opts.data_dir / "work" / "env"
+        work_dir.mkdir(parents=True, exist_ok=True)
+        for index in range(1, opts.env.processes):
+            replica = dataclasses.replace(
+                opts, port=port, ready_file=work_dir / f"process-{index}.json",
+                env=dataclasses.replace(opts.env, processes=1, share_port=True),
+                transport=dataclasses.replace(opts.transport, health_port=0))  # this process answers the probes
+            replicas.append(ServiceProcess(replica, opts.data_dir / "logs", name=f"env-{index}",
+                                           service_key=opts.transport.api_key, exit_with_parent=True))
+        try:
+            await asyncio.gather(*(replica.start() for replica in replicas))
+        except BaseException:
+            await stop_all(0)
+            raise
+        log.info("EnvService serves %s from %d processes", address, opts.env.processes)
+        return address
+
+    async def stop_all(grace: float) -> None:
+        await asyncio.gather(stop(grace), *(replica.stop(grace + 10) for replica in replicas))
+
+    return start_all, stop_all
 
 
 def settle_heap() -> None:

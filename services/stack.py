@@ -194,6 +194,14 @@ class InProcessStack:
         self._stoppers.clear()
 
 
+def _exit_with_parent() -> None:
+    """In a child before it runs: SIGTERM when its parent dies (Linux's PR_SET_PDEATHSIG), so it never outlives the
+    process that supervises it (a parent killed with -9 runs no cleanup)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 class ServiceProcess:
     """One ``yieldloop serve <service>`` process, restarted on the same address whenever it dies.
 
@@ -204,12 +212,15 @@ class ServiceProcess:
     """
 
     def __init__(self, options: ServeOptions, logs_dir: pathlib.Path, ready_timeout_s: float = 300.0,
-                 backoff: Backoff = Backoff(initial_s=0.5, max_s=30.0), service_key: str = "") -> None:
+                 backoff: Backoff = Backoff(initial_s=0.5, max_s=30.0), service_key: str = "", name: str = "",
+                 exit_with_parent: bool = False) -> None:
         self.options = options
         self.service_key = service_key
         """Handed to the process in its environment (never on its command line)."""
-        self.service = options.service
-        self.log_path = logs_dir / f"{options.service}.log"
+        self.service = name or options.service
+        self.log_path = logs_dir / f"{self.service}.log"
+        self.exit_with_parent = exit_with_parent
+        """The process gets SIGTERM when this one dies, however it dies (Linux's parent-death signal)."""
         self.ready_timeout_s = ready_timeout_s
         self.backoff = backoff
         self.address = ""
@@ -229,6 +240,7 @@ class ServiceProcess:
                 sys.executable, "-m", "yieldloop.cli", *self.options.to_args(),
                 stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
                 env={**os.environ, "YIELDLOOP_SERVICE_KEY": self.service_key} if self.service_key else None,
+                preexec_fn=_exit_with_parent if self.exit_with_parent else None,
             )
         deadline = time.monotonic() + self.ready_timeout_s
         while not ready_file.exists():

@@ -28,10 +28,11 @@ def _parser() -> argparse.ArgumentParser:
 def test_serve_flags_round_trip_every_option() -> None:
     options = ServeOptions(
         service="trainer", data_dir=pathlib.Path("/tmp/yl"), store="s3://b/p", model="m", device="cuda:1",
-        checkpoint=CheckpointOptions(keep_last=3), env=EnvOptions(specs=("a:b", "c.py:env"), workers=0),
+        checkpoint=CheckpointOptions(keep_last=3),
+        env=EnvOptions(specs=("a:b", "c.py:env"), workers=0, processes=3, share_port=True),
         trainer=TrainerOptions(dtype="bfloat16", nproc=2, state_every=5),
         rollout=RolloutOptions(engine="vllm", http_port=-1, max_batch=64, weights_from="group"),
-        transport=TransportConfig(max_message_bytes=1 << 20), port=7000, checkpoint_address="h:1",
+        transport=TransportConfig(max_message_bytes=1 << 20, env_connections=4), port=7000, checkpoint_address="h:1",
         env_address="h:2", ready_file=pathlib.Path("/tmp/ready.json"), grace_s=2.5, torch_threads=2,
         auth=False, tls=True, metrics_port=9464,
     )

@@ -440,15 +440,18 @@ class Client:
     ) -> None:
         self.timeout = timeout
         self.multiplex_episodes = multiplex_episodes
-        self._episode_streams: dict[str, _EpisodeStreams] = {}
+        self._episode_streams: dict[tuple[str, int], _EpisodeStreams] = {}
         self.transport = transport if api_key is None else dataclasses.replace(transport, api_key=api_key)
         self._metadata = (("authorization", f"Bearer {self.transport.api_key}"),) if self.transport.api_key else ()
         self.retry_within_s = retry_within_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
         self._stubs: dict[tuple[Any, int], Any] = {}
         self._owns_channels = True
         envs = [env] if isinstance(env, str) else list(env or ())
         self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
+        # (address, connection): episodes take every replica in turn, then each replica's next connection
+        self._env_targets = [(address, connection) for connection in range(max(1, self.transport.env_connections))
+                             for address in self._env_addresses]
         self._next_env = itertools.count()
         self._addresses = {"rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
 
@@ -478,13 +481,16 @@ class Client:
                     raise
                 await asyncio.sleep(wait)
 
-    def _channel(self, service: str, address: str | None = None) -> grpc.aio.Channel:
+    def _channel(self, service: str, address: str | None = None, connection: int = 0) -> grpc.aio.Channel:
+        """The channel to ``address`` (default: the service's); channels of other ``connection`` numbers to the same
+        address are connections of their own."""
         address = address or self._addresses.get(service)
         if not address:
             raise FailedPreconditionError(f"no address given for the {service} service", reason="INVALID_FIELD")
-        if address not in self._channels:
-            self._channels[address] = open_channel(address, self.transport)
-        return self._channels[address]
+        key = (address, connection)
+        if key not in self._channels:
+            self._channels[key] = open_channel(address, self.transport)
+        return self._channels[key]
 
     def _stub(self, kind: Any, channel: grpc.aio.Channel) -> Any:
         """A stub whose every call carries the API key (``authorization: Bearer``) as call metadata: gRPC's core
@@ -499,15 +505,16 @@ class Client:
     @property
     def env_stub(self) -> env_grpc.EnvServiceStub:
         """A stub for the next EnvService replica (round robin)."""
-        return self._env_stub(self._next_env_address())
+        return self._env_stub(self._next_env_target())
 
-    def _next_env_address(self) -> str:
-        if not self._env_addresses:
+    def _next_env_target(self) -> tuple[str, int]:
+        """The next (replica address, connection) in turn (``transport.env_connections`` per address)."""
+        if not self._env_targets:
             self._channel("env")  # raises: no address
-        return self._env_addresses[next(self._next_env) % len(self._env_addresses)]
+        return self._env_targets[next(self._next_env) % len(self._env_targets)]
 
-    def _env_stub(self, address: str) -> env_grpc.EnvServiceStub:
-        return self._stub(env_grpc.EnvServiceStub, self._channel("env", address))
+    def _env_stub(self, target: tuple[str, int]) -> env_grpc.EnvServiceStub:
+        return self._stub(env_grpc.EnvServiceStub, self._channel("env", *target))
 
     @property
     def rollout_stub(self) -> rollout_grpc.RolloutServiceStub:
@@ -546,14 +553,14 @@ class Client:
     def episode(self, task: Task | common_pb.Task, timeout: float | None = None) -> EpisodeSession | MultiplexedEpisode:
         """An episode session; ``async with client.episode(task) as ep`` starts it. ``timeout`` bounds the
         whole episode (its own stream's deadline; such an episode is never multiplexed)."""
-        address = self._next_env_address()
+        target = self._next_env_target()
         if self.multiplex_episodes and timeout is None:
-            streams = self._episode_streams.get(address)
+            streams = self._episode_streams.get(target)
             if streams is None:
-                streams = self._episode_streams[address] = _EpisodeStreams(
-                    functools.partial(self._env_stub, address), self.transport.trace_context)
+                streams = self._episode_streams[target] = _EpisodeStreams(
+                    functools.partial(self._env_stub, target), self.transport.trace_context)
             return MultiplexedEpisode(streams, task_to_proto(task))
-        return EpisodeSession(self._env_stub(address), task_to_proto(task), timeout)
+        return EpisodeSession(self._env_stub(target), task_to_proto(task), timeout)
 
     # RolloutService ----------------------------------------------------------------
 

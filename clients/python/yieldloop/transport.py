@@ -98,6 +98,13 @@ class TransportConfig:
     health_port: int = 0
     """Servers: also answer grpc.health.v1 alone, in plaintext, on this port of every interface (Kubernetes' gRPC
     probes speak no TLS); 0: no such port. Nothing else is served there."""
+    share_port: bool = dataclasses.field(default=False, metadata={"cli": False})
+    """Servers: bind with SO_REUSEPORT, so that other processes serving the same service bind the same port and
+    the kernel spreads connections over them (``yieldloop serve env --env-processes N``). Off, binding a port
+    that another server holds fails (gRPC's own default would share it silently, with a stale process too)."""
+    env_connections: int = 1
+    """Clients: connections to each EnvService address; episodes take them in turn. Behind one address served by
+    several processes (--env-processes N) each connection is served by one of them: give N or more."""
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials of a server built from this config (None: plaintext)."""
@@ -156,6 +163,7 @@ class TransportConfig:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.so_reuseport", int(self.share_port)),
         ]
 
 
