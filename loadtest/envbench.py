@@ -6,8 +6,9 @@ machine, it measures two references with the same message pattern:
 - ``inprocess``: the workload driven straight into the episode host, without gRPC;
 - ``echo``: a bare ``grpc.aio`` bidi server that echoes the very same request bytes;
 
-and our EnvService twice: environment code in the service's process (``ours``) and in worker processes
-(``ours-workers``). Then the same episodes multiplexed over one StreamEpisodes stream per client
+and our EnvService three times: environment code in the service's process (``ours``), in worker processes
+(``ours-workers``), and ``ours-processes``: ``--env-processes`` processes serving one port (SO_REUSEPORT), each
+with its environment code in-process, the client's episodes spread over ``--env-connections`` connections. Then the same episodes multiplexed over one StreamEpisodes stream per client
 (``Client(multiplex_episodes=True)``, as RolloutService opens them): ``echo-multiplexed``, the echo server
 answering each frame with an empty response frame (no episode work), and ``ours-multiplexed`` (in-process
 environment code). Servers run in their own processes (loopback only) so their memory is measured alone.
@@ -42,9 +43,9 @@ import grpc
 
 ECHO_SERVICE = "yieldloop.loadtest.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"
-RUNS = ("inprocess", "echo", "ours", "ours-workers", "echo-multiplexed", "ours-multiplexed")
+RUNS = ("inprocess", "echo", "ours", "ours-workers", "ours-processes", "echo-multiplexed", "ours-multiplexed")
 # What each run is compared with (per round): the echo of its own protocol, and the per-stream echo.
-BASES = {"ours": ("echo", "inprocess"), "ours-workers": ("echo", "inprocess"),
+BASES = {"ours": ("echo", "inprocess"), "ours-workers": ("echo", "inprocess"), "ours-processes": ("echo", "inprocess"),
          "ours-multiplexed": ("echo-multiplexed", "echo", "inprocess")}
 
 
@@ -347,11 +348,14 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
     return result
 
 
-def make_clients(address: str, episodes: int, streams_per_channel: int, multiplex: bool = False) -> list[Any]:
+def make_clients(address: str, episodes: int, streams_per_channel: int, multiplex: bool = False,
+                 connections: int = 1) -> list[Any]:
     from yieldloop.client import Client
+    from yieldloop.transport import TransportConfig
 
     count = max(1, math.ceil(episodes / streams_per_channel))
-    return [Client(env=address, multiplex_episodes=multiplex) for _ in range(count)]
+    transport = TransportConfig(env_connections=connections)
+    return [Client(env=address, multiplex_episodes=multiplex, transport=transport) for _ in range(count)]
 
 
 def rate_key(calls: int) -> str:
@@ -407,8 +411,9 @@ async def bench(args: argparse.Namespace) -> dict:
             for channel in channels:
                 await channel.close()
 
-    async def ours(server: ServerProcess, multiplex: bool = False, graded: bool = True) -> dict:
-        clients, stats = make_clients(server.address, args.episodes, args.streams_per_channel, multiplex), Stats()
+    async def ours(server: ServerProcess, multiplex: bool = False, graded: bool = True, connections: int = 1) -> dict:
+        clients = make_clients(server.address, args.episodes, args.streams_per_channel, multiplex, connections)
+        stats = Stats()
         try:
             return await run_agents(
                 lambda i: our_agent(clients[i % len(clients)], args.calls, pace, stats, graded),
@@ -418,9 +423,9 @@ async def bench(args: argparse.Namespace) -> dict:
             for client in clients:
                 await client.close()
 
-    def our_server(name: str, workers: int) -> ServerProcess:
-        options = ServeOptions(service="env", data_dir=workdir, auth=False,
-                               env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=workers))
+    def our_server(name: str, workers: int, processes: int = 1) -> ServerProcess:
+        options = ServeOptions(service="env", data_dir=workdir / name, auth=False,
+                               env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=workers, processes=processes))
         return ServerProcess(["-m", "yieldloop.cli", *options.to_args()], workdir, name)
 
     rounds: dict[str, list[dict]] = {name: [] for name in RUNS}
@@ -428,12 +433,14 @@ async def bench(args: argparse.Namespace) -> dict:
         ServerProcess([__file__, "echo-server"], workdir, "echo") as echo_server,
         our_server("ours", 0) as ours_server,
         our_server("ours-workers", args.env_workers) as workers_server,
+        our_server("ours-processes", 0, args.env_processes) as processes_server,
     ):
         for _ in range(args.rounds):
             rounds["inprocess"].append(await inprocess())
             rounds["echo"].append(await echo(echo_server))
             rounds["ours"].append(await ours(ours_server))
             rounds["ours-workers"].append(await ours(workers_server))
+            rounds["ours-processes"].append(await ours(processes_server, connections=args.env_connections))
             rounds["echo-multiplexed"].append(await ours(echo_server, multiplex=True, graded=False))
             rounds["ours-multiplexed"].append(await ours(ours_server, multiplex=True))
 
@@ -495,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-min", type=float, default=0.5)
     parser.add_argument("--think-max", type=float, default=1.5)
     parser.add_argument("--env-workers", type=int, default=2, help="worker processes for the ours-workers run")
+    parser.add_argument("--env-processes", type=int, default=2, help="server processes of the ours-processes run")
+    parser.add_argument("--env-connections", type=int, default=16,
+                        help="client connections of the ours-processes run (the kernel places each on a process)")
     parser.add_argument("--streams-per-channel", type=int, default=2048, help="streams on one client channel")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound on each run, seconds")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run; medians reported")

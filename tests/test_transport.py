@@ -205,3 +205,28 @@ async def test_an_interceptor_refuses_with_typed_errors(refusing_stack) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
     assert grpc.StatusCode.PERMISSION_DENIED.name == refused.value.code
+
+
+async def test_a_server_without_interceptors_refuses_undecodable_requests_typed():
+    """With no interceptor installed, calls skip the interceptor layer's context managers (tool calls are the
+    messages sent most), and a request that does not parse is still INVALID_ARGUMENT, unary or streamed."""
+    from yieldloop_server.env.inprocess import InProcessHost
+    from yieldloop_server.env.loader import load_environment
+    from yieldloop_server.env.server import build
+
+    server = await build(InProcessHost([load_environment("yieldloop.envs.bench:env")]), transport=TransportConfig())
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            for method, kind in (("ListScenarios", "unary_unary"), ("StreamEpisode", "stream_stream")):
+                rpc = getattr(channel, kind)(f"/yieldloop.env.v1.EnvService/{method}")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    if kind == "unary_unary":
+                        await rpc(b"\xff\xff\xff\x01", timeout=30)
+                    else:
+                        async for _ in rpc(iter([b"\xff\xff\xff\x01"]), timeout=30):
+                            pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value)
+                assert "does not parse" in err.value.details()
+    finally:
+        await server.stop(0)

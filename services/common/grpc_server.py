@@ -128,6 +128,24 @@ class _Interceptors(grpc.aio.ServerInterceptor):
                 raise request.refusal()
             return request
 
+        if not interceptors:  # nothing to enter: no context managers around every call
+            if inspect.isasyncgenfunction(behavior):
+
+                async def bare_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    if isinstance(request, Undecodable):  # a unary request (streams are checked as read)
+                        await _abort(context, request.refusal())
+                    async for item in behavior(checked(request), context):
+                        yield item
+
+                return bare_stream
+
+            async def bare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, Undecodable):
+                    await _abort(context, request.refusal())
+                return await behavior(checked(request), context)
+
+            return bare
+
         if inspect.isasyncgenfunction(behavior):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -240,14 +240,12 @@ def _unsampled_parent(parent: Any = None) -> bool:
     return context.is_valid and not context.trace_flags.sampled
 
 
-@contextlib.contextmanager
-def span(name: str, attributes: dict[str, Any] | None = None, **options: Any) -> Iterator[Any]:
-    """A span (a no-op when tracing is off or the trace is not sampled)."""
+def span(name: str, attributes: dict[str, Any] | None = None,
+         **options: Any) -> contextlib.AbstractContextManager[Any]:
+    """A span (a do-nothing context, entered as None, when tracing is off or the trace is not sampled)."""
     if not _enabled or _unsampled_parent():
-        yield None
-        return
-    with tracer().start_as_current_span(name, attributes=attributes, **options) as current:
-        yield current
+        return _NOTHING
+    return tracer().start_as_current_span(name, attributes=attributes, **options)
 
 
 class _Nothing:
@@ -607,9 +605,16 @@ def observe(name: str, read: Callable[[], float], *, unit: str = "1", descriptio
                                    description=description)
 
 
+def in_flight(name: str, attributes: dict[str, Any] | None = None,
+              description: str = "") -> contextlib.AbstractContextManager[None]:
+    """Counts the block as in flight while it runs (a do-nothing context when metrics are off)."""
+    if _meter is None:
+        return _NOTHING
+    return _in_flight(name, attributes, description)
+
+
 @contextlib.contextmanager
-def in_flight(name: str, attributes: dict[str, Any] | None = None, description: str = "") -> Iterator[None]:
-    """Counts the block as in flight while it runs."""
+def _in_flight(name: str, attributes: dict[str, Any] | None, description: str) -> Iterator[None]:
     gauge_delta(name, 1, attributes, description=description)
     try:
         yield

@@ -49,14 +49,17 @@ def tool_specs(info: EnvInfo) -> list[common_pb.ToolSpec]:
     ]
 
 
-def prompt_messages(prompt: str | list[dict[str, str]]) -> tuple[str, list[common_pb.ChatMessage], bool]:
-    """Text and chat forms of a scenario prompt, and whether it is raw text (no chat form)."""
+def fill_prompt(started: pb.EpisodeStarted, prompt: str | list[dict[str, str]]) -> None:
+    """Puts a scenario prompt's text and chat forms in ``started`` (raw text: no chat form)."""
     if isinstance(prompt, RawText):
-        return str(prompt), [], True
-    if isinstance(prompt, str):
-        return prompt, [common_pb.ChatMessage(role="user", content=prompt)], False
-    messages = [common_pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]
-    return "\n".join(m.content for m in messages), messages, False
+        started.prompt, started.raw_text = str(prompt), True
+    elif isinstance(prompt, str):
+        started.prompt = prompt
+        started.messages.add(role="user", content=prompt)
+    else:
+        for m in prompt:
+            started.messages.add(role=m["role"], content=m["content"])
+        started.prompt = "\n".join(m["content"] for m in prompt)
 
 
 class Deadlines:
@@ -69,16 +72,17 @@ class Deadlines:
 
     def __init__(self, tick_s: float = 0.05) -> None:
         self.tick_s = tick_s
-        self._watched: dict[asyncio.Task, tuple[float, str, str]] = {}
+        self._watched: dict[asyncio.Task, tuple[float, str, str, str]] = {}
         self._fired: dict[asyncio.Task, tuple[str, str]] = {}
         self._sweeper: asyncio.Task | None = None
 
-    def watch(self, task: asyncio.Task, when: float, what: str, reason: str) -> None:
-        """(Re)arms ``task``'s deadline at loop time ``when`` (inf: none)."""
+    def watch(self, task: asyncio.Task, when: float, what: str, reason: str, subject: str = "") -> None:
+        """(Re)arms ``task``'s deadline at loop time ``when`` (inf: none); the error says ``what`` (formatted with
+        ``subject`` only if the deadline passes: this runs twice per tool call)."""
         if when == math.inf:
             self._watched.pop(task, None)
             return
-        self._watched[task] = (when, what, reason)
+        self._watched[task] = (when, what, reason, subject)
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
@@ -100,10 +104,10 @@ class Deadlines:
         while True:
             await asyncio.sleep(self.tick_s)
             now = loop.time()
-            for task, (when, what, reason) in list(self._watched.items()):
+            for task, (when, what, reason, subject) in list(self._watched.items()):
                 if now >= when:
                     del self._watched[task]
-                    self._fired[task] = (what, reason)
+                    self._fired[task] = (what.format(subject), reason)
                     task.cancel()
 
     async def close(self) -> None:
@@ -188,13 +192,13 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
     def __init__(self, host: EpisodeHost) -> None:
         self.host = host
         self.deadlines = Deadlines()
-        self._tool_specs: dict[str, tuple[EnvInfo, list[common_pb.ToolSpec]]] = {}
+        self._started: dict[str, tuple[EnvInfo, pb.EpisodeStarted]] = {}
 
-    def tool_specs(self, info: EnvInfo) -> list[common_pb.ToolSpec]:
-        """``info``'s tools as sent with every EpisodeStarted: built once per environment, not per episode."""
-        cached = self._tool_specs.get(info.name)
+    def started(self, info: EnvInfo) -> pb.EpisodeStarted:
+        """What every EpisodeStarted of ``info`` holds (its tools): built once per environment, not per episode."""
+        cached = self._started.get(info.name)
         if cached is None or cached[0] is not info:
-            cached = self._tool_specs[info.name] = (info, tool_specs(info))
+            cached = self._started[info.name] = (info, pb.EpisodeStarted(tools=tool_specs(info)))
         return cached[1]
 
     @rpc
@@ -209,7 +213,7 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     description=scenario["description"],
                     args_json_schema=json.dumps(scenario["args_schema"]),
                 )
-            response.tools.extend(self.tool_specs(info))
+            response.tools.extend(self.started(info).tools)
         return response
 
     @rpc
@@ -319,19 +323,21 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                 action = request.WhichOneof("action")
                 if action == "call_tool" and info is not None:
                     call = request.call_tool
-                    watch(me, min(deadline, loop.time() + info.tool_timeout_s), f"tool {call.name!r}", "TOOL_DEADLINE")
+                    name = call.name
+                    watch(me, min(deadline, loop.time() + info.tool_timeout_s), "tool {!r}", "TOOL_DEADLINE", name)
                     try:
                         arguments = _json_object(call.arguments_json, "TOOL_ARGS_INVALID", "call_tool.arguments_json")
-                        with telemetry.tool_call(call.name, "yieldloop.env.tool_call.duration"):
-                            content, is_error = await self.host.call_tool(key, call.name, arguments)
+                        with telemetry.tool_call(name, "yieldloop.env.tool_call.duration"):
+                            content, is_error = await self.host.call_tool(key, name, arguments)
                     except InvalidArgumentError as err:
                         if not call.errors_as_results or err.reason not in ("TOOL_NOT_FOUND", "TOOL_ARGS_INVALID"):
                             raise
                         content, is_error = f"{err.reason}: {err.message}", True
                     watch(me, deadline, "the episode", "EPISODE_DEADLINE")
-                    await write(pb.StreamEpisodeResponse(
-                        tool_result=pb.ToolResult(call_id=call.call_id, content=content, is_error=is_error)
-                    ))
+                    response = pb.StreamEpisodeResponse()  # filled in place: a nested message built apart is copied
+                    result = response.tool_result
+                    result.call_id, result.content, result.is_error = call.call_id, content, is_error
+                    await write(response)
                 elif action == "start":
                     task = request.start.task
                     info = resolve_env(self.host.envs, task.env)
@@ -340,13 +346,12 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     args = _json_object(task.args_json, "SCENARIO_ARGS_INVALID", "start.task.args_json")
                     with telemetry.span("start", {"yieldloop.env": info.name, "yieldloop.scenario": task.scenario}):
                         opened = await self.host.open(info.name, task.scenario, args, key)
-                    text, messages, raw = prompt_messages(opened)
-                    await write(pb.StreamEpisodeResponse(
-                        started=pb.EpisodeStarted(
-                            episode_id=request.start.episode_id or key, prompt=text, messages=messages,
-                            tools=self.tool_specs(info), raw_text=raw,
-                        )
-                    ))
+                    response = pb.StreamEpisodeResponse()
+                    started = response.started
+                    started.MergeFrom(self.started(info))  # the tools, copied in C
+                    started.episode_id = request.start.episode_id or key
+                    fill_prompt(started, opened)
+                    await write(response)
                 elif info is None:
                     raise protocol_error(f"{action or 'an empty message'} before start")
                 elif action == "submit":
@@ -360,9 +365,11 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                         if span is not None:
                             span.set_attribute("yieldloop.reward", grade.reward)
                     info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info
-                    await write(pb.StreamEpisodeResponse(
-                        graded=pb.EpisodeGraded(reward=grade.reward, info_json=json.dumps(info_json, default=str))
-                    ))
+                    response = pb.StreamEpisodeResponse()
+                    graded = response.graded
+                    graded.reward = grade.reward
+                    graded.info_json = json.dumps(info_json, default=str) if info_json else "{}"
+                    await write(response)
                 else:
                     raise protocol_error("empty request")
         finally:

@@ -129,14 +129,19 @@ class Tool:
 
     def __post_init__(self) -> None:
         self.is_async = inspect.iscoroutinefunction(self.fn)
+        self._what = f"tool {self.name!r}"
 
     def validate(self, arguments: dict[str, Any]) -> None:
-        validate_arguments(arguments, self.parameters, what=f"tool {self.name!r}", reason="TOOL_ARGS_INVALID")
+        validate_arguments(arguments, self.parameters, what=self._what, reason="TOOL_ARGS_INVALID")
 
     async def call(self, arguments: dict[str, Any], ctx: EpisodeContext) -> Any:
         if self.context_params:
-            arguments = {**arguments, **{p: ctx for p in self.context_params}}
-        return await call_maybe_async(self.fn, is_async=self.is_async, **arguments)
+            arguments = dict(arguments)
+            for param in self.context_params:
+                arguments[param] = ctx
+        if self.is_async:  # (no detour through call_maybe_async: a tool call is the message sent most)
+            return await self.fn(**arguments)
+        return await call_maybe_async(self.fn, is_async=False, **arguments)
 
 
 @dataclasses.dataclass
