@@ -159,7 +159,7 @@ def _with_replicas(opts: ServeOptions, start: Starter, stop: Stopper) -> tuple[S
     others, started once this one is bound, on its port, each supervised (started again when it dies, on the same
     port) and ended with this process (SIGTERM when it stops; the kernel's parent-death signal when it is killed).
     The service key goes to them in their environment, as ``yieldloop up`` hands it to its services."""
-    from yieldloop_server.stack import ServiceProcess
+    from yieldloop_server.supervisor import ServiceProcess
 
     replicas: list[ServiceProcess] = []
 

@@ -23,7 +23,7 @@ from yieldloop.environment import Task
 from yieldloop.transport import TransportConfig
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.config import EnvOptions, ServeOptions
-from yieldloop_server.stack import ServiceProcess
+from yieldloop_server.supervisor import ServiceProcess
 
 PID_ENV = f"{pathlib.Path(__file__).parent / 'envs' / 'pid_env.py'}:env"
 CONNECTIONS = 16  # the kernel places each connection: all 16 on one of 2 processes has odds of 2^-15
