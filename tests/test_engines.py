@@ -518,9 +518,8 @@ async def test_torch_process_engine_whose_pipe_broke_starts_a_new_child(engine_f
         engine._conn = ours  # writes now fail with EPIPE; the child itself is alive and well
         assert engine._process.is_alive() and not engine.is_down()
         tokens, logprobs, versions = flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=4, temperature=0.0)))
-        # The same greedy tokens from the new child (how they are grouped into deltas depends on timing).
-        assert tokens == flat(expected)[0] and versions == ["v1"] * 4
-        assert logprobs == pytest.approx(flat(expected)[1], abs=0.1)
+        # The same tokens and logprobs from the new child (how they are grouped into deltas depends on timing).
+        assert (tokens, logprobs, versions) == flat(expected)
         assert engine.revivals == 1 and engine.weight_version == "v1"
     finally:
         await engine.close()
