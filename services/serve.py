@@ -97,12 +97,11 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
 
         workers = opts.env.workers
         config = HostConfig(type="workers", num_workers=workers) if workers else HostConfig("inprocess")
-        shared = opts.env.share_port or opts.env.processes > 1
+        starts_others = opts.env.processes > 1 and not opts.env.share_port
+        shared = opts.env.share_port or starts_others
         transport = dataclasses.replace(opts.transport, share_port=True) if shared else opts.transport
         server = await build(create_host(opts.env.specs, config), opts.host, opts.port, transport)
-        if opts.env.share_port or opts.env.processes <= 1:
-            return server.start, server.stop
-        return _with_replicas(opts, server.start, server.stop)
+        return _with_replicas(opts, server.start, server.stop) if starts_others else (server.start, server.stop)
     if opts.service == "trainer":
         from yieldloop_server.trainer import distributed
         from yieldloop_server.trainer.server import build
@@ -169,10 +168,10 @@ def _with_replicas(opts: ServeOptions, start: Starter, stop: Stopper) -> tuple[S
         work_dir = opts.data_dir / "work" / "env"
         work_dir.mkdir(parents=True, exist_ok=True)
         for index in range(1, opts.env.processes):
-            replica = dataclasses.replace(
-                opts, port=port, ready_file=work_dir / f"process-{index}.json",
+            replica = dataclasses.replace(  # this process answers the probes; each has metrics of its own
+                opts, port=port, ready_file=work_dir / f"process-{index}.json", metrics_port=0,
                 env=dataclasses.replace(opts.env, processes=1, share_port=True),
-                transport=dataclasses.replace(opts.transport, health_port=0))  # this process answers the probes
+                transport=dataclasses.replace(opts.transport, health_port=0))
             replicas.append(ServiceProcess(replica, opts.data_dir / "logs", name=f"env-{index}",
                                            service_key=opts.transport.api_key, exit_with_parent=True))
         try:

@@ -7,7 +7,6 @@ The one place servers are built: options, and the transport's interceptors wrapp
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -128,36 +127,25 @@ class _Interceptors(grpc.aio.ServerInterceptor):
                 raise request.refusal()
             return request
 
-        if not interceptors:  # nothing to enter: no context managers around every call
-            if inspect.isasyncgenfunction(behavior):
-
-                async def bare_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                    if isinstance(request, Undecodable):  # a unary request (streams are checked as read)
-                        await _abort(context, request.refusal())
-                    async for item in behavior(checked(request), context):
-                        yield item
-
-                return bare_stream
-
-            async def bare(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if isinstance(request, Undecodable):
-                    await _abort(context, request.refusal())
-                return await behavior(checked(request), context)
-
-            return bare
-
+        # A refusal (an interceptor's on entry, an undecodable unary request) answers its typed status.
         if inspect.isasyncgenfunction(behavior):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with _refusals(context), intercepting(interceptors, call):
-                    async for item in behavior(checked(request), context):
-                        yield item
+                try:
+                    async with intercepting(interceptors, call):
+                        async for item in behavior(checked(request), context):
+                            yield item
+                except YieldloopError as exc:
+                    await _abort(context, exc)
 
             return stream
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async with _refusals(context), intercepting(interceptors, call):
-                return await behavior(checked(request), context)
+            try:
+                async with intercepting(interceptors, call):
+                    return await behavior(checked(request), context)
+            except YieldloopError as exc:
+                await _abort(context, exc)
 
         return unary
 
@@ -168,15 +156,6 @@ _HANDLER_KINDS = {
     "stream_unary": grpc.stream_unary_rpc_method_handler,
     "stream_stream": grpc.stream_stream_rpc_method_handler,
 }
-
-
-@contextlib.asynccontextmanager
-async def _refusals(context: grpc.aio.ServicerContext) -> Any:
-    """An interceptor refusing a call (a YieldloopError on entry) answers its typed status."""
-    try:
-        yield
-    except YieldloopError as exc:
-        await _abort(context, exc)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: YieldloopError) -> None:

@@ -180,9 +180,17 @@ def open_channel(address: str, config: TransportConfig = DEFAULT_TRANSPORT) -> g
     return grpc.aio.insecure_channel(address, options=config.channel_options(), interceptors=interceptors)
 
 
+def intercepting(interceptors: Sequence[ServerInterceptor],
+                 call: CallInfo) -> contextlib.AbstractAsyncContextManager[Any]:
+    """Enters every interceptor for ``call`` (first outermost); gRPC servers and the HTTP endpoint share it. With
+    none, a do-nothing context (it wraps every call a server answers)."""
+    if not interceptors:
+        return contextlib.nullcontext()
+    return _intercepting(interceptors, call)
+
+
 @contextlib.asynccontextmanager
-async def intercepting(interceptors: Sequence[ServerInterceptor], call: CallInfo) -> Any:
-    """Enters every interceptor for ``call`` (first outermost); gRPC servers and the HTTP endpoint share it."""
+async def _intercepting(interceptors: Sequence[ServerInterceptor], call: CallInfo) -> Any:
     async with contextlib.AsyncExitStack() as stack:
         for interceptor in interceptors:
             await stack.enter_async_context(interceptor.intercept(call))
