@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import pathlib
 
 import pytest
 from engine_harness import ServedEngine
@@ -567,6 +568,35 @@ async def test_a_service_whose_engine_process_dies_serves_again(engine_folders, 
         assert (await served.client.generate(PROMPT, sampling=greedy)).weight_version == "v2"
     finally:
         await stop_engine(served)
+    if kind == "vllm":  # neither the dead engine's sockets nor the closed one's are left behind
+        from yieldloop_server.rollout.engines.vllm_engine import bound_socket_paths, rpc_dir
+
+        assert not [path for path in rpc_dir().iterdir() if str(path) not in bound_socket_paths()]
+
+
+def test_vllm_sockets_go_to_a_folder_of_the_process_removed_at_exit(tmp_path) -> None:
+    """vLLM leaves a socket file per ZeroMQ socket in VLLM_RPC_BASE_PATH (default /tmp) and never removes it:
+    every engine start left 7 in /tmp. The engine points vLLM at a folder of its process's own, removed at exit;
+    a folder whose process is gone (killed with -9) is removed by the next process that starts an engine."""
+    import os
+    import subprocess
+    import sys
+
+    gone = tmp_path / "yieldloop-vllm-99999999"  # no such pid
+    gone.mkdir()
+    (gone / "3bc5e0a0-91d8-4ab7-9cdd-25185b44ae26").touch()
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"} | {"TMPDIR": str(tmp_path)}
+    script = ("import os\nfrom yieldloop_server.rollout.engines.vllm_engine import rpc_dir\nfolder = rpc_dir()\n"
+              "print(folder, os.environ['VLLM_RPC_BASE_PATH'], folder and oct(folder.stat().st_mode & 0o777))")
+
+    def run(**extra: str) -> list[str]:
+        return subprocess.run([sys.executable, "-c", script], env=environ | extra, capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    folder, told, mode = run()
+    assert pathlib.Path(folder).parent == tmp_path and told == folder and mode == "0o700"
+    assert not gone.exists() and not pathlib.Path(folder).exists()  # the dead one's swept, its own removed at exit
+    assert run(VLLM_RPC_BASE_PATH=str(tmp_path)) == ["None", str(tmp_path), "None"]  # the environment's choice
 
 
 async def test_a_dead_engine_is_started_again_with_no_call_and_health_says_while_it_cannot(engine_folders,

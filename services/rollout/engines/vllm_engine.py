@@ -22,12 +22,15 @@ starts a new ``AsyncLLM`` on the weights and adapters the dead one served (see `
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import itertools
 import json
 import logging
 import os
 import pathlib
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -59,13 +62,74 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+RPC_DIR_PREFIX = "yieldloop-vllm-"
+"""``<tmp>/yieldloop-vllm-<pid>``: the folder of a process's vLLM sockets (see :func:`rpc_dir`)."""
+
+
+@functools.cache
+def rpc_dir() -> pathlib.Path | None:
+    """The folder where this process's vLLM engines put their ZeroMQ sockets (``VLLM_RPC_BASE_PATH``), or None
+    where the environment chose one.
+
+    vLLM names each socket ``<VLLM_RPC_BASE_PATH>/<uuid4>`` (default: the temp folder) and never removes the file:
+    every engine start left 7 socket files in /tmp, shut down cleanly or not (thousands on a machine that runs the
+    tests). Here they go to a folder of this process's own (mode 0700), whose stale sockets are removed whenever
+    an engine shuts down (:func:`remove_stale_sockets`) and which is removed at exit; folders of processes that
+    are gone (killed with -9) are removed by the next process that starts an engine.
+    """
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        return None
+    base = pathlib.Path(tempfile.gettempdir())
+    for old in base.glob(RPC_DIR_PREFIX + "*"):
+        pid = old.name[len(RPC_DIR_PREFIX):]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    folder = base / f"{RPC_DIR_PREFIX}{os.getpid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    os.environ["VLLM_RPC_BASE_PATH"] = str(folder)
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def bound_socket_paths() -> set[str]:
+    """The paths of every Unix socket bound on this host (Linux's ``/proc/net/unix``; OSError elsewhere)."""
+    with open("/proc/net/unix") as table:
+        return {fields[7].rstrip("\n") for fields in (line.split(maxsplit=7) for line in table) if len(fields) == 8}
+
+
+def remove_stale_sockets(folder: pathlib.Path) -> None:
+    """Removes the socket files in ``folder`` that no process listens on any more; the live ones of engines still
+    serving stay."""
+    try:
+        bound, names = bound_socket_paths(), list(folder.iterdir())
+    except OSError:
+        return
+    for path in names:
+        if str(path) not in bound:
+            path.unlink(missing_ok=True)
+
+
 async def _shut_down(llm: Any) -> None:
-    """Shuts an ``AsyncLLM`` down. Its ``__del__`` shuts it down again when it is collected, which for one kept
-    alive by reference cycles (or frozen out of the collector, see ``serve.settle_heap``) is at interpreter exit,
-    after its module's globals are gone: "Exception ignored ... TypeError" on every exit. A shut-down engine's
-    object skips that second shutdown."""
+    """Shuts an ``AsyncLLM`` down and removes the sockets it leaves (:func:`rpc_dir`). Its ``__del__`` shuts it
+    down again when it is collected, which for one kept alive by reference cycles (or frozen out of the
+    collector, see ``serve.settle_heap``) is at interpreter exit, after its module's globals are gone: "Exception
+    ignored ... TypeError" on every exit. A shut-down engine's object skips that second shutdown."""
     await asyncio.to_thread(llm.shutdown)
     llm.__class__ = _shut_down_class(type(llm))
+    folder = rpc_dir()
+    if folder is not None:
+        await asyncio.to_thread(remove_stale_sockets, folder)
 
 
 @functools.cache
@@ -179,6 +243,7 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        rpc_dir()
         args = AsyncEngineArgs(
             model=str(folder),
             dtype=self.dtype,
