@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pathlib
-import tempfile
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from scratch import scratch_dir  # noqa: E402
 
 
 async def measure(group_size: int, max_tokens: int, device: str) -> None:
@@ -21,7 +24,7 @@ async def measure(group_size: int, max_tokens: int, device: str) -> None:
     from yieldloop.envs.letters import tasks
     from yieldloop_server.stack import InProcessStack, StackConfig
 
-    stack = InProcessStack(StackConfig(data_dir=pathlib.Path(tempfile.mkdtemp(prefix="yl-consistency-")), device=device))
+    stack = InProcessStack(StackConfig(data_dir=scratch_dir("yl-consistency-"), device=device))
     await stack.start()
     try:
         async with Client(**stack.addresses, api_key=stack.api_key) as client:

@@ -34,12 +34,14 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import yieldloop  # noqa: F401  (sets gRPC's fork handling before grpc loads)
 import grpc
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from scratch import scratch_dir  # noqa: E402
 
 ECHO_SERVICE = "yieldloop.loadtest.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"
@@ -387,7 +389,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.config import EnvOptions, ServeOptions
 
     pace = (args.think_min, args.think_max) if args.mode == "agent-pace" else None
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="yl-envbench-"))
+    workdir = scratch_dir("yl-envbench-")
     n_channels = max(1, math.ceil(args.episodes / args.streams_per_channel))
 
     host = InProcessHost([load_environment("yieldloop.envs.bench:env")])

@@ -15,9 +15,12 @@ import asyncio
 import json
 import pathlib
 import statistics
-import tempfile
+import sys
 import time
 import uuid
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from scratch import scratch_dir  # noqa: E402
 
 
 async def bench(args: argparse.Namespace) -> dict:
@@ -27,7 +30,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.config import EnvOptions, StackConfig
     from yieldloop_server.stack import InProcessStack
 
-    stack = InProcessStack(StackConfig(data_dir=pathlib.Path(tempfile.mkdtemp(prefix="hudbench-")),
+    stack = InProcessStack(StackConfig(data_dir=scratch_dir("yl-hudbench-"),
                                        env=EnvOptions(workers=0)))
     await stack.start()
     try:

@@ -25,12 +25,12 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from envbench import tree_cpu_s  # noqa: E402
 from trainerbench import run_and_report  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 SPLIT = ("rollout_s", "forward_backward_s", "optim_s", "heldout_s", "reload_s", "total_s")
 
@@ -56,7 +56,7 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
     from yieldloop_server.config import StackConfig
     from yieldloop_server.stack import ProcessStack
 
-    stack = ProcessStack(StackConfig(data_dir=pathlib.Path(tempfile.mkdtemp(prefix="yl-loopbench-")),
+    stack = ProcessStack(StackConfig(data_dir=scratch_dir("yl-loopbench-"),
                                      rollout=rollout_options(variant)))  # type: ignore[arg-type]
     addresses = await stack.start()
     pids = {name: service.process.pid for name, service in stack.services.items()}

@@ -15,12 +15,12 @@ import pathlib
 import random
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from reloadbench import start_moto  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 
 def make_runs(n: int):
@@ -62,7 +62,7 @@ def main() -> None:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
         url = "s3://bench/traces"
     else:
-        url = tempfile.mkdtemp(prefix="yl-recordbench-")
+        url = str(scratch_dir("yl-recordbench-"))
     try:
         traces = TraceStore(open_store(url), run_to_bytes, run_from_bytes)
         times: dict[str, list[float]] = {"one write per run": [], "one segment per batch": [], "read back": []}

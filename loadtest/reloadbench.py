@@ -24,6 +24,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from trainerbench import build_model, run_and_report  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -50,7 +51,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.stack import ensure_stack_keys
     from yieldloop_server.store import open_store
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="yl-reloadbench-"))
+    root = scratch_dir("yl-reloadbench-")
     folder = build_model(root / "model", args.hidden, args.layers)
     size = sum(p.stat().st_size for p in folder.iterdir())
     moto = None

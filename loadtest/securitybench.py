@@ -25,13 +25,13 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import envbench  # noqa: E402
 import generatebench  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 SETTINGS = ("off", "auth", "auth+trace100", "auth+trace1")
 SAMPLERS = {"auth+trace100": ("always_on", ""), "auth+trace1": ("parentbased_traceidratio", "0.01")}
@@ -115,7 +115,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.stack import ensure_stack_keys
     from yieldloop_server.store import open_store
 
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="yl-securitybench-"))
+    workdir = scratch_dir("yl-securitybench-")
     store = open_store(str(workdir / "store"))
     admin, _ = ensure_stack_keys(store, workdir)
     sink = envbench.ServerProcess([__file__, "otlp-sink"], workdir, "sink")

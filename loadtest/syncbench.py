@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pathlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from trainerbench import build_model, make_batch, run_and_report  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 WAYS = ("through_store", "direct", "stream", "group")
 WEIGHTS_FROM = {"through_store": "auto", "direct": "auto", "stream": "stream", "group": "group"}
@@ -55,7 +54,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.stack import ensure_model, ensure_stack_keys
     from yieldloop_server.store import open_store
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="yl-syncbench-"))
+    root = scratch_dir("yl-syncbench-")
     url = str(root / "store")
     store = open_store(url)
     if args.hidden:
@@ -124,7 +123,6 @@ async def bench(args: argparse.Namespace) -> dict:
     await client.close()
     for stop in reversed(stoppers):
         await stop(1.0)
-    shutil.rmtree(root, ignore_errors=True)  # gigabytes: every way's store, fleet caches and trainer folders
     result = {"model": base, "weights_mb": round(weights_mb, 1), "fleet": args.fleet, "steps_each": args.steps,
               "state_every": args.state_every}
     if "group" in args.ways:

@@ -24,8 +24,11 @@ import json
 import pathlib
 import random
 import statistics
-import tempfile
+import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from scratch import scratch_dir  # noqa: E402
 
 
 def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: int = 0, seed: int = 0,
@@ -106,7 +109,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.trainer import server as trainer_server
     from yieldloop_server.trainer.trainer import TrainerConfig
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="yl-trainerbench-"))
+    root = scratch_dir("yl-trainerbench-")
     folder = build_model(root / "model", args.hidden, args.layers, args.intermediate, vocab=args.vocab,
                          kv_heads=args.kv_heads, context=max(1024, args.tokens))
     store = open_store(str(root / "store"))

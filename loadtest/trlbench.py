@@ -36,11 +36,11 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from trainerbench import run_and_report  # noqa: E402
+from scratch import scratch_dir  # noqa: E402
 
 LEARNING_RATE = 1e-3
 GROUP = 8
@@ -167,7 +167,7 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.stack import ensure_model
     from yieldloop_server.store import open_store
 
-    root = pathlib.Path(tempfile.mkdtemp(prefix="yl-trlbench-"))
+    root = scratch_dir("yl-trlbench-")
     store_dir = root / "base-store"
     ensure_model(open_store(str(store_dir)), "tiny")
     base = store_dir / "models" / "tiny" / "checkpoints" / "base"
