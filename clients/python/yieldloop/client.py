@@ -107,7 +107,9 @@ class _CallStatus:
 
     def __init__(self, call: Any) -> None:
         self.call = call
-        self._server: grpc.aio.AioRpcError | None = None
+        self._server: Any = None
+        """The first status the server sent (grpcio's own status object: its AioRpcError is built only when
+        :meth:`error` asks, not for the calls that end well)."""
         self._arrived = asyncio.Event()
         call.add_done_callback(self._on_status)
 
@@ -115,9 +117,7 @@ class _CallStatus:
         status = getattr(getattr(call, "_cython_call", None), "_status", None)
         if self._server is not None or status is None or status.details() == _CORE_INTERNAL:
             return
-        self._server = grpc.aio.AioRpcError(
-            _STATUS_CODES.get(status.code(), grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
-            grpc.aio.Metadata(*(status.trailing_metadata() or ())), status.details())
+        self._server = status
         self._arrived.set()
 
     async def error(self, err: grpc.aio.AioRpcError | None = None) -> YieldloopError:
@@ -129,7 +129,10 @@ class _CallStatus:
             except TimeoutError:  # no status from the server (the connection broke): core's stands
                 pass
         if self._server is not None:
-            err = self._server
+            status = self._server
+            err = grpc.aio.AioRpcError(
+                _STATUS_CODES.get(status.code(), grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
+                grpc.aio.Metadata(*(status.trailing_metadata() or ())), status.details())
         elif err is None:
             err = grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), await call.trailing_metadata(),
                                        await call.details())
