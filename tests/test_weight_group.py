@@ -172,6 +172,60 @@ async def test_bytes_damaged_in_flight_are_refused_and_that_checkpoint_pulled(gr
     assert counter.pulls == pulls + 1
 
 
+async def test_a_member_told_of_a_group_during_a_long_broadcast_joins_once_it_opens(grouped, tmp_path,
+                                                                                     monkeypatch) -> None:
+    """A member that subscribes while a broadcast runs is told of the next group at once, but the trainer forms
+    that group only after the broadcast ended, which for a large model takes longer than a join may
+    (GROUP_TIMEOUT_S). The member waits for the trainer to open the group, then joins: the next step comes by
+    broadcast to every member (it used to time out, and every member pulled that step and subscribed again)."""
+    import time
+
+    from yieldloop_server.trainer import broadcast
+
+    client, counter, _ = grouped
+    await members(client, 1)
+    monkeypatch.setattr(collective, "GROUP_TIMEOUT_S", 2.0)
+    sent = broadcast.broadcast_files
+
+    def long(group, backend, objects, chunk_bytes, source=None, target=None):
+        """The trainer's side of a broadcast that lasts 4 s after its bytes went (twice a join's timeout)."""
+        digests = sent(group, backend, objects, chunk_bytes, source=source, target=target)
+        time.sleep(4.0)
+        return digests
+
+    monkeypatch.setattr(broadcast, "broadcast_files", long)
+    pulls = counter.pulls
+    await step(client, 9)  # served by broadcast; the trainer's side goes on for 4 s
+    other = WeightSubscription(client, "grp", tmp_path / "other")
+    try:
+        await members(client, 2)
+        checkpoint_id = await step(client, 10)  # a new group: opened once step 9's broadcast ended
+        assert await other.arrival(checkpoint_id) == tmp_path / "other" / checkpoint_id
+        assert counter.pulls == pulls and other.received == 1
+    finally:
+        await other.close()
+        monkeypatch.setattr(broadcast, "broadcast_files", sent)
+
+
+async def test_closing_a_member_that_waits_for_a_group_to_open_ends_its_wait() -> None:
+    """A member waiting for its group to open stops when it closes, or when the trainer abandons the group."""
+    import threading
+
+    store = collective.open_store("127.0.0.1", 0, 5.0, master=True)
+    stopped = threading.Event()
+    waiting = asyncio.create_task(asyncio.to_thread(collective.wait_opened, store, "m/1/", stopped))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    stopped.set()
+    with pytest.raises(RuntimeError, match="stopped"):
+        await asyncio.wait_for(waiting, 5)
+    collective.abandon_group(store, "m/2/")
+    with pytest.raises(RuntimeError, match="abandoned"):
+        await asyncio.to_thread(collective.wait_opened, store, "m/2/", threading.Event())
+    collective.open_group(store, "m/3/")
+    await asyncio.to_thread(collective.wait_opened, store, "m/3/", threading.Event())
+
+
 async def test_the_cache_keeps_the_served_and_the_last_few_checkpoints(grouped) -> None:
     from yieldloop_server.rollout.weights import KEEP_CACHED
 

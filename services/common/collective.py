@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import pathlib
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +31,43 @@ def open_store(host: str, port: int, timeout_s: float, master: bool = False) -> 
     if master:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
     return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+OPEN_WAIT_S = 3600.0
+"""How long a member waits for the trainer to open a group it was told to join (:func:`wait_opened`): the trainer
+opens a model's next group only once that model's previous broadcast ended, minutes for a large model."""
+
+_OPENED, _ABANDONED = b"open", b"abandoned"
+
+
+def _state_key(name: str) -> str:
+    return f"{name}state"  # beside the group's own keys (``name`` + "/" + key under its PrefixStore)
+
+
+def open_group(store: Any, name: str) -> None:
+    """Rank 0 is about to join group ``name``: the members waiting in :func:`wait_opened` join now (each join then
+    has ``GROUP_TIMEOUT_S``, counted from here and not from when the member was told of the group)."""
+    store.set(_state_key(name), _OPENED)
+
+
+def abandon_group(store: Any, name: str) -> None:
+    """Group ``name`` will not be formed (or failed): members still waiting for it stop waiting."""
+    store.set(_state_key(name), _ABANDONED)
+
+
+def wait_opened(store: Any, name: str, stopped: threading.Event, timeout_s: float = OPEN_WAIT_S) -> None:
+    """Blocks until rank 0 opens group ``name`` (:func:`open_group`). Raises RuntimeError when it was abandoned,
+    when ``stopped`` is set (the member is closing) or after ``timeout_s``."""
+    key, deadline, pause = _state_key(name), time.monotonic() + timeout_s, 0.01
+    while not store.check([key]):
+        if stopped.is_set():
+            raise RuntimeError(f"stopped while waiting for weight group {name} to open")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"weight group {name} was not opened within {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+    if store.get(key) != _OPENED:
+        raise RuntimeError(f"weight group {name} was abandoned before it formed")
 
 
 def make_group(store: Any, name: str, rank: int, size: int, backend: str, timeout_s: float) -> Any:

@@ -15,6 +15,7 @@ import logging
 import os
 import pathlib
 import shutil
+import threading
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
@@ -226,10 +227,14 @@ class WeightSubscription:
         self.backend = backend
         self.subscribed = False
         self._joining = False
+        self._joined_at = 0.0
+        """When the last join ended (loop time)."""
         self.received = 0
         """Checkpoints received by broadcast."""
         self._arrivals: collections.OrderedDict[str, asyncio.Future[pathlib.Path]] = collections.OrderedDict()
         self._announced = asyncio.Condition()
+        self._stopped = threading.Event()
+        """Set when closing: a thread waiting for a group to open stops waiting."""
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def arrival(self, checkpoint_id: str) -> pathlib.Path | None:
@@ -240,7 +245,9 @@ class WeightSubscription:
         async with self._announced:
             # While a group is being joined the announcements behind it wait: so does this, a while longer.
             while self.subscribed and checkpoint_id not in self._arrivals:
-                left = started + (JOIN_GRACE_S if self._joining else ANNOUNCE_GRACE_S) - loop.time()
+                # A group just joined: the announcement behind it is the stream's next message.
+                left = (started + JOIN_GRACE_S if self._joining
+                        else max(started, self._joined_at) + ANNOUNCE_GRACE_S) - loop.time()
                 if left <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
@@ -269,7 +276,8 @@ class WeightSubscription:
                         group = None
                         await self._set_joining(True)
                         try:
-                            group = (await asyncio.to_thread(_join, message.group), message.group.backend)
+                            group = (await asyncio.to_thread(_join, message.group, self._stopped),
+                                     message.group.backend)
                         finally:
                             await self._set_joining(False)
                     elif event == "broadcast":
@@ -330,6 +338,8 @@ class WeightSubscription:
     async def _set_joining(self, joining: bool) -> None:
         async with self._announced:
             self._joining = joining
+            if not joining:
+                self._joined_at = asyncio.get_running_loop().time()
             self._announced.notify_all()
 
     def _fail_waiting(self, why: str) -> None:
@@ -338,6 +348,7 @@ class WeightSubscription:
                 _settle(future, UnavailableError(why, reason="WEIGHT_GROUP_UNAVAILABLE"))
 
     async def close(self) -> None:
+        self._stopped.set()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -354,10 +365,13 @@ class _GroupBroken(Exception):
     """A broadcast piece failed: the group is unusable."""
 
 
-def _join(group: Any) -> Any:
-    """Joins the process group a WeightGroup message names (blocks until every member and the trainer have)."""
+def _join(group: Any, stopped: threading.Event) -> Any:
+    """Joins the process group a WeightGroup message names once the trainer opened it (it does when its previous
+    broadcast ended, which for a large model can take longer than a join may: see :func:`collective.wait_opened`),
+    then blocks until every member and the trainer have joined."""
     host, port = group.address.rsplit(":", 1)
     store = open_store(host.strip("[]"), int(port), collective.GROUP_TIMEOUT_S)
+    collective.wait_opened(store, group.name, stopped)
     return make_group(store, group.name, group.rank, group.size, group.backend, collective.GROUP_TIMEOUT_S)
 
 

@@ -69,6 +69,8 @@ class WeightGroups:
         self._generations: dict[str, _Generation] = {}
         self._sending: dict[str, asyncio.Task] = {}
         self._numbers = itertools.count(1)
+        self._unopened: set[_Generation] = set()
+        """Generations announced to their members and not opened yet (:func:`collective.open_group`)."""
         self._nccl_failed: set[str] = set()
         """Models whose NCCL group failed (e.g. two members on one GPU): their groups use gloo from then on."""
 
@@ -109,6 +111,7 @@ class WeightGroups:
             generation = _Generation(manifest.model, f"{manifest.model}/{next(self._numbers)}/", members,
                                      "nccl" if cuda else "gloo")
             self._generations[manifest.model] = generation
+            self._unopened.add(generation)
             address = f"{self._host().rsplit(':', 1)[0]}:{self._store.port}"
             for rank, member in enumerate(members, 1):
                 member.queue.put_nowait(pb.SubscribeWeightsResponse(group=pb.WeightGroup(
@@ -129,17 +132,15 @@ class WeightGroups:
     async def _send(self, before: asyncio.Task | None, retired: _Generation | None, generation: _Generation,
                     folder: pathlib.Path, objects: list[ObjectInfo], checkpoint_id: str) -> None:
         if before is not None:
-            with contextlib.suppress(BaseException):
-                await before
+            await asyncio.wait([before])  # its outcome is its own (this task's cancellation still comes through)
         if retired is not None:
             await asyncio.to_thread(close_group, retired.group)
         if generation.failed:
             return
         try:
             if generation.group is None:
-                generation.group = await asyncio.to_thread(
-                    make_group, self._store, generation.name, 0, len(generation.members) + 1, generation.backend,
-                    collective.GROUP_TIMEOUT_S)
+                self._unopened.discard(generation)
+                generation.group = await asyncio.to_thread(self._form, generation)
             await asyncio.to_thread(broadcast_files, generation.group, generation.backend, objects,
                                     CHUNK_BYTES[generation.backend], source=folder)
         except Exception as err:  # deliberate degrade: the members pull instead, and subscribe again
@@ -147,10 +148,19 @@ class WeightGroups:
                         checkpoint_id, len(generation.members), err)
             self._fail(generation, f"the weight group's broadcast of {checkpoint_id} failed: {err}")
 
+    def _form(self, generation: _Generation) -> Any:
+        """Opens the generation's group to its members (told of it when it was announced, they wait for this: the
+        broadcast before it may have lasted longer than a join may take) and joins it as rank 0."""
+        collective.open_group(self._store, generation.name)
+        return make_group(self._store, generation.name, 0, len(generation.members) + 1, generation.backend,
+                          collective.GROUP_TIMEOUT_S)
+
     def _fail(self, generation: _Generation, why: str) -> None:
         """Ends the group and its members' streams; they are out at once (the next group is formed without them,
         not with members that will never join it), and subscribe again."""
         generation.failed = True
+        self._unopened.discard(generation)
+        collective.abandon_group(self._store, generation.name)  # members still waiting for it to open
         if generation.backend == "nccl":
             self._nccl_failed.add(generation.model)
         close_group(generation.group)
@@ -168,6 +178,9 @@ class WeightGroups:
         for task in self._sending.values():
             with contextlib.suppress(BaseException):
                 await task
+        for generation in self._unopened:  # their members would wait for them to open
+            collective.abandon_group(self._store, generation.name)
+        self._unopened.clear()
         for generation in self._generations.values():
             close_group(generation.group)
         self._generations.clear()
