@@ -226,6 +226,22 @@ async def test_closing_a_member_that_waits_for_a_group_to_open_ends_its_wait() -
     await asyncio.to_thread(collective.wait_opened, store, "m/3/", threading.Event())
 
 
+async def test_a_member_of_a_trainer_that_does_not_open_groups_joins_at_once() -> None:
+    """A WeightGroup without ``wait_until_open`` (a trainer from before groups were opened, during a rolling
+    upgrade) is joined at once, as then; with it the member would wait for the group to open."""
+    import threading
+
+    from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
+    from yieldloop_server.rollout import weights
+
+    store = collective.open_store("127.0.0.1", 0, 10.0, master=True)
+    spec = trainer_pb.WeightGroup(address=f"127.0.0.1:{store.port}", name="old/1/", rank=1, size=2, backend="gloo")
+    trainer = asyncio.create_task(asyncio.to_thread(collective.make_group, store, "old/1/", 0, 2, "gloo", 10.0))
+    member = await asyncio.wait_for(asyncio.to_thread(weights._join, spec, threading.Event()), 20)
+    collective.close_group(member)
+    collective.close_group(await trainer)
+
+
 async def test_the_cache_keeps_the_served_and_the_last_few_checkpoints(grouped) -> None:
     from yieldloop_server.rollout.weights import KEEP_CACHED
 

@@ -367,11 +367,13 @@ class _GroupBroken(Exception):
 
 def _join(group: Any, stopped: threading.Event) -> Any:
     """Joins the process group a WeightGroup message names once the trainer opened it (it does when its previous
-    broadcast ended, which for a large model can take longer than a join may: see :func:`collective.wait_opened`),
-    then blocks until every member and the trainer have joined."""
+    broadcast ended, which for a large model can take longer than a join may: see :func:`collective.wait_opened`;
+    at once for a trainer that does not say it opens groups), then blocks until every member and the trainer have
+    joined."""
     host, port = group.address.rsplit(":", 1)
     store = open_store(host.strip("[]"), int(port), collective.GROUP_TIMEOUT_S)
-    collective.wait_opened(store, group.name, stopped)
+    if group.wait_until_open:
+        collective.wait_opened(store, group.name, stopped)
     return make_group(store, group.name, group.rank, group.size, group.backend, collective.GROUP_TIMEOUT_S)
 
 

@@ -116,7 +116,7 @@ class WeightGroups:
             for rank, member in enumerate(members, 1):
                 member.queue.put_nowait(pb.SubscribeWeightsResponse(group=pb.WeightGroup(
                     address=address, name=generation.name, rank=rank, size=len(members) + 1,
-                    backend=generation.backend)))
+                    backend=generation.backend, wait_until_open=True)))
         assert generation is not None
         objects = list(manifest.sampler_objects)
         announcement = pb.SubscribeWeightsResponse(broadcast=pb.WeightBroadcast(

@@ -16,18 +16,20 @@ class SubscribeWeightsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class WeightGroup(_message.Message):
-    __slots__ = ("address", "name", "rank", "size", "backend")
+    __slots__ = ("address", "name", "rank", "size", "backend", "wait_until_open")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_UNTIL_OPEN_FIELD_NUMBER: _ClassVar[int]
     address: str
     name: str
     rank: int
     size: int
     backend: str
-    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    wait_until_open: bool
+    def __init__(self, address: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ..., wait_until_open: _Optional[bool] = ...) -> None: ...
 
 class WeightBroadcast(_message.Message):
     __slots__ = ("checkpoint_id", "objects", "chunk_bytes")
