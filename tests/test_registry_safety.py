@@ -141,3 +141,68 @@ async def test_watchers_of_a_model_share_one_head_poller(tmp_path) -> None:
     assert idle_reads <= 8, idle_reads  # ~5 polls in a second, not 150 x 5
     assert all(s == ["c1", "c2"] for s in seen)
     assert not registry._pollers  # the last watcher gone, the poller stops
+
+
+def test_a_commit_whose_bytes_do_not_match_their_sha256_is_refused(any_store) -> None:
+    """Sizes and sha256 are checked before the manifest is written: a declared hash the bytes do not have is
+    DATA_LOSS naming the object, nothing is committed and HEAD stays; objects verified once are not read again."""
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="m", base="m"))
+    good = _object(registry, "models/m/checkpoints/c1/model.safetensors", b"weights-1")
+    config = _object(registry, "models/m/checkpoints/c1/config.json", b"{}", "config.json")
+    registry.commit(Manifest("m", "c1", [good, config]), set_head=True)
+    right = _object(registry, "models/m/checkpoints/c2/model.safetensors", b"weights-2")
+    zeros = ObjectInfo("model.safetensors", right.size, "0" * 64, right.key)
+
+    with pytest.raises(errors.DataLossError) as err:
+        registry.commit(Manifest("m", "c2", [zeros, config], parent_checkpoint_id="c1"), set_head=True)
+    assert err.value.reason == "CHECKPOINT_CORRUPT" and err.value.field == "manifest.objects[0].sha256"
+    assert right.key in err.value.message
+    assert registry.get_head("m").checkpoint_id == "c1"
+    with pytest.raises(errors.NotFoundError):
+        registry.get_manifest("m", "c2")
+
+    # Committed pending (HEAD moved, the weights served by a trainer), then sealed with the false hash: it stays
+    # pending (never durable, so never loaded from the store).
+    lie = Manifest("m", "c2-pending", [zeros, config], parent_checkpoint_id="c1", pending=True,
+                   weights_source="127.0.0.1:1")
+    registry.commit(lie, set_head=True, expected_head="c1")
+    with pytest.raises(errors.DataLossError):
+        registry.commit(Manifest("m", "c2-pending", [zeros, config], parent_checkpoint_id="c1"))
+    assert registry.get_manifest("m", "c2-pending").pending
+    registry.set_head("m", "c1")
+
+    # The true hash commits. A restarted registry hashes only what no durable manifest vouches for: the shared
+    # config was verified with c1, the new weights are read once.
+    registry.commit(Manifest("m", "c2", [right, config], parent_checkpoint_id="c1"), set_head=True)
+    fresh = CheckpointRegistry(any_store)
+    read: list[str] = []
+    original = any_store.sha256
+    any_store.sha256 = lambda key: read.append(key) or original(key)
+    try:
+        own = _object(registry, "models/m/checkpoints/c3/model.safetensors", b"weights-3")
+        fresh.commit(Manifest("m", "c3", [own, config], parent_checkpoint_id="c2"), set_head=True)
+        assert read == [own.key], "only the new object is hashed"
+        read.clear()
+        fresh.commit(Manifest("m", "c4", [own, config], parent_checkpoint_id="c3"), set_head=True)
+        assert read == [], "an object verified once is not read again"
+    finally:
+        del any_store.sha256
+
+
+async def test_commit_checkpoint_refuses_a_false_hash_over_grpc(client: Client) -> None:
+    """A team's own lineage, one object's sha256 replaced by zeros, set_head: refused, and the model still
+    serves and trains from its head."""
+    head = await client.get_head("tiny")
+    manifest = await client.get_checkpoint("tiny", head.checkpoint_id)
+    assert not manifest.pending
+    forged = manifest.objects[0]
+    forged.sha256 = "0" * 64
+    manifest.checkpoint_id = "forged-" + head.checkpoint_id[-8:]
+    manifest.parent_checkpoint_id = head.checkpoint_id
+    with pytest.raises(errors.DataLossError) as err:
+        await client.commit_checkpoint(manifest, set_head=True)
+    assert err.value.reason == "CHECKPOINT_CORRUPT" and err.value.field.startswith("manifest.objects[")
+    assert (await client.get_head("tiny")) == head
+    with pytest.raises(errors.NotFoundError):
+        await client.get_checkpoint("tiny", manifest.checkpoint_id)

@@ -13,6 +13,7 @@ Plain Python: no grpc here; errors are :mod:`yieldloop.errors` classes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 from yieldloop.errors import (
     AbortedError,
     AlreadyExistsError,
+    DataLossError,
     FailedPreconditionError,
     NotFoundError,
     invalid_field,
@@ -39,6 +41,9 @@ MANIFEST = "manifest.json"
 LIST_THREADS = 2
 """Manifests read at once by one listing: enough to hide S3's round trips, few enough that the threads' share
 of the GIL never stalls the service's event loop."""
+
+VERIFIED_CACHE = 65536
+"""Objects (key, size, sha256) whose bytes this registry hashed, remembered so they are not read again."""
 
 
 def check_owner(owner: str) -> str:
@@ -78,6 +83,7 @@ class CheckpointRegistry:
         # (commit may run in a worker thread, so waking goes through the loop).
         self._head_moved: dict[str, tuple[asyncio.Event, asyncio.AbstractEventLoop]] = {}
         self._pollers: dict[str, _HeadPoller] = {}
+        self._verified: collections.OrderedDict[tuple[str, int, str], None] = collections.OrderedDict()
 
     # Models -----------------------------------------------------------------
 
@@ -249,8 +255,8 @@ class CheckpointRegistry:
     def commit(self, manifest: Manifest, *, set_head: bool = False, expected_head: str = "") -> tuple[Manifest, Head | None]:
         """Checks the objects, writes the manifest last, and optionally moves HEAD.
 
-        Objects are checked by size: their sha256 was computed once, where they were produced, and every reader
-        verifies it. A ``pending`` manifest is committed before its objects reach the store (its trainer serves
+        Objects are checked by size and sha256 (see :meth:`_check_objects`) before a durable manifest is written:
+        a checkpoint whose bytes differ from its manifest is never committed, so HEAD never names one. A ``pending`` manifest is committed before its objects reach the store (its trainer serves
         the weights meanwhile); committing it again with ``pending`` false, once they are all there, makes it
         durable (then it may also gain training-state objects; nothing else may change).
 
@@ -300,12 +306,56 @@ class CheckpointRegistry:
         return manifest, head
 
     def _check_objects(self, manifest: Manifest) -> None:
-        """CHECKPOINT_CORRUPT unless every object is in the store with its declared size."""
-        for obj in {(obj.key, obj.size): obj for obj in manifest.objects}.values():
+        """Every object is in the store with its declared size and sha256, or nothing is committed.
+
+        Bytes are hashed as they stream from the store, a few objects at once; an object verified before (by this
+        registry, or as part of the durable checkpoint whose folder holds it: a parent's shared config and
+        tokenizer) is not read again.
+
+        Raises:
+            FailedPreconditionError: CHECKPOINT_CORRUPT when an object is missing or of another size (a retry
+                once the upload ends may succeed).
+            DataLossError: CHECKPOINT_CORRUPT naming the object whose bytes do not hash to its declared sha256.
+        """
+        objects = list({obj.key: obj for obj in manifest.objects}.values())
+        for obj in objects:
             if self.store.size(obj.key) != obj.size:
                 raise FailedPreconditionError(
                     f"object {obj.key!r} is missing or differs from its declared size", reason="CHECKPOINT_CORRUPT",
                 )
+        owners: dict[str, Manifest | None] = {}
+        unverified = [obj for obj in objects if not self._known_good(obj, manifest, owners)]
+        if not unverified:
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(LIST_THREADS, len(unverified))) as pool:
+            digests = list(pool.map(lambda obj: self.store.sha256(obj.key), unverified))
+        for obj, digest in zip(unverified, digests, strict=True):
+            if digest != obj.sha256:
+                index = manifest.objects.index(obj)
+                raise DataLossError(
+                    f"object {obj.name!r} ({obj.key}) hashes to {digest}, not the declared {obj.sha256[:64]!r}: "
+                    "nothing was committed", reason="CHECKPOINT_CORRUPT", field=f"manifest.objects[{index}].sha256",
+                )
+            self._verified[obj.key, obj.size, obj.sha256] = None
+            while len(self._verified) > VERIFIED_CACHE:
+                self._verified.popitem(last=False)
+
+    def _known_good(self, obj: ObjectInfo, manifest: Manifest, owners: dict[str, Manifest | None]) -> bool:
+        """Whether ``obj``'s bytes were verified already: by this registry, or at the commit of the durable
+        checkpoint whose folder holds them (an object shared with an earlier checkpoint)."""
+        if (obj.key, obj.size, obj.sha256) in self._verified:
+            return True
+        folder = obj.key.rsplit("/", 1)[0]
+        if folder == checkpoint_prefix(manifest.model, manifest.checkpoint_id).rstrip("/"):
+            return False
+        if folder not in owners:
+            try:
+                owners[folder] = Manifest.from_json(self.store.get_bytes(f"{folder}/{MANIFEST}")[0])
+            except ObjectNotFound:
+                owners[folder] = None
+        owner = owners[folder]
+        return owner is not None and not owner.pending and any(
+            (o.key, o.size, o.sha256) == (obj.key, obj.size, obj.sha256) for o in owner.objects)
 
     def lineage(self, model: str) -> list[str]:
         """The model and the models it descends from (its parent, the parent's parent, ...)."""

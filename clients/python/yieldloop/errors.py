@@ -131,6 +131,13 @@ class CancelledError(YieldloopError):
     http_status = 499
 
 
+class DataLossError(YieldloopError):
+    """Bytes differ from what was declared for them (a checksum mismatch): nothing was committed."""
+
+    code = "DATA_LOSS"
+    http_status = 500
+
+
 class InternalError(YieldloopError):
     code = "INTERNAL"
     http_status = 500
@@ -157,6 +164,7 @@ ERRORS_BY_CODE: dict[str, type[YieldloopError]] = {
         UnavailableError,
         DeadlineExceededError,
         CancelledError,
+        DataLossError,
         InternalError,
         UnknownError,
     )

@@ -61,6 +61,7 @@ export class ResourceExhaustedError extends YieldloopError {}
 export class UnavailableError extends YieldloopError {}
 export class DeadlineExceededError extends YieldloopError {}
 export class CancelledError extends YieldloopError {}
+export class DataLossError extends YieldloopError {}
 export class InternalError extends YieldloopError {}
 
 const ERRORS: Partial<Record<Code, [string, typeof YieldloopError]>> = {
@@ -75,6 +76,7 @@ const ERRORS: Partial<Record<Code, [string, typeof YieldloopError]>> = {
   [Code.Unavailable]: ["UNAVAILABLE", UnavailableError],
   [Code.DeadlineExceeded]: ["DEADLINE_EXCEEDED", DeadlineExceededError],
   [Code.Canceled]: ["CANCELLED", CancelledError],
+  [Code.DataLoss]: ["DATA_LOSS", DataLossError],
 };
 
 /** The typed error for anything a call threw (a ConnectError's details read for reason and field). */
