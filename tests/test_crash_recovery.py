@@ -1,12 +1,16 @@
-"""kill -9 of the trainer process at any point of an optimizer step.
+"""kill -9 of the trainer process at any point of an optimizer step, over the filesystem store and S3.
 
 The trainer runs as ``yieldloop up`` runs it: its own process, supervised (started again on the same address
-when it dies). The checkpoint service runs here, with an interceptor that kills the trainer exactly before
-or after a commit went through; other kills land at timed points of the step. Whatever the point, a client
-retrying with its idempotency key (the Python client does so by itself) never hears an error for a step that
-committed durably, each key commits at most once, and HEAD always names a durable checkpoint the restarted
-trainer loads: a step committed pending (its weights served from the trainer, its upload still running) whose
-trainer died is rolled back from, and its caller had heard ``durable`` false.
+when it dies). The checkpoint service runs here, with an interceptor that kills the trainer exactly before or
+after one of its commits (the pending one that moves HEAD, the one that makes the step durable); the other kills
+land at points spread over the whole step. Whatever the point:
+
+- no acknowledged step is lost: a step answers OK only once its checkpoint is durable, and every acknowledged
+  checkpoint stays on HEAD's lineage (recovery never goes below it);
+- HEAD is loadable by every reader at every moment: a reader polling GetHead throughout only ever gets a durable
+  checkpoint, or a pending one its live trainer serves; right after a kill GetHead settles a pending head
+  itself (sealed, or gone back to the nearest durable checkpoint), without waiting for the trainer;
+- nothing is orphaned: at the end no manifest is pending and every object in the store belongs to a manifest.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 import uuid
 
 import pytest
@@ -24,6 +29,7 @@ import pytest_asyncio
 from yieldloop import errors
 from yieldloop.client import Client
 from yieldloop.transport import TransportConfig
+from yieldloop_server.checkpoint.files import download_verified
 from yieldloop_server.config import ServeOptions, StackConfig
 from yieldloop_server.serve import build_service
 from yieldloop_server.stack import ServiceProcess, ensure_model, ensure_stack_keys
@@ -33,50 +39,133 @@ from test_training_safety import fingerprint, good_batch
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+TIMED_KILLS = 23
+"""Kills at points spread over a step's duration (plus 4 at the commits): 27 per store, 54 in all."""
+
 
 class KillTrainer:
-    """A checkpoint-service interceptor that kill -9s the trainer around its next CommitCheckpoint."""
+    """A checkpoint-service interceptor that kill -9s the trainer around its n-th CommitCheckpoint once armed."""
 
     def __init__(self) -> None:
         self.trainer: ServiceProcess | None = None
-        self.plan: list[str] = []
+        self.plan: tuple[int, str] | None = None
+        self.commits = 0
+        self.kills: list[float] = []
+        """When each kill happened (time.monotonic)."""
+
+    def arm(self, nth: int, when: str) -> None:
+        self.plan, self.commits = (nth, when), 0
 
     def kill(self) -> None:
         assert self.trainer is not None and self.trainer.process is not None
+        self.kills.append(time.monotonic())
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.trainer.process.pid, signal.SIGKILL)
 
     @contextlib.asynccontextmanager
     async def intercept(self, call):
-        mode = self.plan.pop(0) if self.plan and call.method.endswith("/CommitCheckpoint") else ""
-        if mode == "before":  # died before its commit reached the store
+        mode = ""
+        if self.plan is not None and call.method.endswith("/CommitCheckpoint"):
+            self.commits += 1
+            if self.commits == self.plan[0]:
+                mode, self.plan = self.plan[1], None
+        if mode == "before":  # died before this commit reached the store
             self.kill()
             raise errors.UnavailableError("the trainer died", reason="INTERNAL")
         yield
-        if mode == "after":  # committed (HEAD moved); the trainer dies before it hears so
+        if mode == "after":  # the commit went through; the trainer dies before it hears so
             self.kill()
             await asyncio.sleep(0.2)
             raise errors.UnavailableError("the trainer died", reason="INTERNAL")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def crashing(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("crash")
+class Reader:
+    """Reads HEAD throughout, as a rollout service would, and records every answer it could not load: a pending
+    checkpoint whose trainer did not serve it (unless a kill landed after the answer), or a durable one with an
+    object missing from the store."""
+
+    def __init__(self, client: Client, store, killer: KillTrainer) -> None:
+        self.client, self.store, self.killer = client, store, killer
+        self.reads = 0
+        self.violations: list[str] = []
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            asked = time.monotonic()
+            with contextlib.suppress(errors.UnavailableError, errors.DeadlineExceededError):
+                head = await self.client.get_head("tiny")
+                manifest = await self.client.get_checkpoint("tiny", head.checkpoint_id)
+                if manifest.pending:
+                    if not await self._served(manifest) and not any(k >= asked for k in self.killer.kills):
+                        self.violations.append(f"{head.checkpoint_id}: pending and not served by its trainer")
+                else:
+                    missing = [o.key for o in manifest.objects
+                               if await asyncio.to_thread(self.store.size, o.key) != o.size]
+                    if missing:
+                        self.violations.append(f"{head.checkpoint_id}: durable with {missing} missing")
+                self.reads += 1
+            await asyncio.sleep(0.01)
+
+    async def _served(self, manifest) -> bool:
+        trainer = Client(trainer=manifest.weights_source, transport=self.client.transport, retry_within_s=0,
+                         timeout=3)
+        try:
+            async for _ in trainer.pull_weights(manifest.model, manifest.checkpoint_id, probe=True):
+                return True
+            return True
+        except errors.YieldloopError:
+            return False
+        finally:
+            await trainer.close()
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+@contextlib.asynccontextmanager
+async def crashing_stack(data_dir, store_url: str):
     killer = KillTrainer()
-    config = StackConfig(data_dir=data_dir, transport=TransportConfig(server_interceptors=(killer,)))
-    await asyncio.to_thread(ensure_model, open_store(config.store_url), "tiny")
-    admin_key, service_key = ensure_stack_keys(open_store(config.store_url), data_dir)
+    config = StackConfig(data_dir=data_dir, store=store_url,
+                         transport=TransportConfig(server_interceptors=(killer,)))
+    store = open_store(config.store_url)
+    await asyncio.to_thread(ensure_model, store, "tiny")
+    admin_key, service_key = ensure_stack_keys(store, data_dir)
     start, stop = await build_service(ServeOptions.of(config, "checkpoint", {}))
     checkpoint = await start()
-    options = ServeOptions.of(StackConfig(data_dir=data_dir), "trainer", {"checkpoint": checkpoint})
+    options = ServeOptions.of(StackConfig(data_dir=data_dir, store=store_url), "trainer", {"checkpoint": checkpoint})
     options.ready_file = data_dir / "run" / "trainer.json"
     options.ready_file.parent.mkdir(parents=True, exist_ok=True)
     killer.trainer = trainer = ServiceProcess(options, data_dir / "logs", service_key=service_key)
     await trainer.start()
-    async with Client(trainer=trainer.address, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
-        yield client, killer, trainer
-    await trainer.stop()
-    await stop(1.0)
+    try:
+        async with Client(trainer=trainer.address, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
+            yield client, killer, trainer, store
+    finally:
+        await trainer.stop()
+        await stop(1.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["fs", "s3"])
+async def crashing(request, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp(f"crash-{request.param}")
+    if request.param == "fs":
+        async with crashing_stack(data_dir, "") as stack:
+            yield stack
+        return
+    import boto3
+
+    endpoint = request.getfixturevalue("moto_endpoint")
+    os.environ["AWS_ENDPOINT_URL"] = endpoint  # the trainer process inherits it, as users configure boto3
+    bucket = f"yl-crash-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    try:
+        async with crashing_stack(data_dir, f"s3://{bucket}/yieldloop") as stack:
+            yield stack
+    finally:
+        os.environ.pop("AWS_ENDPOINT_URL", None)
 
 
 async def committed_with(client: Client, key: str) -> list[str]:
@@ -89,65 +178,109 @@ async def committed_with(client: Client, key: str) -> list[str]:
     return found
 
 
-async def killed_step(
-    client: Client, killer: KillTrainer, trainer: ServiceProcess, kill: str | float, seed: int, durable: bool,
-) -> bool:
-    """One step whose trainer is killed at ``kill`` ("before"/"after" its commit, or seconds into the call);
-    returns whether it committed (``durable``: the step answers once its checkpoint is in the store)."""
+async def lineage(client: Client, checkpoint_id: str) -> list[str]:
+    chain = [checkpoint_id]
+    while parent := (await client.get_checkpoint("tiny", chain[-1])).parent_checkpoint_id:
+        chain.append(parent)
+    return chain
+
+
+async def trainer_back(client: Client, trainer: ServiceProcess, restarts: int) -> None:
+    while trainer.restarts == restarts:  # a kill that landed after the answer: the trainer is still restarting
+        await asyncio.sleep(0.05)
+    for _ in range(200):  # the channel reconnects; the restarted trainer loaded HEAD
+        with contextlib.suppress(errors.UnavailableError):
+            await client.get_trainer_info(model="tiny")
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the trainer did not come back")
+
+
+async def killed_step(client: Client, killer: KillTrainer, trainer: ServiceProcess, kill: tuple[int, str] | float,
+                      seed: int, acknowledged: list[str]) -> str:
+    """One step whose trainer is killed at ``kill`` (before/after its n-th commit, or seconds into the call).
+    Returns what the caller heard ("ok" or the error's reason)."""
     await client.forward_backward(datums=good_batch(seed), model="tiny")
     head = await client.get_head("tiny")
     restarts = trainer.restarts
     key = uuid.uuid4().hex
-    if isinstance(kill, str):
-        killer.plan.append(kill)
-    step = asyncio.create_task(client.optim_step(1e-2, model="tiny", idempotency_key=key, wait_durable=durable))
-    if not isinstance(kill, str):
+    if isinstance(kill, tuple):
+        killer.arm(*kill)
+    step = asyncio.create_task(client.optim_step(1e-2, model="tiny", idempotency_key=key))
+    if not isinstance(kill, tuple):
         await asyncio.sleep(kill)
         killer.kill()
     try:
         outcome = await step  # retried with its key while the trainer restarts
     except errors.FailedPreconditionError as err:
         outcome = err
-    while trainer.restarts == restarts:  # a kill that landed after the answer: the trainer is still restarting
-        await asyncio.sleep(0.1)
-    for _ in range(100):  # the channel reconnects (grpc's backoff, at most 5 s here); the trainer loaded HEAD
-        with contextlib.suppress(errors.UnavailableError):
-            await client.get_trainer_info(model="tiny")
-            break
-        await asyncio.sleep(0.1)
+    if killer.plan is not None:  # the planned commit never came (the step failed before it)
+        killer.plan = None
+        killer.kill()
+    # Right after the kill, before the trainer is back, the head answered is durable (settled if it was not).
+    now = await client.get_head("tiny")
+    assert not (await client.get_checkpoint("tiny", now.checkpoint_id)).pending, "GetHead answered a pending head"
+    await trainer_back(client, trainer, restarts)
     after = await client.get_head("tiny")
     assert not (await client.get_checkpoint("tiny", after.checkpoint_id)).pending, "HEAD names a durable checkpoint"
     committed = await committed_with(client, key)
     assert len(committed) <= 1, "a key committed more than once"
-    durable_commit = committed and not (await client.get_checkpoint("tiny", committed[0])).pending
-    if durable_commit:  # the step committed: its caller must hear it, whatever happened to the trainer
-        assert not isinstance(outcome, Exception), f"a committed step answered {outcome!r}"
-        assert outcome.checkpoint.checkpoint_id == committed[0]
-        assert after.checkpoint_id == committed[0] or not outcome.durable
-    elif isinstance(outcome, Exception):  # not committed, or lost before it was durable: the error says so
+    if isinstance(outcome, Exception):  # not acknowledged: it was not committed, or was abandoned before durable
         assert outcome.reason == "NO_GRADIENTS" and "was not committed" in outcome.message, outcome
-        assert after == head or committed, "HEAD moved back only from a step that never became durable"
-    else:  # answered before it was durable (as it said), then its trainer died: HEAD went back from it
-        assert not outcome.durable and after.checkpoint_id != outcome.checkpoint.checkpoint_id
-    if after.checkpoint_id not in (head.checkpoint_id, *committed):  # went back: to where training resumes exactly
-        manifest = await client.get_checkpoint("tiny", after.checkpoint_id)
-        assert manifest.has_state or not manifest.parent_checkpoint_id
-    return bool(durable_commit)
+        assert not committed or after.checkpoint_id == committed[0], "an unacknowledged step is kept only as HEAD"
+        assert after.checkpoint_id in (head.checkpoint_id, *committed)
+    else:  # acknowledged: durable, and HEAD (nothing else moves it here)
+        assert outcome.durable and committed == [outcome.checkpoint.checkpoint_id]
+        assert after.checkpoint_id == outcome.checkpoint.checkpoint_id
+        acknowledged.append(outcome.checkpoint.checkpoint_id)
+    chain = await lineage(client, after.checkpoint_id)
+    lost = [cid for cid in acknowledged if cid not in chain]
+    assert not lost, f"acknowledged steps rolled back: {lost}"
+    return "ok" if not isinstance(outcome, Exception) else outcome.reason
 
 
-@pytest.mark.parametrize("durable", [True, False], ids=["wait_durable", "pending"])
-async def test_kill_9_during_a_step_never_fails_a_committed_step(crashing, durable: bool) -> None:
-    client, killer, trainer = crashing
-    assert await killed_step(client, killer, trainer, "after", 1, durable) == durable
-    assert not await killed_step(client, killer, trainer, "before", 2, durable)
-    for i, delay in enumerate((0.0, 0.02, 0.05)):  # wherever the step happens to be
-        await killed_step(client, killer, trainer, delay, 3 + i, durable)
+async def test_kill_9_anywhere_in_a_step_loses_no_acknowledged_step(crashing) -> None:
+    client, killer, trainer, store = crashing
+    acknowledged: list[str] = []
+    # How long an undisturbed step takes here: the timed kills spread over it.
+    durations = []
+    for seed in (1, 2):
+        await client.forward_backward(datums=good_batch(seed), model="tiny")
+        started = time.monotonic()
+        acknowledged.append((await client.optim_step(1e-2, model="tiny")).checkpoint.checkpoint_id)
+        durations.append(time.monotonic() - started)
+    span = max(durations) * 1.3
+    reader = Reader(client, store, killer)
+    heard = []
+    try:
+        points: list[tuple[int, str] | float] = [(1, "before"), (1, "after"), (2, "before"), (2, "after")]
+        points += [span * i / (TIMED_KILLS - 1) for i in range(TIMED_KILLS)]
+        for seed, point in enumerate(points, start=10):
+            heard.append(await killed_step(client, killer, trainer, point, seed, acknowledged))
+    finally:
+        await reader.stop()
+    assert not reader.violations, reader.violations
+    assert reader.reads > 50
+    assert "ok" in heard and "NO_GRADIENTS" in heard, heard  # both sides of the commit point were hit
     # The head the restarted trainer loaded is the one it trains on: a normal step still works.
     before = await fingerprint(client, "tiny")
-    await client.forward_backward(datums=good_batch(20), model="tiny")
+    await client.forward_backward(datums=good_batch(99), model="tiny")
     step = await client.optim_step(1e-2, model="tiny")
     assert (await client.get_head("tiny")).checkpoint_id == step.checkpoint.checkpoint_id
     assert await fingerprint(client, "tiny") != before
+    # Nothing orphaned: no manifest pending, every object under checkpoints/ belongs to a manifest, and the
+    # final head downloads and verifies.
+    manifests = {m.checkpoint_id: m for m in [await client.get_checkpoint("tiny", s.checkpoint_id)
+                                              for s in (await client.list_checkpoints("tiny")).checkpoints]}
+    assert not [cid for cid, m in manifests.items() if m.pending]
+    referenced = {o.key for m in manifests.values() for o in m.objects}
+    stray = [key for key in await asyncio.to_thread(lambda: list(store.list("models/tiny/checkpoints/")))
+             if not key.endswith("/manifest.json") and key not in referenced]
+    assert not stray, stray
+    assert all(cid in manifests for cid in acknowledged)
+    final = manifests[step.checkpoint.checkpoint_id]
+    folder = trainer.log_path.parent.parent / "verify" / final.checkpoint_id
+    await asyncio.to_thread(download_verified, store, final, folder)
 
 
 async def test_kill_9_of_the_rollout_loses_no_acknowledged_run(tmp_path) -> None:

@@ -1,8 +1,9 @@
 """Weights in flight: a step's weights reach the fleet from the trainer directly, the store write runs behind.
 
-An optimizer step commits its checkpoint *pending* and answers; rollout services pull the sampler weights from
-the trainer (the files in place on the same host, a chunked stream from another host), verified against the
-sha256 the trainer computed; the objects reach the store in the background and the checkpoint becomes durable.
+An optimizer step commits its checkpoint *pending* (the head moves at once); rollout services pull the sampler
+weights from the trainer (the files in place on the same host, a chunked stream from another host), verified
+against the sha256 the trainer computed, while the objects are written to the store; the step answers once the
+checkpoint is durable.
 Unchanged files are shared with the parent, the training state is written every ``state_every`` steps and when
 a session closes, and a checkpoint without one resumes with its nearest ancestor's optimizer moments.
 """
@@ -77,10 +78,12 @@ async def test_the_fleet_serves_a_step_before_the_store_has_it(synced) -> None:
     client, hold, data_dir = synced
     await client.fork_model("tiny", "sync")
     await client.forward_backward(datums=good_batch(1), model="sync")
+    before = await client.get_head("sync")
     hold.held, hold.commits = True, 0
-    step = await client.optim_step(1e-2, model="sync")
-    checkpoint_id = step.checkpoint.checkpoint_id
-    assert not step.durable and not step.has_state and step.head_sequence
+    stepping = asyncio.create_task(client.optim_step(1e-2, model="sync"))
+    while (head := await client.get_head("sync")) == before:  # the head moves at once (committed pending)
+        await asyncio.sleep(0.02)
+    checkpoint_id = head.checkpoint_id
     manifest = await client.get_checkpoint("sync", checkpoint_id)
     assert manifest.pending and manifest.weights_source
     # Served (pulled from the trainer, verified) while the checkpoint is still pending.
@@ -92,10 +95,14 @@ async def test_the_fleet_serves_a_step_before_the_store_has_it(synced) -> None:
     with pytest.raises(errors.FailedPreconditionError) as err:  # nothing is built on a pending checkpoint
         await client.fork_model(f"sync@{checkpoint_id}", "sync-fork")
     assert err.value.reason == "CHECKPOINT_PENDING"
+    assert not stepping.done(), "the step answers only once its checkpoint is durable"
     hold.held = False
     hold.release.set()
-    manifest = await durable(client, "sync", checkpoint_id)
-    assert not manifest.weights_source
+    step = await stepping
+    assert step.durable and not step.has_state and step.head_sequence == head.sequence
+    assert step.checkpoint.checkpoint_id == checkpoint_id and "upload_s" in step.timings
+    manifest = await client.get_checkpoint("sync", checkpoint_id)
+    assert not manifest.pending and not manifest.weights_source
     # No training state on this step (state_every=2), and the rollout never fetched any.
     assert not manifest.has_state and "optimizer.pt" not in stored(data_dir, "sync", checkpoint_id)
     cached = data_dir / "work" / "rollout" / "sync" / checkpoint_id

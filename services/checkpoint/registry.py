@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,8 @@ from yieldloop_server.common import lora as lora_files
 from yieldloop_server.common.lora import adapter_config
 from yieldloop_server.store import ObjectNotFound, ObjectStore, PreconditionFailed
 from yieldloop_server.store.base import check_name
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LIST_THREADS = 2
@@ -59,6 +62,11 @@ def model_prefix(slug: str) -> str:
 
 def promotion_key(slug: str, checkpoint_id: str) -> str:
     return f"models/{slug}/promotions/{checkpoint_id}.json"
+
+
+def abandoned_key(slug: str, checkpoint_id: str) -> str:
+    """The marker of a pending checkpoint given up (its trainer died before it became durable)."""
+    return f"models/{slug}/abandoned/{checkpoint_id}"
 
 
 def checkpoint_prefix(slug: str, checkpoint_id: str) -> str:
@@ -274,17 +282,22 @@ class CheckpointRegistry:
         if set_head and expected_head:
             self._check_head(manifest.model, expected_head)
         self._check_keys(manifest)
+        marker = abandoned_key(manifest.model, manifest.checkpoint_id)
+        if self.store.stat(marker) is not None:
+            raise self._gone(manifest.model, manifest.checkpoint_id)
         if not manifest.pending:
             self._check_objects(manifest)
         manifest.created_time = manifest.created_time or time.time()
         key = checkpoint_prefix(manifest.model, manifest.checkpoint_id) + MANIFEST
         try:
             self.store.put_bytes(key, manifest.to_json(), if_none_match=True)
+            if self.store.stat(marker) is not None:  # abandoned (and its manifest removed) while we wrote
+                self.store.delete(key)
+                raise self._gone(manifest.model, manifest.checkpoint_id)
         except PreconditionFailed:
-            existing = self.get_manifest(manifest.model, manifest.checkpoint_id)
+            existing, etag = self._read_manifest(manifest.model, manifest.checkpoint_id)
             if _seals(existing, manifest):  # its objects all arrived (durable now), or its training state
-                existing = dataclasses.replace(manifest, created_time=existing.created_time)
-                self.store.put_bytes(key, existing.to_json())
+                existing = self._seal(existing, manifest, etag)
             if _same_checkpoint(existing, manifest):  # a retry of a commit that went through
                 head = self.find_head(manifest.model)
                 if set_head and (head is None or head.checkpoint_id != existing.checkpoint_id):
@@ -304,6 +317,96 @@ class CheckpointRegistry:
             self.apply_retention(manifest.model, self.keep_last)
             self.collect_orphans(manifest.model)
         return manifest, head
+
+    def _find_manifest(self, model: str, checkpoint_id: str) -> Manifest | None:
+        try:
+            return self.get_manifest(model, checkpoint_id)
+        except NotFoundError:
+            return None
+
+    def _read_manifest(self, model: str, checkpoint_id: str) -> tuple[Manifest, str]:
+        try:
+            data, etag = self.store.get_bytes(checkpoint_prefix(model, checkpoint_id) + MANIFEST)
+        except ObjectNotFound:
+            raise self._gone(model, checkpoint_id) from None
+        return Manifest.from_json(data), etag
+
+    def _gone(self, model: str, checkpoint_id: str) -> Exception:
+        if self.store.stat(abandoned_key(model, checkpoint_id)) is not None:
+            return FailedPreconditionError(
+                f"checkpoint {model}/{checkpoint_id} was abandoned: its trainer stopped serving it before its objects "
+                "reached the store, and the head went back to its nearest durable ancestor", reason="CHECKPOINT_ABANDONED")
+        return NotFoundError(f"model {model!r} has no checkpoint {checkpoint_id!r}", reason="CHECKPOINT_NOT_FOUND")
+
+    def _seal(self, existing: Manifest, new: Manifest, etag: str) -> Manifest:
+        """Replaces a committed manifest by ``new`` (durable now, or with its training state added), unless it was
+        abandoned meanwhile: the write is conditional on the version read, and the abandon marker is checked
+        before and after it (:meth:`settle_pending` writes the marker, then reads the manifest again)."""
+        sealed = dataclasses.replace(new, created_time=existing.created_time)
+        key = checkpoint_prefix(new.model, new.checkpoint_id) + MANIFEST
+        marker = abandoned_key(new.model, new.checkpoint_id)
+        if self.store.stat(marker) is not None:
+            raise self._gone(new.model, new.checkpoint_id)
+        try:
+            self.store.put_bytes(key, sealed.to_json(), if_match=etag)
+        except PreconditionFailed:  # changed or removed since it was read: read again (a retry decides)
+            raise AbortedError(f"checkpoint {new.model}/{new.checkpoint_id} changed while it was being sealed; "
+                               "retry", reason="HEAD_CONFLICT") from None
+        if self.store.stat(marker) is not None:  # abandoned while we wrote: whoever abandons decides
+            raise self._gone(new.model, new.checkpoint_id)
+        return sealed
+
+    def settle_pending(self, model: str, seen: Head) -> Head:
+        """Settles a head that names a pending checkpoint no live trainer serves any more (the caller found so):
+        it is sealed (made durable) when every object reached the store with its size and sha256; otherwise it
+        and its pending ancestors are abandoned: HEAD goes back to the nearest durable ancestor (compare-and-swap
+        on ``seen``), their manifests and own objects are removed, and a marker refuses sealing them later.
+        Returns the head as it is now.
+
+        Against a trainer that seals concurrently (it was alive after all): the markers are written first, then
+        the manifests read again; one found durable means its trainer won, and nothing is abandoned.
+        """
+        manifest = self._find_manifest(model, seen.checkpoint_id)
+        if manifest is None or not manifest.pending:  # settled meanwhile (sealed, or abandoned by another reader)
+            return self.get_head(model)
+        with contextlib.suppress(FailedPreconditionError, DataLossError, AbortedError):
+            self.commit(dataclasses.replace(manifest, pending=False, weights_source=""))
+            log.warning("%s: head %s was pending and its trainer is gone; every object had reached the store: "
+                        "made durable", model, manifest.checkpoint_id)
+            return self.get_head(model)
+        chain = [manifest]
+        while chain[-1].pending:
+            parent = chain[-1].parent_checkpoint_id
+            if not parent:
+                raise FailedPreconditionError(
+                    f"head {seen.checkpoint_id} of {model!r} never reached the store and has no durable ancestor to "
+                    "go back to", reason="CHECKPOINT_PENDING")
+            chain.append(self.get_manifest(model, parent))
+        target, abandoned = chain[-1], chain[:-1]
+        for pending in abandoned:
+            self.store.put_bytes(abandoned_key(model, pending.checkpoint_id), json.dumps(
+                {"head_sequence": seen.sequence, "went_back_to": target.checkpoint_id, "time": time.time()}).encode())
+        if any(not getattr(self._find_manifest(model, m.checkpoint_id), "pending", True) for m in abandoned):
+            # a live trainer sealed one meanwhile: it was not gone after all
+            for pending in abandoned:
+                self.store.delete(abandoned_key(model, pending.checkpoint_id))
+            return self.get_head(model)
+        try:
+            head = self.set_head(model, target.checkpoint_id, expected_sequence=seen.sequence)
+        except AbortedError:  # moved meanwhile (another reader settled it, or a SetHead): theirs stands
+            head = self.get_head(model)
+        log.warning("%s: head %s (step %d) never reached the store and its trainer is gone: abandoned with %d pending "
+                    "ancestor(s); the head went back to %s (step %d)", model, manifest.checkpoint_id, manifest.step,
+                    len(abandoned) - 1, target.checkpoint_id, target.step)
+        gone = {m.checkpoint_id for m in abandoned} - {head.checkpoint_id}
+        for checkpoint_id in sorted(gone):
+            prefix = checkpoint_prefix(model, checkpoint_id)
+            self.store.delete(prefix + MANIFEST)
+            for key in self.store.list(prefix):
+                self.store.delete(key)
+            self.store.delete(model_prefix(model) + f"head-history/{checkpoint_id}")
+            self.store.delete(promotion_key(model, checkpoint_id))
+        return head
 
     def _check_objects(self, manifest: Manifest) -> None:
         """Every object is in the store with its declared size and sha256, or nothing is committed.

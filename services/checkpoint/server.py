@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
+from yieldloop.client import Client
+from yieldloop.errors import DeadlineExceededError, NotFoundError, UnavailableError
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
+from yieldloop.types import Manifest
+from yieldloop_server.checkpoint.pending import PendingHeads
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.checkpoint.servicer import CheckpointServicer
 from yieldloop_server.common.auth import KeyStore
@@ -11,6 +17,30 @@ from yieldloop_server.store import ObjectStore
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 
 SERVICE_NAME = "yieldloop.checkpoint.v1.CheckpointService"
+PROBE_TIMEOUT_S = 3.0
+"""How long a pending head's trainer has to say it still serves the checkpoint before the head is settled."""
+
+
+def trainer_probe(transport: TransportConfig) -> Callable[[Manifest], Awaitable[bool]]:
+    """Whether a pending checkpoint's trainer is alive and still holds it (PullWeights with ``probe``): a trainer
+    that is unreachable or answers NOT_FOUND (a new process on its address) does not; any other answer counts
+    as holding it (nothing is given up on a doubt)."""
+
+    async def holds(manifest: Manifest) -> bool:
+        if not manifest.weights_source:
+            return False
+        client = Client(trainer=manifest.weights_source, transport=transport, retry_within_s=0,
+                        timeout=PROBE_TIMEOUT_S)
+        try:
+            async for _ in client.pull_weights(manifest.model, manifest.checkpoint_id, probe=True):
+                break
+            return True
+        except (NotFoundError, UnavailableError, DeadlineExceededError):
+            return False
+        finally:
+            await client.close()
+
+    return holds
 
 
 def build(
@@ -20,5 +50,6 @@ def build(
     """A CheckpointService server over ``store`` (not started); ``keep_last`` > 0 applies retention on commit."""
     server = GrpcServer(host, port, transport)
     registry = CheckpointRegistry(store, keep_last=keep_last)
-    server.add(pb_grpc.add_CheckpointServiceServicer_to_server, CheckpointServicer(registry, keys), SERVICE_NAME)
+    servicer = CheckpointServicer(registry, keys, PendingHeads(registry, trainer_probe(transport)))
+    server.add(pb_grpc.add_CheckpointServiceServicer_to_server, servicer, SERVICE_NAME)
     return server

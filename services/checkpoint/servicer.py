@@ -17,6 +17,7 @@ from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
 from yieldloop.errors import PermissionDeniedError, invalid_field
 from yieldloop.convert import head_to_pb, lora_from_pb, manifest_from_pb, manifest_to_pb, model_to_pb
 from yieldloop_server.checkpoint.importer import import_model
+from yieldloop_server.checkpoint.pending import PendingHeads
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import TRUSTED, KeyStore, ModelAccess, current_principal, may
@@ -45,8 +46,10 @@ def _owner(requested: str, public: bool = False) -> str:
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
-    def __init__(self, registry: CheckpointRegistry, keys: KeyStore | None = None) -> None:
+    def __init__(self, registry: CheckpointRegistry, keys: KeyStore | None = None,
+                 pending: PendingHeads | None = None) -> None:
         self.registry = registry
+        self.pending = pending
         self.keys = keys or KeyStore(registry.store)
         # This service reads the records at the source: never a stale owner.
         self.access = ModelAccess(lambda slug: asyncio.to_thread(self.registry.get_model, slug), ttl_s=0.0)
@@ -163,7 +166,10 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @rpc
     async def GetHead(self, request: pb.GetHeadRequest, context: grpc.aio.ServicerContext) -> pb.GetHeadResponse:
         await self.access.require(request.model, "see")
-        return pb.GetHeadResponse(head=head_to_pb(await asyncio.to_thread(self.registry.get_head, request.model)))
+        head = await asyncio.to_thread(self.registry.get_head, request.model)
+        if self.pending is not None:
+            head = await self.pending.settled(head)
+        return pb.GetHeadResponse(head=head_to_pb(head))
 
     @rpc
     async def SetHead(self, request: pb.SetHeadRequest, context: grpc.aio.ServicerContext) -> pb.SetHeadResponse:

@@ -48,6 +48,8 @@ class WeightPublisher:
     def __init__(self, root: pathlib.Path, address: Callable[[], str] = lambda: "",
                  groups: WeightGroups | None = None) -> None:
         self.root = root / "published"
+        # Folders a previous process of this trainer left (killed before it released them): nobody serves them.
+        shutil.rmtree(self.root, ignore_errors=True)
         self._address = address
         self.groups = groups
         """Broadcasts every published checkpoint to the model's subscribed rollout services (None: pulls only)."""

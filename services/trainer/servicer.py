@@ -235,6 +235,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             raise NotFoundError(f"this trainer does not hold checkpoint {request.model}/{request.checkpoint_id}: "
                                 "read it from the store", reason="CHECKPOINT_NOT_FOUND")
         manifest, folder = held
+        if request.probe:
+            yield pb.PullWeightsResponse()
+            return
         if request.host_id and request.host_id == host_id():
             yield pb.PullWeightsResponse(local_folder=str(folder))
             return

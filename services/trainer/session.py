@@ -27,6 +27,7 @@ from typing import Any
 
 from yieldloop.client import RETRY, Client
 from yieldloop.errors import (
+    DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -75,9 +76,9 @@ class StepOutcome:
     head: Head | None = None
     parent_checkpoint_id: str = ""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds spent: optimizer_s, save_s, commit_s (upload_s when waiting for durability)."""
+    """Seconds spent: optimizer_s, save_s, commit_s, upload_s (the objects written, the checkpoint made durable)."""
     durable: bool = False
-    """The checkpoint is in the object store (otherwise its upload runs in the background)."""
+    """The checkpoint is in the object store (every committed step's is when it answers)."""
     has_state: bool = False
     """The checkpoint holds the full training state."""
 
@@ -124,6 +125,8 @@ class TrainingSession:
         self.checkpoint_id = ""
         self.manifest: Manifest | None = None
         """The checkpoint the weights are at (None before the first load)."""
+        self._uploads: dict[str, asyncio.Task] = {}
+        """Background uploads of pending checkpoints by id, until they end (their steps answer then)."""
         self._durability: asyncio.Task | None = None
         """The newest background upload (each waits for the one before it: a child may share its parent's
         objects)."""
@@ -182,9 +185,9 @@ class TrainingSession:
     async def load_head(self) -> None:
         """Loads the model's head checkpoint (weights and optimizer state) from the store; for a LoRA fork,
         its frozen base weights and the adapter at its head. A head still pending (not yet durable) is made
-        durable first when this trainer holds its files, waited for while the trainer that committed it
-        lives, and otherwise (that trainer died before its upload ended) rolled back from, to the nearest
-        durable checkpoint holding the training state."""
+        durable first when this trainer holds its files, and waited for while the trainer that committed it
+        serves it (CheckpointService settles a pending head whose trainer is gone: GetHead then answers the
+        nearest durable checkpoint, whatever training state it holds; see :meth:`_resume_folder`)."""
         info = await self.checkpoints.get_model(self.model)
         head = await self.checkpoints.get_head(self.model)
         manifest = await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id)
@@ -218,8 +221,10 @@ class TrainingSession:
             return folder
         state = None
         if ancestor is not None:
-            log.info("%s: checkpoint %s has no training state; resuming with the optimizer moments of %s (step %d)",
-                     self.model, manifest.checkpoint_id, ancestor.checkpoint_id, ancestor.step)
+            log.warning("%s: checkpoint %s (step %d) has no training state; resuming with the optimizer moments of %s "
+                        "(step %d): %d step(s) of moments are missing, the weights are exact", self.model,
+                        manifest.checkpoint_id, manifest.step, ancestor.checkpoint_id, ancestor.step,
+                        manifest.step - ancestor.step)
             state = await self._download(ancestor, [o for o in ancestor.objects if o.state], "+state")
         staging = pathlib.Path(tempfile.mkdtemp(dir=weights.parent, prefix=".resume-"))
         for path in [*weights.iterdir(), *(state.iterdir() if state else ())]:
@@ -246,51 +251,43 @@ class TrainingSession:
         held = self.publisher.find(self.model, manifest.checkpoint_id) if self.publisher else None
         if held is not None:  # ours: finish its upload here
             await self._make_durable(*held, self._durability)
-        elif manifest.weights_source and manifest.weights_source != (self.publisher.address if self.publisher else ""):
-            if await self._answers(manifest.weights_source):
-                deadline = time.monotonic() + PENDING_WAIT_S
-                while manifest.pending and time.monotonic() < deadline:
-                    await asyncio.sleep(0.5)
-                    manifest = await self.checkpoints.get_checkpoint(self.model, manifest.checkpoint_id)
-        current = await self.checkpoints.get_checkpoint(self.model, manifest.checkpoint_id)
-        if not current.pending:
-            return current
-        target = await self._ancestor(current, lambda m: m.has_state)
-        if target is None:
-            raise FailedPreconditionError(
-                f"head {current.checkpoint_id} of {self.model!r} never reached the store (its trainer died) and no "
-                "durable ancestor exists to go back to", reason="CHECKPOINT_PENDING")
-        await self.checkpoints.set_head(self.model, target.checkpoint_id, expected_checkpoint_id=current.checkpoint_id)
-        log.warning("%s: head %s (step %d) never reached the store (the trainer that committed it died); the head "
-                    "went back to %s (step %d), the last durable checkpoint holding the training state", self.model,
-                    current.checkpoint_id, current.step, target.checkpoint_id, target.step)
-        return target
-
-    async def _answers(self, address: str) -> bool:
-        """Whether the trainer at ``address`` is alive."""
-        client = Client(trainer=address, timeout=2.0, retry_within_s=0)
-        try:
-            await client.get_trainer_info(self.model)
-            return True
-        except YieldloopError:
-            return False
-        finally:
-            await client.close()
+        deadline = time.monotonic() + PENDING_WAIT_S
+        while True:
+            head = await self.checkpoints.get_head(self.model)  # settled there when its trainer is gone
+            manifest = await self.checkpoints.get_checkpoint(self.model, head.checkpoint_id)
+            if not manifest.pending:
+                return manifest
+            if time.monotonic() > deadline:
+                raise FailedPreconditionError(
+                    f"head {manifest.checkpoint_id} of {self.model!r} is still being written to the store by its "
+                    f"trainer ({manifest.weights_source}); try again shortly", reason="CHECKPOINT_PENDING")
+            await asyncio.sleep(0.5)
 
     async def _make_durable(self, manifest: Manifest, folder: pathlib.Path, previous: asyncio.Task | None) -> None:
         """Writes a pending checkpoint's objects to the store and commits it durable, retrying store and
         CheckpointService failures with backoff (its earlier checkpoints first)."""
         if previous is not None:
-            await asyncio.shield(previous)
+            await asyncio.wait([previous])  # its outcome is its own step's
         for attempt in itertools.count():
             try:
                 await asyncio.to_thread(
                     upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects)
                 await self.checkpoints.commit_checkpoint(dataclasses.replace(manifest, pending=False, weights_source=""))
                 break
-            except (NotFoundError, InvalidArgumentError) as err:  # the model was deleted: nothing left to do
+            except (NotFoundError, InvalidArgumentError, DataLossError) as err:
+                if isinstance(err, DataLossError) and attempt < 2:  # bytes damaged on the way: write them again
+                    log.warning("%s: checkpoint %s: %s; writing it again", self.model, manifest.checkpoint_id, err)
+                    continue
+                # the model was deleted, or the checkpoint refused: it never becomes durable
                 log.error("%s: checkpoint %s stays pending: %s", self.model, manifest.checkpoint_id, err)
-                return
+                raise
+            except FailedPreconditionError as err:
+                if err.reason == "CHECKPOINT_ABANDONED":  # CheckpointService gave up on it (we were unreachable)
+                    log.error("%s: checkpoint %s was abandoned before it became durable", self.model,
+                              manifest.checkpoint_id)
+                    raise
+                log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
+                await asyncio.sleep(RETRY.delay(attempt))
             except Exception as err:  # deliberate: the store or CheckpointService is away; try again
                 log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
                 await asyncio.sleep(RETRY.delay(attempt))
@@ -404,9 +401,10 @@ class TrainingSession:
         checkpoint whose parent is the one the weights came from, moving HEAD (when ``set_head``) only if it
         still points there (ABORTED/HEAD_CONFLICT otherwise: another trainer or a rollback moved it).
 
-        The checkpoint is committed pending, its sampler weights served to the fleet by the publisher, and
-        written to the store in the background (``wait_durable``: before the commit). The training state goes
-        with it every ``state_every`` steps and with ``save_state``.
+        The checkpoint is committed pending (HEAD moves, its sampler weights served to the fleet by the
+        publisher) and written to the store meanwhile (``wait_durable``: before the commit); the step returns once
+        it is durable, so a returned step is never rolled back. The training state goes with it every
+        ``state_every`` steps and with ``save_state``.
 
         All or nothing: a step refused for non-finite values, or whose commit fails, leaves the session
         exactly as before it (weights, optimizer state, accumulated gradients), unless
@@ -427,6 +425,7 @@ class TrainingSession:
                     await self.close_trainer()
                     await self.load_head()
             if earlier is not None:
+                await self._until_durable(idempotency_key, earlier.checkpoint_id)
                 return earlier
             if not self.trainer.num_pending_datums:
                 raise FailedPreconditionError(
@@ -494,12 +493,36 @@ class TrainingSession:
         await self._run(self.trainer.finish_step, True)
         self.checkpoint_id, self.manifest = checkpoint_id, manifest
         self._produced.add(checkpoint_id)
-        if pending:
-            self._durability = asyncio.create_task(self._make_durable(manifest, folder, self._durability))
-        else:
+        outcome = self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings,
+                                                              durable=True, has_state=with_state))
+        if not pending:
             self._discard(checkpoint_id, folder)
-        return self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings,
-                                                           durable=not pending, has_state=with_state))
+            return outcome
+        # The head moved (the fleet reloads from this trainer meanwhile); the answer waits for durability, so an
+        # acknowledged step is never rolled back. A caller that gives up waiting finds it by its key.
+        self._durability = task = asyncio.create_task(self._make_durable(manifest, folder, self._durability))
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: awaited or not
+        self._uploads[checkpoint_id] = task
+        started = time.perf_counter()
+        await self._until_durable(idempotency_key, checkpoint_id)
+        timings["upload_s"] = time.perf_counter() - started
+        return outcome
+
+    async def _until_durable(self, key: str, checkpoint_id: str) -> None:
+        """Returns once the step's checkpoint is durable; raises (and forgets the step's outcome) when it never
+        will be (abandoned, or its model deleted)."""
+        task = self._uploads.get(checkpoint_id)
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        except YieldloopError:
+            if key:
+                self._outcomes.pop(key, None)
+            raise
+        finally:
+            if task.done():
+                self._uploads.pop(checkpoint_id, None)
 
     def _discard(self, checkpoint_id: str, folder: pathlib.Path) -> None:
         if self.publisher is not None:
@@ -523,10 +546,11 @@ class TrainingSession:
             metadata = json.loads(manifest.metadata_json or "{}")
         except ValueError:
             return None
-        if not isinstance(metadata, dict) or metadata.get("idempotency_key") != key:
+        if not isinstance(metadata, dict) or metadata.get("idempotency_key") != key or manifest.pending:
             return None
         return self._remember(key, StepOutcome(manifest.step, float(metadata.get("grad_norm", 0.0)),
-                                               manifest.checkpoint_id, head, manifest.parent_checkpoint_id))
+                                               manifest.checkpoint_id, head, manifest.parent_checkpoint_id,
+                                               durable=True, has_state=manifest.has_state))
 
 
 class TrainingSessions:

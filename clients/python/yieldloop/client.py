@@ -761,10 +761,12 @@ class Client:
         """AdamW step (beta1, beta2, eps, weight_decay, max_grad_norm as keywords) and checkpoint commit.
 
         All or nothing (a refused or failed step leaves the trainer as before it); ``idempotency_key`` (a fresh
-        one per call by default) makes a retried request return the first outcome. The answer comes once the
-        head moved and the fleet can pull the new weights from the trainer; the checkpoint reaches the object
-        store in the background (``durable`` false) unless ``wait_durable``. ``save_state`` saves the full
-        training state with this step (the trainer does so every few steps anyway, see ``--state-every``).
+        one per call by default) makes a retried request return the first outcome. The head moves as soon as the
+        checkpoint is committed (the fleet pulls the new weights from the trainer meanwhile) and the answer comes
+        once the checkpoint is durable in the object store: an acknowledged step is never rolled back.
+        ``wait_durable`` writes the checkpoint to the store before committing it (the head never names a pending
+        checkpoint). ``save_state`` saves the full training state with this step (the trainer does so every few
+        steps anyway, see ``--state-every``).
         """
         request = trainer_pb.OptimStepRequest(
             adam=trainer_pb.AdamParams(learning_rate=learning_rate, **adam),
@@ -779,9 +781,11 @@ class Client:
         )
         return await self._repeatable(self.trainer_stub.OptimStep, request)
 
-    def pull_weights(self, model: str, checkpoint_id: str, host_id: str = "") -> AsyncIterator[trainer_pb.PullWeightsResponse]:
-        """The sampler weights of a checkpoint the trainer still holds (see TrainerService.PullWeights)."""
-        request = trainer_pb.PullWeightsRequest(model=model, checkpoint_id=checkpoint_id, host_id=host_id)
+    def pull_weights(self, model: str, checkpoint_id: str, host_id: str = "",
+                     probe: bool = False) -> AsyncIterator[trainer_pb.PullWeightsResponse]:
+        """The sampler weights of a checkpoint the trainer still holds (see TrainerService.PullWeights); with
+        ``probe``, one empty message when it holds them (NOT_FOUND otherwise)."""
+        request = trainer_pb.PullWeightsRequest(model=model, checkpoint_id=checkpoint_id, host_id=host_id, probe=probe)
         return _stream(self.trainer_stub.PullWeights(request, timeout=self.timeout))
 
     def subscribe_weights(self, model: str, backend: str = "gloo") -> AsyncIterator[trainer_pb.SubscribeWeightsResponse]:

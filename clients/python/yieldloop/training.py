@@ -313,12 +313,13 @@ class StepResult:
     stale samples, whose importance ratios correct for the true sampler (each turn records its weights)."""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     """Where the step's time went, in seconds: ``forward_backward_s`` and ``optim_step_s`` (the calls, as the
-    client saw them), the trainer's ``optimizer_s``, ``save_s`` and ``commit_s``, and ``weights_served_s``
-    (from the commit's answer until the rollout service serves the new weights; absent when not waited for)."""
+    client saw them), the trainer's ``optimizer_s``, ``save_s``, ``commit_s`` (the commit that moved HEAD) and
+    ``upload_s`` (the objects written to the store while the fleet reloads), and ``weights_served_s`` (from the
+    step's answer until the rollout service serves the new weights; absent when not waited for)."""
 
     durable: bool = False
-    """The checkpoint was in the object store when the step answered (otherwise the trainer is still writing it;
-    the rollout fleet already serves its weights)."""
+    """The checkpoint was in the object store when the step answered (always, for a committed step: a trainer
+    answers once it is durable, so an acknowledged step is never rolled back)."""
     has_state: bool = False
     """The checkpoint holds the full training state (the trainer saves it every few steps, see --state-every)."""
 

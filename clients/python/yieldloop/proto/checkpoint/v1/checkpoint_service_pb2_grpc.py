@@ -188,8 +188,10 @@ class CheckpointServiceServicer:
         their sizes and checksums, writes the manifest last, optionally moves HEAD.
         Returns: OK; NOT_FOUND (MODEL_NOT_FOUND, CHECKPOINT_NOT_FOUND for a missing
         parent); ALREADY_EXISTS (CHECKPOINT_ALREADY_EXISTS); FAILED_PRECONDITION
-        (CHECKPOINT_CORRUPT: an object is missing or differs from its declared
-        sha256/size); ABORTED (HEAD_CONFLICT) when set_head lost a race;
+        (CHECKPOINT_CORRUPT: an object is missing or of another size;
+        CHECKPOINT_ABANDONED: sealing a pending checkpoint given up); DATA_LOSS
+        (CHECKPOINT_CORRUPT: an object's bytes differ from its declared sha256,
+        the field names it); ABORTED (HEAD_CONFLICT) when set_head lost a race;
         INVALID_ARGUMENT (INVALID_FIELD).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -197,7 +199,10 @@ class CheckpointServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetHead(self, request, context):
-        """Reads a model's head pointer.
+        """Reads a model's head pointer. A head that names a pending checkpoint whose trainer no longer serves it is
+        settled first: made durable when every object reached the store, otherwise abandoned (the head goes back
+        to the nearest durable ancestor). So the head answered is always loadable: durable, or served by its live
+        trainer.
         Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

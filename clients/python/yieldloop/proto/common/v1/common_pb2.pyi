@@ -96,6 +96,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GATEWAY_UNAVAILABLE: _ClassVar[ErrorReason]
     EPISODE_STREAM_LOST: _ClassVar[ErrorReason]
     WEIGHT_GROUP_UNAVAILABLE: _ClassVar[ErrorReason]
+    CHECKPOINT_ABANDONED: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -171,6 +172,7 @@ FORWARD_NOT_FOUND: ErrorReason
 GATEWAY_UNAVAILABLE: ErrorReason
 EPISODE_STREAM_LOST: ErrorReason
 WEIGHT_GROUP_UNAVAILABLE: ErrorReason
+CHECKPOINT_ABANDONED: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

@@ -62,14 +62,16 @@ class SubscribeWeightsResponse(_message.Message):
     def __init__(self, subscribed: _Optional[bool] = ..., group: _Optional[_Union[WeightGroup, _Mapping]] = ..., broadcast: _Optional[_Union[WeightBroadcast, _Mapping]] = ...) -> None: ...
 
 class PullWeightsRequest(_message.Message):
-    __slots__ = ("model", "checkpoint_id", "host_id")
+    __slots__ = ("model", "checkpoint_id", "host_id", "probe")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     model: str
     checkpoint_id: str
     host_id: str
-    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    probe: bool
+    def __init__(self, model: _Optional[str] = ..., checkpoint_id: _Optional[str] = ..., host_id: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class PullWeightsResponse(_message.Message):
     __slots__ = ("local_folder", "name", "data")

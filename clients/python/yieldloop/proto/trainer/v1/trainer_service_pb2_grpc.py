@@ -128,15 +128,17 @@ class TrainerServiceServicer:
         """Applies accumulated gradients with AdamW and commits the step as a checkpoint through CheckpointService,
         moving the head only if it still points at the checkpoint the weights came from. The sampler weights
         (Hugging Face safetensors, config, tokenizer) go to the fleet directly (PullWeights) and the checkpoint is
-        committed pending: the answer comes as soon as the head moved, and the objects reach the object store in
-        the background (durable false), unless wait_durable. The full training state (optimizer moments) is
+        committed pending: the head moves at once (the fleet reloads while the objects are written to the object
+        store), and the answer comes once the checkpoint is durable, so an acknowledged step is never rolled back
+        (wait_durable: written before the commit instead). The full training state (optimizer moments) is
         written every state_every steps of the service, with save_state, and when the session closes. All or
         nothing: when the step is refused or its commit fails, the trainer is exactly as before it (weights,
         optimizer state, accumulated gradients). A retry with the same idempotency_key returns the first outcome.
         Returns: OK; FAILED_PRECONDITION (NO_GRADIENTS; NON_FINITE: the gradient norm or an updated weight is NaN
         or infinite); INVALID_ARGUMENT (INVALID_FIELD: a hyperparameter is NaN, infinite or out of range);
-        ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback); UNAVAILABLE
-        when CheckpointService cannot be reached.
+        ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback);
+        FAILED_PRECONDITION (CHECKPOINT_ABANDONED) when CheckpointService gave up the pending checkpoint before it
+        became durable (this trainer was unreachable); UNAVAILABLE when CheckpointService cannot be reached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1233,8 +1233,10 @@ export const CheckpointService: GenService<{
    * their sizes and checksums, writes the manifest last, optionally moves HEAD.
    * Returns: OK; NOT_FOUND (MODEL_NOT_FOUND, CHECKPOINT_NOT_FOUND for a missing
    * parent); ALREADY_EXISTS (CHECKPOINT_ALREADY_EXISTS); FAILED_PRECONDITION
-   * (CHECKPOINT_CORRUPT: an object is missing or differs from its declared
-   * sha256/size); ABORTED (HEAD_CONFLICT) when set_head lost a race;
+   * (CHECKPOINT_CORRUPT: an object is missing or of another size;
+   * CHECKPOINT_ABANDONED: sealing a pending checkpoint given up); DATA_LOSS
+   * (CHECKPOINT_CORRUPT: an object's bytes differ from its declared sha256,
+   * the field names it); ABORTED (HEAD_CONFLICT) when set_head lost a race;
    * INVALID_ARGUMENT (INVALID_FIELD).
    *
    * @generated from rpc yieldloop.checkpoint.v1.CheckpointService.CommitCheckpoint
@@ -1245,7 +1247,10 @@ export const CheckpointService: GenService<{
     output: typeof CommitCheckpointResponseSchema;
   },
   /**
-   * Reads a model's head pointer.
+   * Reads a model's head pointer. A head that names a pending checkpoint whose trainer no longer serves it is
+   * settled first: made durable when every object reached the store, otherwise abandoned (the head goes back
+   * to the nearest durable ancestor). So the head answered is always loadable: durable, or served by its live
+   * trainer.
    * Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD).
    *
    * @generated from rpc yieldloop.checkpoint.v1.CheckpointService.GetHead
