@@ -546,8 +546,11 @@ class TrainingSession:
             metadata = json.loads(manifest.metadata_json or "{}")
         except ValueError:
             return None
-        if not isinstance(metadata, dict) or metadata.get("idempotency_key") != key or manifest.pending:
+        if not isinstance(metadata, dict) or metadata.get("idempotency_key") != key:
             return None
+        if manifest.pending and (self.publisher is None or self.publisher.find(self.model, manifest.checkpoint_id) is None):
+            return None  # another live trainer's (GetHead settled it otherwise): not this step's commit to finish
+        # (Pending and ours: the commit went through but its answer was lost; reloading the head finishes it.)
         return self._remember(key, StepOutcome(manifest.step, float(metadata.get("grad_norm", 0.0)),
                                                manifest.checkpoint_id, head, manifest.parent_checkpoint_id,
                                                durable=True, has_state=manifest.has_state))
