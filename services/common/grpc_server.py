@@ -129,12 +129,20 @@ class _Interceptors(grpc.aio.ServerInterceptor):
 
         # A refusal (an interceptor's on entry, an undecodable unary request) answers its typed status.
         if inspect.isasyncgenfunction(behavior):
-
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            # A coroutine writing each response, not a generator yielding them: when the client hangs up while a
+            # response is being sent, grpc cancels the call's task but never closes a handler generator suspended
+            # at its yield; the event loop's finalizer closes it later, in another task and context, where the
+            # interceptors' exits (the auth principal's reset, a span's detach) fail with "created in a different
+            # Context" tracebacks. Here the handler is closed in the call's own task, whatever ends it.
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
                 try:
                     async with intercepting(interceptors, call):
-                        async for item in behavior(checked(request), context):
-                            yield item
+                        responses = behavior(checked(request), context)
+                        try:
+                            async for item in responses:
+                                await context.write(item)
+                        finally:
+                            await responses.aclose()
                 except YieldloopError as exc:
                     await _abort(context, exc)
 
