@@ -84,6 +84,7 @@ CASES: list[tuple[str, str, Any, Any]] = [
       "idempotencyKey": "k"}),
     ("trainer", "ListLosses", trainer.ListLossesRequest, {}),
     ("trainer", "GetTrainerInfo", trainer.GetTrainerInfoRequest, {"model": "fuzz-trainee"}),
+    ("trainer", "DiscardGradients", trainer.DiscardGradientsRequest, {"model": "fuzz-trainee"}),
     ("trainer", "PullWeights", trainer.PullWeightsRequest,
      {"model": "fuzz-trainee", "checkpoint_id": "base", "host_id": "elsewhere"}),
 ]

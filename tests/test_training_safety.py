@@ -196,6 +196,48 @@ async def test_two_trainers_racing_on_one_model_one_step_per_parent(sc: Client) 
     assert [c.checkpoint_id for c in (await sc.list_checkpoints("raced")).checkpoints] == ["base", first]
     info = await sc.get_trainer_info(model="raced")
     assert (info.num_pending_datums, info.step) == (2, 1)
+    # The way out the error names: discard the stale gradients; the next call trains from the new head.
+    assert "DiscardGradients" in err.value.message and "discard-gradients" in err.value.message
+    assert await sc.discard_gradients("raced") == 2
+    await sc.forward_backward(datums=good_batch(7), model="raced")
+    step = await sc.optim_step(1e-2, model="raced")
+    assert step.parent_checkpoint_id == "base" and (await sc.get_head("raced")).checkpoint_id == step.checkpoint.checkpoint_id
+
+
+async def test_one_callers_overflowing_datum_spoils_no_one_elses_gradients(sc: Client) -> None:
+    """Two clients share a session: one's datum is finite but its advantage (1e38) overflows the accumulated
+    gradient. It is refused at ForwardBackward (NON_FINITE, naming the field), the accumulation stays exactly as
+    it was, and the other client's step commits the same bytes as a twin that never saw the poison. A request
+    that overflows only in sum with what is already accumulated is refused the same way."""
+    for name in ("shared", "shared-twin"):
+        await sc.fork_model("tiny", name)
+    for name in ("shared", "shared-twin"):
+        await sc.forward_backward(datums=good_batch(11), model=name)
+    overflow = good_batch(12)
+    overflow[0].advantages = [0.0] * 3 + [1e38] * (len(overflow[0].advantages) - 3)
+    big = good_batch(13)
+    big[1].advantages = [0.0] * 3 + [1e19] * (len(big[1].advantages) - 3)  # alone finite, norm finite in fp32
+    for poison in (overflow, big, big):
+        with pytest.raises(errors.InvalidArgumentError) as err:
+            await sc.forward_backward(datums=poison, model="shared")
+        assert err.value.reason == "NON_FINITE" and err.value.field == "items", err.value
+    assert (await sc.get_trainer_info(model="shared")).num_pending_datums == 2
+    steps = {name: (await sc.optim_step(1e-2, model=name)).checkpoint.checkpoint_id for name in ("shared", "shared-twin")}
+    assert await weights_sha(sc, "shared", steps["shared"]) == await weights_sha(sc, "shared-twin", steps["shared-twin"])
+
+
+async def test_discard_gradients_after_a_refused_step(sc: Client) -> None:
+    """A step refused as NON_FINITE keeps the gradients and says how to drop them; DiscardGradients does, and
+    another team cannot discard this team's."""
+    await sc.fork_model("tiny", "discarded")
+    assert await sc.discard_gradients("discarded") == 0
+    await sc.forward_backward(datums=good_batch(14), model="discarded")
+    await sc.forward_backward(datums=good_batch(15), model="discarded")
+    assert await sc.discard_gradients("discarded") == 4
+    with pytest.raises(errors.FailedPreconditionError) as err:
+        await sc.optim_step(1e-2, model="discarded")
+    assert err.value.reason == "NO_GRADIENTS"
+    assert (await sc.get_trainer_info(model="discarded")).num_pending_datums == 0
 
 
 async def test_the_rollout_refuses_non_finite_weights(sc: Client, safety_stack, tmp_path) -> None:

@@ -222,6 +222,7 @@ METHOD_ROLES: dict[str, Role] = {
     "/yieldloop.trainer.v1.TrainerService/OptimStep": "train",
     "/yieldloop.trainer.v1.TrainerService/ListLosses": "sample",
     "/yieldloop.trainer.v1.TrainerService/GetTrainerInfo": "sample",
+    "/yieldloop.trainer.v1.TrainerService/DiscardGradients": "train",
     "/yieldloop.trainer.v1.TrainerService/PullWeights": "service",
     "/yieldloop.trainer.v1.TrainerService/SubscribeWeights": "service",
     # CheckpointService.

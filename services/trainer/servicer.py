@@ -210,6 +210,14 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         )
 
     @rpc
+    async def DiscardGradients(
+        self, request: pb.DiscardGradientsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DiscardGradientsResponse:
+        await self.access.require(request.model or self.sessions.default, "train")
+        async with self.sessions.use(request.model) as session:
+            return pb.DiscardGradientsResponse(num_datums=await session.discard_gradients())
+
+    @rpc
     async def GetTrainerInfo(
         self, request: pb.GetTrainerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetTrainerInfoResponse:

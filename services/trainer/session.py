@@ -27,6 +27,7 @@ from typing import Any
 
 from yieldloop.client import RETRY, Client
 from yieldloop.errors import (
+    AbortedError,
     DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -392,6 +393,15 @@ class TrainingSession:
             self._in_flight -= 1
         return int(metrics["num_action_tokens"])
 
+    async def discard_gradients(self) -> int:
+        """Forgets the accumulated gradients (every caller's); returns how many datums they came from. The next
+        call trains from the model's head (pending gradients no longer pin the weights)."""
+        assert self.trainer is not None
+        dropped = self.trainer.num_pending_datums
+        await self._run(self.trainer.drop_gradients)
+        self.trained_traces.clear()
+        return dropped
+
     async def optim_step(
         self, adam: AdamConfig, *, skip_checkpoint: bool = False, set_head: bool = True, metadata_json: str = "",
         idempotency_key: str = "", drop_gradients_if_refused: bool = False, save_state: bool = False,
@@ -479,9 +489,17 @@ class TrainingSession:
                 await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects)
                 timings["upload_s"] = time.perf_counter() - started
             started = time.perf_counter()
-            _, head = await self.checkpoints.commit_checkpoint(
-                manifest, set_head=set_head, expected_head_checkpoint_id=parent if set_head else "",
-            )
+            try:
+                _, head = await self.checkpoints.commit_checkpoint(
+                    manifest, set_head=set_head, expected_head_checkpoint_id=parent if set_head else "",
+                )
+            except AbortedError as err:
+                if err.reason != "HEAD_CONFLICT":
+                    raise
+                raise AbortedError(
+                    f"{err.message}. The step was not applied; its gradients, computed on the weights of {parent}, "
+                    "are kept and pin them: DiscardGradients (`yieldloop models discard-gradients MODEL`) drops them, "
+                    "then the next call trains from the new head", reason="HEAD_CONFLICT") from None
         except BaseException:
             await self._run(self.trainer.finish_step, False)  # exactly as before the step, gradients included
             if idempotency_key:

@@ -240,19 +240,30 @@ class Trainer:
         self._settle(keep=finite)
         if not finite:
             raise InvalidArgumentError(
-                "the loss or a gradient of this batch is NaN or infinite (e.g. "
-                "sampling logprobs far below the learner's, or huge advantages or weights): nothing was "
-                "accumulated, earlier gradients are kept", reason="NON_FINITE", field="items",
+                "the loss or a gradient of this batch is NaN or infinite, or adding it would make the accumulated "
+                "gradient's norm overflow (e.g. sampling logprobs far below the learner's, or huge advantages or "
+                "weights): nothing was accumulated, earlier gradients are kept", reason="NON_FINITE", field="items",
             )
 
-    def _settle(self, keep: bool) -> None:
-        """Merges the call's gradients into the stashed earlier ones (``keep``), or puts the earlier ones back."""
-        stash, self._stash = self._stash, None
-        for param, before in zip(self._trainable(), stash, strict=True) if stash is not None else ():
-            if not keep:
-                param.grad = before
-            elif before is not None:
+    def _merge(self) -> bool:
+        """Adds the stashed earlier gradients into this call's (in place: the earlier tensors stay as they were,
+        so :meth:`_settle` can still put them back); returns whether the sum and its norm are finite, the test
+        every later optimizer step applies."""
+        import torch
+
+        grads = []
+        for param, before in zip(self._trainable(), self._stash or (), strict=True):
+            if before is not None:
                 param.grad = before if param.grad is None else param.grad.add_(before)
+            if param.grad is not None:
+                grads.append(param.grad)
+        return not grads or math.isfinite(float(torch.nn.utils.get_total_norm(grads)))
+
+    def _settle(self, keep: bool) -> None:
+        """Keeps the merged gradients (``keep``), or puts the earlier ones back."""
+        stash, self._stash = self._stash, None
+        for param, before in zip(self._trainable(), stash, strict=True) if stash is not None and not keep else ():
+            param.grad = before
 
     def forward_backward_totals(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
@@ -265,7 +276,10 @@ class Trainer:
         for param in self._trainable():
             param.grad = None
         try:
-            return self._accumulate(datums, loss_fn, spec, knobs)
+            totals = self._accumulate(datums, loss_fn, spec, knobs)
+            if not totals["nonfinite"] and not self._merge():
+                totals["nonfinite"] = 1.0
+            return totals
         except BaseException:
             self._settle(keep=False)  # the earlier gradients as they were; the error itself goes up
             raise
@@ -305,7 +319,7 @@ class Trainer:
                     outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
                     parts.append((outside & action_N).sum())
                 sums[:len(parts)] += torch.stack([p.to(torch.float64) for p in parts])
-        finite = all_finite([*(p.grad for p in self._trainable() if p.grad is not None), sums[:1]])
+        finite = all_finite([sums[:1]])  # the loss; the gradients are checked merged (_merge)
         totals = zero_totals()
         totals.update(zip(_DEVICE_TOTALS, sums.tolist(), strict=True))
         totals["nonfinite"] = 0.0 if finite else 1.0
@@ -339,7 +353,7 @@ class Trainer:
         if not math.isfinite(grad_norm):
             raise FailedPreconditionError(
                 "the accumulated gradient's norm is NaN or infinite: the step was not applied (the gradients are "
-                "kept; drop them with drop_gradients)", reason="NON_FINITE")
+                "kept: DiscardGradients, `yieldloop models discard-gradients MODEL`, drops them)", reason="NON_FINITE")
         self._before_step = self._snapshot() if keep else None
         if adam.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, adam.max_grad_norm, torch.tensor(grad_norm))

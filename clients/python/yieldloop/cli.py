@@ -86,6 +86,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     delete.add_argument("--force", action="store_true", help="delete even though forks exist (they keep working)")
     checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first (> = HEAD)")
     checkpoints.add_argument("model")
+    discard = model_commands.add_parser(
+        "discard-gradients", help="forget the gradients accumulated for a model since its last step (every "
+                                  "caller's), e.g. after a step refused as NON_FINITE or HEAD_CONFLICT")
+    discard.add_argument("model")
     head = model_commands.add_parser("head", help="show a model's head, or move it with --set (rollback, branch)")
     head.add_argument("model")
     head.add_argument("--set", dest="set_to", metavar="CHECKPOINT")
@@ -405,6 +409,9 @@ async def _models(args: argparse.Namespace) -> None:
                 table.add_row(">" if c.is_head else "", c.checkpoint_id, c.parent_checkpoint_id or "-", str(c.step),
                               stored, decision)
             console.print(table)
+        elif args.models_command == "discard-gradients":
+            dropped = await client.discard_gradients(args.model)
+            console.print(f"{args.model}: discarded the gradients of {dropped} datum(s)", markup=False)
         elif args.set_to:
             head = await client.set_head(args.model, args.set_to, expected_checkpoint_id=args.expect)
             console.print(f"{args.model} head -> {head.checkpoint_id} (sequence {head.sequence})")

@@ -781,6 +781,12 @@ class Client:
         )
         return await self._repeatable(self.trainer_stub.OptimStep, request)
 
+    async def discard_gradients(self, model: str = "") -> int:
+        """Forgets the gradients accumulated for ``model`` since its last step (every caller's: e.g. after a step
+        refused as NON_FINITE or HEAD_CONFLICT); returns how many datums they came from."""
+        request = trainer_pb.DiscardGradientsRequest(model=model)
+        return (await _unary(self.trainer_stub.DiscardGradients, request, self.timeout)).num_datums
+
     def pull_weights(self, model: str, checkpoint_id: str, host_id: str = "",
                      probe: bool = False) -> AsyncIterator[trainer_pb.PullWeightsResponse]:
         """The sampler weights of a checkpoint the trainer still holds (see TrainerService.PullWeights); with

@@ -48,7 +48,9 @@ type TrainerServiceClient interface {
 	// optimizer state, accumulated gradients). A retry with the same idempotency_key returns the first outcome.
 	// Returns: OK; FAILED_PRECONDITION (NO_GRADIENTS; NON_FINITE: the gradient norm or an updated weight is NaN
 	// or infinite); INVALID_ARGUMENT (INVALID_FIELD: a hyperparameter is NaN, infinite or out of range);
-	// ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback);
+	// ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback; the gradients,
+	// computed on the old weights, are kept and pin them: DiscardGradients drops them, then the next call trains
+	// from the new head);
 	// FAILED_PRECONDITION (CHECKPOINT_ABANDONED) when CheckpointService gave up the pending checkpoint before it
 	// became durable (this trainer was unreachable); UNAVAILABLE when CheckpointService cannot be reached.
 	OptimStep(ctx context.Context, in *OptimStepRequest, opts ...grpc.CallOption) (*OptimStepResponse, error)
@@ -58,6 +60,11 @@ type TrainerServiceClient interface {
 	// Reports the trained model, its step and checkpoint.
 	// Returns: OK.
 	GetTrainerInfo(ctx context.Context, in *GetTrainerInfoRequest, opts ...grpc.CallOption) (*GetTrainerInfoResponse, error)
+	// Forgets the gradients accumulated for a model since its last step (every caller's: a session's gradients
+	// are shared by everyone training that slug), e.g. after an OptimStep refused as NON_FINITE or HEAD_CONFLICT.
+	// Weights, optimizer state and checkpoints are untouched.
+	// Returns: OK; PERMISSION_DENIED (MODEL_NOT_OWNED); NOT_FOUND (MODEL_NOT_FOUND).
+	DiscardGradients(ctx context.Context, in *DiscardGradientsRequest, opts ...grpc.CallOption) (*DiscardGradientsResponse, error)
 	// Streams the sampler weights of a checkpoint this trainer committed and still holds (pending ones, and
 	// the last few durable ones): to a caller on the same host (same host_id) one message naming the local
 	// folder, otherwise every sampler object of the manifest in order, in chunks. The caller verifies sizes and
@@ -215,6 +222,15 @@ func (c *trainerServiceClient) GetTrainerInfo(ctx context.Context, in *GetTraine
 	return out, nil
 }
 
+func (c *trainerServiceClient) DiscardGradients(ctx context.Context, in *DiscardGradientsRequest, opts ...grpc.CallOption) (*DiscardGradientsResponse, error) {
+	out := new(DiscardGradientsResponse)
+	err := c.cc.Invoke(ctx, "/yieldloop.trainer.v1.TrainerService/DiscardGradients", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *trainerServiceClient) PullWeights(ctx context.Context, in *PullWeightsRequest, opts ...grpc.CallOption) (TrainerService_PullWeightsClient, error) {
 	stream, err := c.cc.NewStream(ctx, &_TrainerService_serviceDesc.Streams[3], "/yieldloop.trainer.v1.TrainerService/PullWeights", opts...)
 	if err != nil {
@@ -314,7 +330,9 @@ type TrainerServiceServer interface {
 	// optimizer state, accumulated gradients). A retry with the same idempotency_key returns the first outcome.
 	// Returns: OK; FAILED_PRECONDITION (NO_GRADIENTS; NON_FINITE: the gradient norm or an updated weight is NaN
 	// or infinite); INVALID_ARGUMENT (INVALID_FIELD: a hyperparameter is NaN, infinite or out of range);
-	// ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback);
+	// ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback; the gradients,
+	// computed on the old weights, are kept and pin them: DiscardGradients drops them, then the next call trains
+	// from the new head);
 	// FAILED_PRECONDITION (CHECKPOINT_ABANDONED) when CheckpointService gave up the pending checkpoint before it
 	// became durable (this trainer was unreachable); UNAVAILABLE when CheckpointService cannot be reached.
 	OptimStep(context.Context, *OptimStepRequest) (*OptimStepResponse, error)
@@ -324,6 +342,11 @@ type TrainerServiceServer interface {
 	// Reports the trained model, its step and checkpoint.
 	// Returns: OK.
 	GetTrainerInfo(context.Context, *GetTrainerInfoRequest) (*GetTrainerInfoResponse, error)
+	// Forgets the gradients accumulated for a model since its last step (every caller's: a session's gradients
+	// are shared by everyone training that slug), e.g. after an OptimStep refused as NON_FINITE or HEAD_CONFLICT.
+	// Weights, optimizer state and checkpoints are untouched.
+	// Returns: OK; PERMISSION_DENIED (MODEL_NOT_OWNED); NOT_FOUND (MODEL_NOT_FOUND).
+	DiscardGradients(context.Context, *DiscardGradientsRequest) (*DiscardGradientsResponse, error)
 	// Streams the sampler weights of a checkpoint this trainer committed and still holds (pending ones, and
 	// the last few durable ones): to a caller on the same host (same host_id) one message naming the local
 	// folder, otherwise every sampler object of the manifest in order, in chunks. The caller verifies sizes and
@@ -366,6 +389,9 @@ func (UnimplementedTrainerServiceServer) ListLosses(context.Context, *ListLosses
 }
 func (UnimplementedTrainerServiceServer) GetTrainerInfo(context.Context, *GetTrainerInfoRequest) (*GetTrainerInfoResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetTrainerInfo not implemented")
+}
+func (UnimplementedTrainerServiceServer) DiscardGradients(context.Context, *DiscardGradientsRequest) (*DiscardGradientsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method DiscardGradients not implemented")
 }
 func (UnimplementedTrainerServiceServer) PullWeights(*PullWeightsRequest, TrainerService_PullWeightsServer) error {
 	return status.Errorf(codes.Unimplemented, "method PullWeights not implemented")
@@ -518,6 +544,24 @@ func _TrainerService_GetTrainerInfo_Handler(srv interface{}, ctx context.Context
 	return interceptor(ctx, in, info, handler)
 }
 
+func _TrainerService_DiscardGradients_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DiscardGradientsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TrainerServiceServer).DiscardGradients(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/yieldloop.trainer.v1.TrainerService/DiscardGradients",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TrainerServiceServer).DiscardGradients(ctx, req.(*DiscardGradientsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _TrainerService_PullWeights_Handler(srv interface{}, stream grpc.ServerStream) error {
 	m := new(PullWeightsRequest)
 	if err := stream.RecvMsg(m); err != nil {
@@ -575,6 +619,10 @@ var _TrainerService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetTrainerInfo",
 			Handler:    _TrainerService_GetTrainerInfo_Handler,
+		},
+		{
+			MethodName: "DiscardGradients",
+			Handler:    _TrainerService_DiscardGradients_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

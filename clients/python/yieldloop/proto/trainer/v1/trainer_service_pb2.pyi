@@ -280,6 +280,18 @@ class ListLossesResponse(_message.Message):
     losses: _containers.RepeatedCompositeFieldContainer[LossSpec]
     def __init__(self, losses: _Optional[_Iterable[_Union[LossSpec, _Mapping]]] = ...) -> None: ...
 
+class DiscardGradientsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class DiscardGradientsResponse(_message.Message):
+    __slots__ = ("num_datums",)
+    NUM_DATUMS_FIELD_NUMBER: _ClassVar[int]
+    num_datums: int
+    def __init__(self, num_datums: _Optional[int] = ...) -> None: ...
+
 class GetTrainerInfoRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

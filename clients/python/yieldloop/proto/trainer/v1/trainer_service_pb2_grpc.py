@@ -69,6 +69,11 @@ class TrainerServiceStub:
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoResponse.FromString,
                 _registered_method=True)
+        self.DiscardGradients = channel.unary_unary(
+                '/yieldloop.trainer.v1.TrainerService/DiscardGradients',
+                request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.DiscardGradientsRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.DiscardGradientsResponse.FromString,
+                _registered_method=True)
         self.PullWeights = channel.unary_stream(
                 '/yieldloop.trainer.v1.TrainerService/PullWeights',
                 request_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.PullWeightsRequest.SerializeToString,
@@ -136,7 +141,9 @@ class TrainerServiceServicer:
         optimizer state, accumulated gradients). A retry with the same idempotency_key returns the first outcome.
         Returns: OK; FAILED_PRECONDITION (NO_GRADIENTS; NON_FINITE: the gradient norm or an updated weight is NaN
         or infinite); INVALID_ARGUMENT (INVALID_FIELD: a hyperparameter is NaN, infinite or out of range);
-        ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback);
+        ABORTED (HEAD_CONFLICT) when the head moved under the trainer (another trainer, a rollback; the gradients,
+        computed on the old weights, are kept and pin them: DiscardGradients drops them, then the next call trains
+        from the new head);
         FAILED_PRECONDITION (CHECKPOINT_ABANDONED) when CheckpointService gave up the pending checkpoint before it
         became durable (this trainer was unreachable); UNAVAILABLE when CheckpointService cannot be reached.
         """
@@ -155,6 +162,16 @@ class TrainerServiceServicer:
     def GetTrainerInfo(self, request, context):
         """Reports the trained model, its step and checkpoint.
         Returns: OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DiscardGradients(self, request, context):
+        """Forgets the gradients accumulated for a model since its last step (every caller's: a session's gradients
+        are shared by everyone training that slug), e.g. after an OptimStep refused as NON_FINITE or HEAD_CONFLICT.
+        Weights, optimizer state and checkpoints are untouched.
+        Returns: OK; PERMISSION_DENIED (MODEL_NOT_OWNED); NOT_FOUND (MODEL_NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -220,6 +237,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.GetTrainerInfo,
                     request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoRequest.FromString,
                     response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoResponse.SerializeToString,
+            ),
+            'DiscardGradients': grpc.unary_unary_rpc_method_handler(
+                    servicer.DiscardGradients,
+                    request_deserializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.DiscardGradientsRequest.FromString,
+                    response_serializer=yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.DiscardGradientsResponse.SerializeToString,
             ),
             'PullWeights': grpc.unary_stream_rpc_method_handler(
                     servicer.PullWeights,
@@ -399,6 +421,33 @@ class TrainerService:
             '/yieldloop.trainer.v1.TrainerService/GetTrainerInfo',
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoRequest.SerializeToString,
             yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.GetTrainerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DiscardGradients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.trainer.v1.TrainerService/DiscardGradients',
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.DiscardGradientsRequest.SerializeToString,
+            yieldloop_dot_trainer_dot_v1_dot_trainer__service__pb2.DiscardGradientsResponse.FromString,
             options,
             channel_credentials,
             insecure,
