@@ -99,7 +99,7 @@ async def generate_round(clients: dict, prompt: list[int], args: argparse.Namesp
             telemetry.tracer().sampler = {"auth+trace100": ALWAYS_ON,
                                           "auth+trace1": ParentBasedTraceIdRatio(0.01)}[setting]
         started = time.perf_counter()
-        tokens = await generatebench._grpc(clients[setting], prompt, args.streams, args.max_tokens, [])
+        tokens = await generatebench._grpc(clients[setting], [prompt] * args.streams, args.streams, args.max_tokens, [])
         out[setting] = tokens / (time.perf_counter() - started)
     return out
 
@@ -152,7 +152,7 @@ async def bench(args: argparse.Namespace) -> dict:
         clients = {s: Client(rollout=generate_servers[s].address, api_key=keys[s], timeout=600) for s in SETTINGS}
         prompt = engine.render_chat([{"role": "user", "content": "Write the letter a over and over."}])
         for client in clients.values():
-            await generatebench._grpc(client, prompt, 2, 4, [])  # warm up
+            await generatebench._grpc(client, [prompt] * 2, 2, 4, [])  # warm up
 
         env_rounds, generate_rounds = [], []
         for round_no in range(args.rounds):

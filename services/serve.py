@@ -75,8 +75,10 @@ def _trainer_config(opts: ServeOptions) -> Any:
     return TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device), compile=opts.trainer.compile)
 
 
-async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
-    """Builds one service; returns its start (-> address) and stop(grace) coroutine functions."""
+async def build_service(opts: ServeOptions, published: dict[str, Any] | None = None) -> tuple[Starter, Stopper]:
+    """Builds one service; returns its start (-> address) and stop(grace) coroutine functions. ``published``
+    receives the other ports the started service serves (the rollout's OpenAI endpoint: ``http_port``), which
+    its ready file records so a supervised restart binds them again."""
     from yieldloop_server.store import open_store
 
     _use_torch_threads(opts)
@@ -136,7 +138,14 @@ async def build_service(opts: ServeOptions) -> tuple[Starter, Stopper]:
             stream_interval_s=max(0.0, opts.rollout.stream_interval_ms) / 1000,
             weights_from=opts.rollout.weights_from,
         )
-        return server.start, server.stop
+
+        async def start_rollout() -> str:
+            address = await server.start()
+            if published is not None and server.http is not None:
+                published["http_port"] = server.http.port
+            return address
+
+        return start_rollout, server.stop
     if opts.service == "hud":
         from yieldloop.client import Client
         from yieldloop_server.hud.front import HudFront
@@ -216,11 +225,13 @@ async def serve(opts: ServeOptions) -> None:
             if probes is not None:
                 await probes.stop(0)
             return
-    start, stop = await build_service(opts)
+    published: dict[str, Any] = {}
+    start, stop = await build_service(opts, published)
     address = await start()
     settle_heap()
     if opts.ready_file is not None:
-        write_ready_file(opts.ready_file, address, tls=bool(opts.transport.tls_cert), metrics=telemetry.metrics_address)
+        write_ready_file(opts.ready_file, address, tls=bool(opts.transport.tls_cert), metrics=telemetry.metrics_address,
+                         **published)
     print(f"yieldloop {opts.service} serving on {address}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -232,6 +243,8 @@ async def serve(opts: ServeOptions) -> None:
     await asyncio.to_thread(telemetry.shutdown)  # the spans still queued are sent
 
 
-def write_ready_file(path: pathlib.Path, address: str, tls: bool = False, metrics: str = "") -> None:
-    """Atomically records a started service's address (whether it speaks TLS, where it serves metrics)."""
-    write_file_atomically(path, json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics}))
+def write_ready_file(path: pathlib.Path, address: str, tls: bool = False, metrics: str = "", **ports: int) -> None:
+    """Atomically records a started service's address (whether it speaks TLS, where it serves metrics, the other
+    ports it serves)."""
+    write_file_atomically(path, json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics,
+                                            **ports}))

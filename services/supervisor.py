@@ -28,6 +28,22 @@ def _exit_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1]) if address else 0
+
+
+def pinned(options: ServeOptions, ready: dict) -> ServeOptions:
+    """``options`` with every port the started process chose bound again by its restarts (its service port, the
+    rollout's OpenAI endpoint, the metrics endpoint), so everything a stack published keeps its address."""
+    options = dataclasses.replace(options, port=_port(ready["address"]))
+    if ready.get("http_port") and options.rollout.http_port == 0:
+        options = dataclasses.replace(options, rollout=dataclasses.replace(options.rollout,
+                                                                           http_port=int(ready["http_port"])))
+    if ready.get("metrics") and options.metrics_port == 0:
+        options = dataclasses.replace(options, metrics_port=_port(ready["metrics"]))
+    return options
+
+
 class ServiceProcess:
     """One ``yieldloop serve <service>`` process, restarted on the same address whenever it dies.
 
@@ -78,9 +94,9 @@ class ServiceProcess:
                 await process.wait()
                 raise TimeoutError(f"{self.service} not ready after {self.ready_timeout_s}s")
             await asyncio.sleep(0.1)
-        self.address = json.loads(ready_file.read_text())["address"]
-        # A restart binds the same port, so callers keep their address.
-        self.options = dataclasses.replace(self.options, port=int(self.address.rsplit(":", 1)[1]))
+        ready = json.loads(ready_file.read_text())
+        self.address = ready["address"]
+        self.options = pinned(self.options, ready)
 
     async def start(self) -> str:
         """Starts the process and its supervision; returns its address once it serves."""

@@ -26,6 +26,10 @@ FD = descriptor.FieldDescriptor
 DATUM = {"inputTokens": [1, 40, 41], "targetTokens": [40, 41, 42], "samplingLogprobs": [-1.0, -1.0, -1.0],
          "advantages": [0.5, 0.5, 0.5], "weights": [1.0, 1.0, 1.0]}
 TASK = {"env": "letters", "scenario": "repeat", "argsJson": '{"letter": "a"}'}
+RUN = {"runId": "r1", "task": TASK, "groupId": "g1", "prompt": "Say a.", "answer": "a", "reward": 1.0, "status": 1,
+       "infoJson": "{}", "model": "fuzz-trainee", "agentStopReason": 1, "promptFormat": 1,
+       "turns": [{"promptTokenIds": [1, 40], "completionTokenIds": [41, 42], "completionLogprobs": [-1.0, -1.0],
+                  "weightVersion": "base", "completionText": "a", "stopReason": 1}]}
 
 # (service, method, request class, baseline(s) as JSON; a list is a client stream).
 CASES: list[tuple[str, str, Any, Any]] = [
@@ -76,6 +80,9 @@ CASES: list[tuple[str, str, Any, Any]] = [
     ("trainer", "ForwardBackward", trainer.ForwardBackwardRequest,
      [{"config": {"lossFn": "ppo", "lossFnConfig": {"clip_low_threshold": 0.8}, "rewardScale": 1.0,
                   "groupSize": 0, "model": "fuzz-trainee"}}, {"datum": DATUM}]),
+    ("trainer", "ForwardBackward", trainer.ForwardBackwardRequest,  # runs inline: their enums, JSON, rewards
+     [{"config": {"lossFn": "importance_sampling", "model": "fuzz-trainee"}}, {"run": RUN},
+      {"run": {**RUN, "reward": 0.0, "runId": "r2"}}]),
     ("trainer", "Forward", trainer.ForwardRequest, [{"datum": DATUM, "model": "fuzz-trainee"}]),
     ("trainer", "Backward", trainer.BackwardRequest, [{"datum": DATUM, "model": "fuzz-trainee"}]),
     ("trainer", "OptimStep", trainer.OptimStepRequest,
@@ -89,7 +96,8 @@ CASES: list[tuple[str, str, Any, Any]] = [
      {"model": "fuzz-trainee", "checkpoint_id": "base", "host_id": "elsewhere"}),
 ]
 
-STRINGS = ["", "x" * 100_000, "evil\n", "../../etc/passwd", "a\x00b", "é☃" * 40, "{[", "/abs"]
+STRINGS = ["", "x" * 100_000, "evil\n", "../../etc/passwd", "a\x00b", "é☃" * 40, "{[", "/abs",
+           "[" * 100_000 + "]" * 100_000, '{"a": ' * 500 + "1" + "}" * 500]  # JSON nested past any bound
 
 
 def values_for(field: descriptor.FieldDescriptor) -> list[Any]:
@@ -255,7 +263,8 @@ HTTP_BASELINES = {
                           "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
 }
 HTTP_VALUES = ["NaN", "Infinity", "1e300", "-1", "0", "18446744073709551616", '"abc"', "true", "null", "[]", "{}",
-               "[1]", '[true]', '{"a": 1}', "5", '"' + "x" * 100_000 + '"', "[" * 5000 + "]" * 5000]
+               "[1]", '[true]', '{"a": 1}', "5", '"' + "x" * 100_000 + '"', "[" * 5000 + "]" * 5000,
+               "[" * 100_000 + "]" * 100_000]
 
 
 def _mutations(baseline: dict, raw: tuple[str, ...] = ("", "not json", "[1, 2]", "{", "\x00")) -> list[tuple[str, str]]:

@@ -316,3 +316,48 @@ async def test_kill_9_of_the_rollout_loses_no_acknowledged_run(tmp_path) -> None
             assert {run.status for run in again} == {RunStatus.GRADED}
     finally:
         await stack.stop()
+
+
+async def test_every_published_address_survives_a_supervised_restart(tmp_path) -> None:
+    """``yieldloop up``'s stack: the rollout service is killed; it comes back with the same gRPC address and the
+    same OpenAI endpoint (it was a free port the first time), and the HUD front, which forwards chat completions
+    there, answers again without a restart of its own."""
+    import aiohttp
+
+    from yieldloop_server.config import EnvOptions
+    from yieldloop_server.stack import ProcessStack
+
+    stack = ProcessStack(StackConfig(data_dir=tmp_path, env=EnvOptions(workers=0)))
+    addresses = await stack.start()
+    rollout = stack.services["rollout"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Say a."}], "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+
+    async def chat() -> int:
+        async with aiohttp.ClientSession(headers=headers) as http:
+            async with http.post(stack.hud_url + "/v1/chat/completions", json=body) as response:
+                return response.status
+
+    try:
+        async with Client(**addresses, timeout=60, api_key=stack.api_key) as client:
+            before = (await client.get_serving_info()).openai_base_url
+            assert await chat() == 200
+            os.kill(rollout.process.pid, signal.SIGKILL)
+            while rollout.restarts == 0:
+                await asyncio.sleep(0.1)
+            assert rollout.address == addresses["rollout"]
+            for _ in range(300):
+                with contextlib.suppress(errors.UnavailableError):
+                    after = (await client.get_serving_info()).openai_base_url
+                    break
+                await asyncio.sleep(0.1)
+            assert after == before, "the OpenAI endpoint moved"
+            statuses = []
+            for _ in range(100):
+                statuses.append(await chat())
+                if statuses[-1] == 200:
+                    break
+                await asyncio.sleep(0.2)
+            assert statuses[-1] == 200, statuses
+    finally:
+        await stack.stop()

@@ -174,3 +174,45 @@ async def test_gateway_records_samples_under_the_trace_id(stack, client: Client)
     assert [t.prompt_token_ids for t in run.turns] == [first["prompt_token_ids"], second["prompt_token_ids"]]
     assert run.turns[1].completion_token_ids == second["token_ids"]
     assert run.turns[0].weight_version == "base"
+
+
+async def test_trace_ids_are_owned_like_runs(stack, client: Client) -> None:
+    """Another team can neither read an exited trace's sample count, nor exit (record a ghost of) a rollout's
+    trace, nor upload telemetry under a trace id that is not its own: RUN_NOT_OWNED, nothing stored. A recorded
+    trace is never opened again, even by its own team."""
+    from yieldloop.envs.letters import tasks
+
+    a = (await client.create_api_key("hud-owner-a", "train")).api_key
+    b = (await client.create_api_key("hud-owner-b", "train")).api_key
+    exited = "ef" * 16
+    assert (await request(stack, "POST", f"/v2/trace/{exited}/enter", a, {"task_slug": "t"}))[0] == 200
+    assert (await request(stack, "POST", f"/v2/trace/{exited}/exit", a, {"reward": 1.0}))[0] == 200
+    status, error = await request(stack, "POST", f"/v2/trace/{exited}/exit", b, {"reward": 0.0})
+    assert status == 403 and error["error"]["code"] == "run_not_owned" and "num_samples" not in error
+    status, error = await request(stack, "POST", f"/v2/trace/{exited}/enter", a, {})
+    assert status == 400 and error["error"]["code"] == "trace_already_recorded"
+
+    async with Client(**stack.addresses, api_key=a, timeout=60) as a_client:
+        [run] = [r async for r in a_client.stream_rollouts(tasks("a"), group_size=1)]
+    before = (await client.get_runs([run.trace_id]))[0]
+    for method, path, body in [("POST", f"/v2/trace/{run.trace_id}/exit", {"reward": 0.0}),
+                               ("POST", f"/v2/trace/{run.trace_id}/enter", {"task_slug": "ghost"}),
+                               ("POST", f"/v3/api/trace/{run.trace_id}/telemetry-upload", {"telemetry": [{"x": 1}]}),
+                               ("POST", f"/v3/api/trace/{exited}/telemetry-upload", {"telemetry": [{"x": 1}]})]:
+        status, error = await request(stack, method, path, b, body)
+        assert status == 403 and error["error"]["code"] == "run_not_owned", (path, error)
+    assert (await client.get_runs([run.trace_id]))[0] == before, "nothing recorded over the rollout's run"
+    from yieldloop_server.store import open_store
+
+    store = open_store(stack.config.store_url)
+    stored = [key for trace_id in (run.trace_id, exited) for key in store.list(f"hud/telemetry/{trace_id}/")]
+    assert stored == []
+    # The owner may: its telemetry is kept, its repeated exit answered from the record.
+    status, done = await request(stack, "POST", f"/v2/trace/{run.trace_id}/exit", a, {"reward": 0.0})
+    assert status == 200 and done["num_samples"] == len(run.turns)
+    assert (await request(stack, "POST", f"/v3/api/trace/{exited}/telemetry-upload", a, {"telemetry": [{}]}))[0] == 200
+    # A trace id nobody used becomes the first caller's, telemetry first or not.
+    fresh = "0f" * 16
+    assert (await request(stack, "POST", f"/v3/api/trace/{fresh}/telemetry-upload", a, {"telemetry": []}))[0] == 200
+    status, error = await request(stack, "POST", f"/v2/trace/{fresh}/exit", b, {"reward": 1.0})
+    assert status == 403 and error["error"]["code"] == "run_not_owned"

@@ -130,8 +130,8 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     async def RecordPromotion(
         self, request: pb.RecordPromotionRequest, context: grpc.aio.ServicerContext
     ) -> pb.RecordPromotionResponse:
-        if request.promotion.state == pb.PROMOTION_STATE_UNSPECIFIED:
-            raise invalid_field("promotion.state", "give PROMOTED or REJECTED")
+        if request.promotion.state not in (pb.PROMOTION_STATE_PROMOTED, pb.PROMOTION_STATE_REJECTED):
+            raise invalid_field("promotion.state", f"give PROMOTED (1) or REJECTED (2), not {request.promotion.state}")
         await self.access.require(request.model, "train")
         await asyncio.to_thread(
             self.registry.record_promotion, request.model, request.checkpoint_id,

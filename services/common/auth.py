@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from yieldloop.errors import (AlreadyExistsError, InvalidArgumentError, NotFoundError, PermissionDeniedError,
-                              UnauthenticatedError)
+                              UnauthenticatedError, check_text)
 from yieldloop.transport import CallInfo
 from yieldloop.types import ModelInfo
 from yieldloop_server.store import ObjectStore
@@ -120,7 +120,7 @@ class KeyStore:
         check_name(team, "team")
         check_role(role)
         key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
-        record = ApiKeyRecord(key_id, team, role, _hash(secret), name[:200], time.time())
+        record = ApiKeyRecord(key_id, team, role, _hash(secret), check_text(name, "name", 200), time.time())
         self.store.put_bytes(self._key(key_id), json.dumps(dataclasses.asdict(record)).encode(), if_none_match=True)
         return record, f"{KEY_PREFIX}{key_id}_{secret}"
 
@@ -134,7 +134,7 @@ class KeyStore:
         key_id, secret = parts
         check_name(team, "team")
         check_role(role)
-        record = ApiKeyRecord(key_id, team, role, _hash(secret), name[:200], time.time())
+        record = ApiKeyRecord(key_id, team, role, _hash(secret), check_text(name, "name", 200), time.time())
         try:
             self.store.put_bytes(self._key(key_id), json.dumps(dataclasses.asdict(record)).encode(), if_none_match=True)
         except PreconditionFailed:

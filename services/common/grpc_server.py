@@ -33,9 +33,12 @@ def rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        if not isinstance(exc, YieldloopError):
+        error = as_yieldloop_error(exc)
+        if error.code == "INTERNAL" and not isinstance(exc, YieldloopError):
             log.exception("unexpected error in %s", fn.__qualname__)
-        await _abort(context, as_yieldloop_error(exc))
+        elif not isinstance(exc, YieldloopError):
+            log.warning("%s: %s", fn.__qualname__, error)
+        await _abort(context, error)
 
     if inspect.isasyncgenfunction(fn):
 

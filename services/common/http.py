@@ -16,13 +16,15 @@ import json
 import logging
 from typing import Any
 
-from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, invalid_field
+from yieldloop.errors import (DeadlineExceededError, InvalidArgumentError, RequestTooLargeError, YieldloopError,
+                              invalid_field, parse_json)
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
 
 log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 429: "rate_limit_error"}
+                404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}
 
 
 def error_response(err: YieldloopError, status: int = 0) -> Any:
@@ -40,12 +42,9 @@ def _reject_constant(name: str) -> Any:
 
 
 def strict_json(text: str) -> Any:
-    """JSON without NaN/Infinity literals (Python's json accepts them; no OpenAI client sends them) and not
-    nested past Python's recursion limit."""
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise ValueError("the JSON is nested too deeply") from None
+    """JSON without NaN/Infinity literals (Python's json accepts them; no OpenAI client sends them), nested at most
+    :data:`~yieldloop.errors.MAX_JSON_DEPTH` deep."""
+    return parse_json(text, "body", "INVALID_JSON", parse_constant=_reject_constant)
 
 
 class BodyTimeout(Exception):
@@ -53,13 +52,21 @@ class BodyTimeout(Exception):
 
 
 async def read_json(request: Any, timeout_s: float) -> Any:
-    """The request's JSON body: INVALID_ARGUMENT (INVALID_JSON) when it is not JSON; :class:`BodyTimeout` when it
+    """The request's JSON body: INVALID_ARGUMENT (INVALID_JSON) when it is not JSON, RESOURCE_EXHAUSTED
+    (REQUEST_TOO_LARGE, HTTP 413, naming the limit) past the transport's message limit; :class:`BodyTimeout` when it
     does not arrive within ``timeout_s``."""
+    from aiohttp import web
+
     try:
         async with asyncio.timeout(timeout_s):
             return await request.json(loads=strict_json)
+    except web.HTTPRequestEntityTooLarge as err:
+        raise RequestTooLargeError(f"the request body is larger than this server accepts ({err.text})",
+                                   reason="REQUEST_TOO_LARGE", field="body") from None
     except TimeoutError:
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except InvalidArgumentError:
+        raise
     except (ValueError, UnicodeDecodeError):
         raise InvalidArgumentError("the request body is not JSON", reason="INVALID_JSON") from None
 

@@ -24,7 +24,8 @@ from yieldloop.proto.env.v1 import env_service_pb2_grpc as pb_grpc
 from yieldloop.environment import FinalCompletion, RawText
 from yieldloop.episode import protocol_error
 from yieldloop.types import StopReason
-from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error
+from yieldloop.errors import (DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error,
+                              parse_json)
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.grpc_server import Undecodable, rpc
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
@@ -33,10 +34,7 @@ log = logging.getLogger(__name__)
 
 
 def _json_object(text: str, reason: str, field: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text or "{}")
-    except json.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"{field} is not valid JSON: {exc}", reason=reason, field=field) from None
+    value = parse_json(text or "{}", field, reason)
     if not isinstance(value, dict):
         raise InvalidArgumentError(f"{field} must be a JSON object", reason=reason, field=field)
     return value

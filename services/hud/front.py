@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -38,8 +39,8 @@ from typing import Any
 
 from yieldloop.client import Client
 from yieldloop.convert import run_from_bytes, run_to_bytes
-from yieldloop.errors import (InvalidArgumentError, NotFoundError, UnavailableError, YieldloopError, as_yieldloop_error,
-                              invalid_field)
+from yieldloop.errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError,
+                              YieldloopError, as_yieldloop_error, check_text, invalid_field)
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop.types import Datum, JobInfo, ModelInfo, Run, RunStatus, TaskRef, Turn
 from yieldloop_server.common.auth import current_principal, presented_key, require_job, require_run
@@ -160,8 +161,9 @@ class HudFront(HttpServer):
         self._pending: collections.OrderedDict[str, _Trace] = collections.OrderedDict()
         self._forwards: collections.OrderedDict[str, _Forward] = collections.OrderedDict()
         self._stats: dict[str, _StepStats] = {}
-        self._exited: collections.OrderedDict[str, int] = collections.OrderedDict()
-        """Traces recorded lately (their sample counts): a repeated exit report is answered, not recorded twice."""
+        self._exited: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
+        """Traces recorded lately (their team and sample count): a repeated exit report is answered, not recorded
+        twice (older ones are found in the trace store)."""
         self._session: Any = None
 
     async def start(self) -> str:
@@ -454,7 +456,8 @@ class HudFront(HttpServer):
     async def _job_enter(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         job_id = request.match_info["job_id"]
         group = body.get("group")
-        await self._job(job_id, "", name=body.get("name") if isinstance(body.get("name"), str) else "",
+        name = check_text(body["name"], "name") if isinstance(body.get("name"), str) else ""
+        await self._job(job_id, "", name=name,
                         group_size=group if isinstance(group, int) and not isinstance(group, bool) else 0,
                         metadata_json=json.dumps({"source": "hud", "taskset_id": body.get("taskset_id")}))
         return {"job_id": job_id}
@@ -472,16 +475,45 @@ class HudFront(HttpServer):
             return "default"
         return f"{self._team()}-default"
 
-    def _trace(self, trace_id: str) -> _Trace:
-        """The open trace ``trace_id`` of the caller's team (opened now when the SDK did not say it entered)."""
+    async def _owner(self, trace_id: str) -> tuple[str, int] | None:
+        """The team a trace id belongs to and its recorded sample count (-1 while open): its open trace's, its
+        recorded run's (exited here lately, or in the trace store: a HUD trace or a rollout's run); None when
+        nobody used it."""
+        trace = self._pending.get(trace_id)
+        if trace is not None:
+            return trace.team, -1
+        exited = self._exited.get(trace_id)
+        if exited is not None:
+            return exited
+        try:
+            run = await asyncio.to_thread(self.traces.get, trace_id)
+        except NotFoundError:
+            return None
+        return run.team, len(run.turns)
+
+    def _require(self, team: str, trace_id: str) -> None:
+        if self.auth:
+            require_run(team, trace_id)
+
+    async def _trace(self, trace_id: str) -> _Trace:
+        """The open trace ``trace_id`` of the caller's team, opened now when nobody used the id. Trace ids are
+        owned like runs: another team's (open or recorded) is RUN_NOT_OWNED, and a recorded one is never
+        opened again (TRACE_ALREADY_RECORDED), so nothing is stored under an id that is not the caller's."""
         if not named_trace(trace_id):
             raise invalid_field("trace_id", "a trace id is 32 lowercase hex digits (the SDK's uuid4().hex)")
         trace = self._pending.get(trace_id)
         if trace is None:
-            trace = self._pending[trace_id] = _Trace(self._team())
-            self._evict()
-        elif self.auth:
-            require_run(trace.team, trace_id)
+            owner = await self._owner(trace_id)
+            if owner is not None and owner[1] >= 0:
+                self._require(owner[0], trace_id)
+                raise FailedPreconditionError(f"trace {trace_id} was exited and recorded: a new trace needs a new id",
+                                              reason="TRACE_ALREADY_RECORDED", field="trace_id")
+            trace = self._pending.get(trace_id)  # opened meanwhile by a request of the same trace
+            if trace is None:
+                trace = self._pending[trace_id] = _Trace(self._team())
+                self._evict()
+                return trace
+        self._require(trace.team, trace_id)
         return trace
 
     def _evict(self) -> None:
@@ -494,7 +526,7 @@ class HudFront(HttpServer):
             del self._pending[trace_id]
 
     async def _trace_enter(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
-        trace = self._trace(request.match_info["trace_id"])
+        trace = await self._trace(request.match_info["trace_id"])
         for key in ("job_id", "group_id", "task_slug", "model"):
             if isinstance(body.get(key), str):
                 setattr(trace, key, body[key])
@@ -502,9 +534,13 @@ class HudFront(HttpServer):
 
     async def _trace_exit(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         trace_id = request.match_info["trace_id"]
-        if trace_id in self._exited:  # the SDK repeats a report it did not hear answered: recorded once
-            return {"trace_id": trace_id, "num_samples": self._exited[trace_id]}
-        trace = self._trace(trace_id)
+        if not named_trace(trace_id):
+            raise invalid_field("trace_id", "a trace id is 32 lowercase hex digits (the SDK's uuid4().hex)")
+        owner = await self._owner(trace_id)
+        if owner is not None and owner[1] >= 0:  # the SDK repeats a report it did not hear answered: recorded once
+            self._require(owner[0], trace_id)
+            return {"trace_id": trace_id, "num_samples": owner[1]}
+        trace = await self._trace(trace_id)
         reward = _number(body.get("reward") or 0.0, "reward")
         error = body.get("error") if isinstance(body.get("error"), str) else ""
         info = {key: body[key] for key in ("status", "stop_reason", "evaluation_result", "metadata") if key in body}
@@ -517,7 +553,7 @@ class HudFront(HttpServer):
         await self._job(job_id, trace.model)
         await asyncio.to_thread(self.traces.put_many, [run], job_id)  # durable before the answer
         self._pending.pop(trace_id, None)
-        self._exited[trace_id] = len(run.turns)
+        self._exited[trace_id] = (trace.team, len(run.turns))
         while len(self._exited) > PENDING_TRACES:
             self._exited.popitem(last=False)
         return {"trace_id": trace_id, "num_samples": len(run.turns)}
@@ -529,6 +565,11 @@ class HudFront(HttpServer):
         spans = body.get("telemetry")
         if not isinstance(spans, list):
             raise invalid_field("telemetry", "telemetry must be a list of spans")
+        owner = await self._owner(trace_id)
+        if owner is None:
+            await self._trace(trace_id)  # nobody's yet: the caller's from now on
+        else:
+            self._require(owner[0], trace_id)
         key = f"hud/telemetry/{trace_id}/{time.time_ns():020d}-{uuid.uuid4().hex[:6]}.json"
         record = json.dumps({"team": self._team(), "spans": spans}, default=str).encode()
         await asyncio.to_thread(self.store.put_bytes, key, record)
@@ -543,7 +584,7 @@ class HudFront(HttpServer):
         try:
             body = json_object(await read_json(request, self.transport.http_body_timeout_s))
             trace_id = request.headers.get("Trace-Id", "")
-            trace = self._trace(trace_id) if trace_id else None
+            trace = await self._trace(trace_id) if trace_id else None
         except BodyTimeout as err:
             return timeout_response(err)
         except YieldloopError as err:
@@ -551,7 +592,9 @@ class HudFront(HttpServer):
         return await self._forward_http(request, "POST", "/chat/completions", body, trace)
 
     async def _forward_http(self, request: Any, method: str, path: str, body: Any, trace: _Trace | None = None) -> Any:
-        from aiohttp import ClientError, web
+        """Forwards to RolloutService's OpenAI-compatible endpoint; when it cannot be reached, its address is asked
+        again (GetServingInfo) and the request tried once more."""
+        from aiohttp import ClientConnectorError, ClientError
 
         if not self.gateway_url:
             return error_response(UnavailableError("the rollout service serves no HTTP endpoint (--http-port -1)",
@@ -560,6 +603,21 @@ class HudFront(HttpServer):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if "traceparent" in request.headers:
             headers["traceparent"] = request.headers["traceparent"]
+        try:
+            return await self._forward_once(request, method, path, body, headers, trace)
+        except ClientConnectorError:  # the endpoint moved (a rollout service restarted elsewhere): ask again
+            with contextlib.suppress(YieldloopError):
+                self.gateway_url = (await self.client.get_serving_info()).openai_base_url or self.gateway_url
+        try:
+            return await self._forward_once(request, method, path, body, headers, trace)
+        except ClientError as err:
+            return error_response(UnavailableError(f"the rollout service's endpoint did not answer: {err}",
+                                                   reason="GATEWAY_UNAVAILABLE"))
+
+    async def _forward_once(self, request: Any, method: str, path: str, body: Any, headers: dict[str, str],
+                            trace: _Trace | None) -> Any:
+        from aiohttp import ClientConnectorError, ClientError, web
+
         try:
             async with self._session.request(method, self.gateway_url + path, json=body, headers=headers) as upstream:
                 if body and body.get("stream"):  # streamed through as it comes (not recorded as a sample)
@@ -571,6 +629,8 @@ class HudFront(HttpServer):
                     return response
                 data = await upstream.read()
                 status = upstream.status
+        except ClientConnectorError:
+            raise
         except ClientError as err:
             return error_response(UnavailableError(f"the rollout service's endpoint did not answer: {err}",
                                                    reason="GATEWAY_UNAVAILABLE"))

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field
+from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field, parse_json
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop.convert import model_from_pb
 from yieldloop_server.common.auth import ModelAccess, current_principal, may
@@ -104,10 +104,7 @@ def _message_text(message: dict[str, Any], index: int = 0) -> str:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise invalid_field(f"{field}.tool_calls", "each tool call needs a function with a name")
         arguments = function.get("arguments", "{}")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            raise invalid_field(f"{field}.tool_calls", "a tool call's arguments must be a JSON object") from None
+        arguments = parse_json(arguments, f"{field}.tool_calls") if isinstance(arguments, str) else arguments
         if not isinstance(arguments, dict):
             raise invalid_field(f"{field}.tool_calls", "a tool call's arguments must be a JSON object")
         parts.append(f'<tool_call>\n{json.dumps({"name": function["name"], "arguments": arguments})}\n</tool_call>')

@@ -14,7 +14,7 @@ import grpc
 from yieldloop.client import Client
 from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
 from yieldloop.types import JobInfo
-from yieldloop.errors import NotFoundError, check_json_object, invalid_field
+from yieldloop.errors import NotFoundError, check_json_object, check_text, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop_server.common import telemetry
@@ -206,7 +206,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if request.group_size < 0:
             raise invalid_field("group_size", "group_size must be >= 0")
         check_json_object(request.metadata_json, "metadata_json")
-        job = JobInfo(model=model, name=request.name, group_size=request.group_size,
+        job = JobInfo(model=model, name=check_text(request.name, "name"), group_size=request.group_size,
                       metadata_json=request.metadata_json, team=current_principal().team)
         return pb.CreateJobResponse(job=job_to_pb(await asyncio.to_thread(self.traces.create_job, job)))
 

@@ -33,7 +33,9 @@ from yieldloop.errors import (
     InvalidArgumentError,
     NotFoundError,
     YieldloopError,
+    as_yieldloop_error,
     invalid_field,
+    no_space,
 )
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, ObjectInfo, Run, RunStatus
@@ -127,6 +129,8 @@ class TrainingSession:
         self.manifest: Manifest | None = None
         """The checkpoint the weights are at (None before the first load)."""
         self._uploads: dict[str, asyncio.Task] = {}
+        self._stalls: dict[str, asyncio.Future] = {}
+        """Per background upload: resolved by an attempt that a full disk failed (the step waiting answers it)."""
         """Background uploads of pending checkpoints by id, until they end (their steps answer then)."""
         self._durability: asyncio.Task | None = None
         """The newest background upload (each waits for the one before it: a child may share its parent's
@@ -290,6 +294,9 @@ class TrainingSession:
                 log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
                 await asyncio.sleep(RETRY.delay(attempt))
             except Exception as err:  # deliberate: the store or CheckpointService is away; try again
+                stalled = self._stalls.get(manifest.checkpoint_id)
+                if (no_space(err) or getattr(err, "reason", "") == "NO_SPACE") and stalled and not stalled.done():
+                    stalled.set_result(err)  # its step answers RESOURCE_EXHAUSTED; the upload goes on trying
                 log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
                 await asyncio.sleep(RETRY.delay(attempt))
         if self.manifest is not None and self.manifest.checkpoint_id == manifest.checkpoint_id:
@@ -518,6 +525,7 @@ class TrainingSession:
             return outcome
         # The head moved (the fleet reloads from this trainer meanwhile); the answer waits for durability, so an
         # acknowledged step is never rolled back. A caller that gives up waiting finds it by its key.
+        self._stalls[checkpoint_id] = asyncio.get_running_loop().create_future()
         self._durability = task = asyncio.create_task(self._make_durable(manifest, folder, self._durability))
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: awaited or not
         self._uploads[checkpoint_id] = task
@@ -528,19 +536,28 @@ class TrainingSession:
 
     async def _until_durable(self, key: str, checkpoint_id: str) -> None:
         """Returns once the step's checkpoint is durable; raises (and forgets the step's outcome) when it never
-        will be (abandoned, or its model deleted)."""
+        will be (abandoned, or its model deleted), and RESOURCE_EXHAUSTED (NO_SPACE) while the store's disk is full
+        (the upload goes on retrying; a retry of the step with its key waits for it again)."""
         task = self._uploads.get(checkpoint_id)
         if task is None:
             return
+        stalled = self._stalls.get(checkpoint_id)
+        if stalled is not None and stalled.done():  # a retry: wait for the upload's next attempt
+            stalled = self._stalls[checkpoint_id] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.shield(task)
+            await asyncio.wait([task, *([stalled] if stalled is not None else [])],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise as_yieldloop_error(stalled.result())
+            task.result()
         except YieldloopError:
-            if key:
+            if key and task.done():
                 self._outcomes.pop(key, None)
             raise
         finally:
             if task.done():
                 self._uploads.pop(checkpoint_id, None)
+                self._stalls.pop(checkpoint_id, None)
 
     def _discard(self, checkpoint_id: str, folder: pathlib.Path) -> None:
         if self.publisher is not None:

@@ -6,7 +6,10 @@ Servicers and the client call these at the wire; nothing else builds protobuf fr
 from __future__ import annotations
 
 import dataclasses
+import enum
+from typing import TypeVar
 
+from yieldloop.errors import invalid_field
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
@@ -26,6 +29,9 @@ from yieldloop.types import (
     TaskRef,
     Turn,
 )
+
+
+E = TypeVar("E", bound=enum.IntEnum)
 
 
 def head_to_pb(head: Head) -> ckpt_pb.Head:
@@ -86,9 +92,20 @@ def turn_to_pb(turn: Turn) -> common_pb.Turn:
     )
 
 
+def _enum(cls: type[E], value: int, field: str) -> E:
+    """The domain enum member for a wire value; INVALID_ARGUMENT naming ``field`` for a value this side does not
+    know (protobuf keeps unknown enum values as plain integers)."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise invalid_field(field, f"{field} {value} is not a {cls.__name__} (known: "
+                                   f"{', '.join(str(int(m)) for m in cls)})") from None
+
+
 def turn_from_pb(message: common_pb.Turn) -> Turn:
     return Turn(list(message.prompt_token_ids), list(message.completion_token_ids), list(message.completion_logprobs),
-                message.weight_version, message.completion_text, StopReason(message.stop_reason))
+                message.weight_version, message.completion_text,
+                _enum(StopReason, message.stop_reason, "turns.stop_reason"))
 
 
 def run_to_pb(run: Run | common_pb.Run) -> common_pb.Run:
@@ -105,9 +122,11 @@ def run_from_pb(message: common_pb.Run) -> Run:
     return Run(
         run_id=message.run_id, task=task_ref_from_pb(message.task), group_id=message.group_id,
         prompt=message.prompt, turns=[turn_from_pb(t) for t in message.turns], answer=message.answer,
-        reward=message.reward, info_json=message.info_json, status=RunStatus(message.status), error=message.error,
-        model=message.model, trace_id=message.trace_id, agent_stop_reason=AgentStopReason(message.agent_stop_reason),
-        attempts=message.attempts, prompt_format=PromptFormat(message.prompt_format), team=message.team,
+        reward=message.reward, info_json=message.info_json, status=_enum(RunStatus, message.status, "run.status"),
+        error=message.error, model=message.model, trace_id=message.trace_id,
+        agent_stop_reason=_enum(AgentStopReason, message.agent_stop_reason, "run.agent_stop_reason"),
+        attempts=message.attempts, prompt_format=_enum(PromptFormat, message.prompt_format, "run.prompt_format"),
+        team=message.team,
     )
 
 

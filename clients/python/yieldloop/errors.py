@@ -12,6 +12,8 @@ This module imports nothing heavy (no grpc), so domain code can use it freely.
 
 from __future__ import annotations
 
+from typing import Any
+
 ERROR_DOMAIN = "yieldloop.dev"
 MAX_MESSAGE = 1024
 """An error's message is cut to this many characters: a message that echoes a huge input must not turn into
@@ -54,10 +56,22 @@ class YieldloopError(Exception):
 
 
 def as_yieldloop_error(exc: BaseException) -> YieldloopError:
-    """``exc`` itself when it is a yieldloop error, else INTERNAL naming its type (for every transport)."""
+    """``exc`` itself when it is a yieldloop error; RESOURCE_EXHAUSTED (NO_SPACE) for a disk that is full (or a quota
+    spent), which is retryable once space is freed; else INTERNAL naming its type (for every transport)."""
     if isinstance(exc, YieldloopError):
         return exc
+    if no_space(exc):
+        return ResourceExhaustedError(
+            f"no space left on the device this service writes to ({getattr(exc, 'filename', '') or exc}): nothing "
+            "was half-written; retry once space is freed", reason="NO_SPACE")
     return InternalError(f"{type(exc).__name__}: {exc}")
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says a disk is full or a quota is spent (ENOSPC, EDQUOT)."""
+    import errno
+
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def error_from_wire(data: dict[str, str]) -> YieldloopError:
@@ -109,6 +123,13 @@ class PermissionDeniedError(YieldloopError, PermissionError):
 class ResourceExhaustedError(YieldloopError):
     code = "RESOURCE_EXHAUSTED"
     http_status = 429
+
+
+class RequestTooLargeError(ResourceExhaustedError):
+    """An HTTP request body past the server's limit (HTTP 413; RESOURCE_EXHAUSTED, as gRPC answers a message
+    past its limit)."""
+
+    http_status = 413
 
 
 class UnimplementedError(YieldloopError, NotImplementedError):
@@ -176,14 +197,58 @@ def invalid_field(field: str, message: str) -> InvalidArgumentError:
     return InvalidArgumentError(message, reason="INVALID_FIELD", field=field)
 
 
-def check_json_object(text: str, field: str) -> str:
-    """``text`` when it is empty or a JSON object; INVALID_ARGUMENT naming ``field`` otherwise."""
+def check_text(value: str, field: str, max_chars: int = 256) -> str:
+    """``value`` when it is a short label (a job's or a key's name): at most ``max_chars`` characters and no
+    control characters; INVALID_ARGUMENT naming ``field`` otherwise."""
+    if len(value) > max_chars:
+        raise invalid_field(field, f"{field} has {len(value):,} characters; at most {max_chars} are kept")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise invalid_field(field, f"{field} holds control characters")
+    return value
+
+
+MAX_JSON_DEPTH = 100
+"""How deep JSON from a caller may nest (arrays and objects): deeper input is refused where it enters, before
+anything walks it recursively (Python's recursion limit is about 1,000 frames)."""
+
+
+def parse_json(text: str | bytes, field: str, reason: str = "INVALID_FIELD", **options: Any) -> Any:
+    """``text`` parsed as JSON (``options`` go to ``json.loads``); INVALID_ARGUMENT with ``reason`` naming ``field``
+    when it is not JSON or nests deeper than :data:`MAX_JSON_DEPTH`."""
     import json
 
-    if text:
-        try:
-            if not isinstance(json.loads(text), dict):
-                raise ValueError("not an object")
-        except (ValueError, RecursionError) as err:
-            raise invalid_field(field, f"{field} must be a JSON object: {err}") from None
+    try:
+        value = json.loads(text, **options)
+    except RecursionError:
+        value, nested = None, True
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InvalidArgumentError(f"{field} is not valid JSON: {err}", reason=reason, field=field) from None
+    else:
+        brackets = text.count(b"[" if isinstance(text, bytes) else "[") + \
+            text.count(b"{" if isinstance(text, bytes) else "{")
+        nested = brackets > MAX_JSON_DEPTH and _nesting(value) > MAX_JSON_DEPTH
+    if nested:
+        raise InvalidArgumentError(f"{field} nests deeper than {MAX_JSON_DEPTH} levels", reason=reason, field=field)
+    return value
+
+
+def _nesting(value: Any) -> int:
+    """How deep arrays and objects nest in a parsed JSON value (without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def check_json_object(text: str, field: str) -> str:
+    """``text`` when it is empty or a JSON object; INVALID_ARGUMENT naming ``field`` otherwise."""
+    if text and not isinstance(parse_json(text, field), dict):
+        raise invalid_field(field, f"{field} must be a JSON object")
     return text

@@ -97,6 +97,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EPISODE_STREAM_LOST: _ClassVar[ErrorReason]
     WEIGHT_GROUP_UNAVAILABLE: _ClassVar[ErrorReason]
     CHECKPOINT_ABANDONED: _ClassVar[ErrorReason]
+    TRACE_ALREADY_RECORDED: _ClassVar[ErrorReason]
+    NO_SPACE: _ClassVar[ErrorReason]
+    REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -173,6 +176,9 @@ GATEWAY_UNAVAILABLE: ErrorReason
 EPISODE_STREAM_LOST: ErrorReason
 WEIGHT_GROUP_UNAVAILABLE: ErrorReason
 CHECKPOINT_ABANDONED: ErrorReason
+TRACE_ALREADY_RECORDED: ErrorReason
+NO_SPACE: ErrorReason
+REQUEST_TOO_LARGE: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
