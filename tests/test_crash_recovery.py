@@ -108,16 +108,9 @@ class Reader:
             await asyncio.sleep(0.01)
 
     async def _served(self, manifest) -> bool:
-        trainer = Client(trainer=manifest.weights_source, transport=self.client.transport, retry_within_s=0,
-                         timeout=3)
-        try:
-            async for _ in trainer.pull_weights(manifest.model, manifest.checkpoint_id, probe=True):
-                return True
-            return True
-        except errors.YieldloopError:
-            return False
-        finally:
-            await trainer.close()
+        from yieldloop_server.checkpoint.server import trainer_probe
+
+        return await trainer_probe(self.client.transport)(manifest)
 
     async def stop(self) -> None:
         self.task.cancel()
