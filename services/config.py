@@ -32,6 +32,11 @@ class CheckpointOptions:
 
     keep_last: int = 0
     """Checkpoint retention: keep the last K plus every checkpoint that was ever head (0: all)."""
+    import_roots: tuple[str, ...] = dataclasses.field(default=(), metadata={"flag": "--import-roots"})
+    """Folders on this machine under which admin keys may import models by path (ImportModel; the stack's own
+    data directory and store never). Everyone else uploads a folder (UploadModel)."""
+    max_upload_gb: float = 500.0
+    """The largest model folder an upload may declare, in GB."""
 
 
 @dataclasses.dataclass

@@ -91,7 +91,12 @@ async def build_service(opts: ServeOptions, published: dict[str, Any] | None = N
     if opts.service == "checkpoint":
         from yieldloop_server.checkpoint.server import build
 
-        server = build(store, opts.host, opts.port, opts.checkpoint.keep_last, opts.transport, keys)
+        from yieldloop_server.checkpoint.importer import ImportPolicy
+
+        forbidden = (opts.data_dir, *((store.root,) if hasattr(store, "root") else ()))
+        imports = ImportPolicy(tuple(pathlib.Path(root) for root in opts.checkpoint.import_roots), forbidden)
+        server = build(store, opts.host, opts.port, opts.checkpoint.keep_last, opts.transport, keys, imports,
+                       int(opts.checkpoint.max_upload_gb * 10**9))
         return server.start, server.stop
     if opts.service == "env":
         from yieldloop_server.env.hosts import HostConfig, create_host

@@ -236,7 +236,9 @@ def test_models_import_and_list(up: pathlib.Path, tmp_path: pathlib.Path) -> Non
     again = run(up, "models", "import", str(folder), "--name", "cli-llama")
     assert again.returncode == 1 and "MODEL_ALREADY_EXISTS" in again.stderr and len(again.stderr.splitlines()) == 1
     missing = run(up, "models", "import", str(tmp_path / "nowhere"), "--name", "x")
-    assert missing.returncode == 1 and "MODEL_SOURCE_NOT_FOUND" in missing.stderr
+    assert missing.returncode == 1 and "MODEL_SOURCE_NOT_FOUND" in missing.stderr and "this machine" in missing.stderr
+    on_server = run(up, "models", "import", str(folder), "--name", "y", "--on-server")  # no import roots
+    assert on_server.returncode == 1 and "IMPORT_PATH_REFUSED" in on_server.stderr
 
 
 def test_up_refuses_a_model_that_does_not_exist(tmp_path: pathlib.Path) -> None:

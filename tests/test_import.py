@@ -15,6 +15,8 @@ from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig
 from yieldloop_server.stack import InProcessStack
 from yieldloop_server.store import open_store
 
+from test_training_safety import good_batch
+
 
 def build_llama(folder: pathlib.Path, *, chat_template: bool = True, safetensors: bool = True,
                 num_hidden_layers: int = 2) -> pathlib.Path:
@@ -242,3 +244,94 @@ async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too
         assert loaded == {"tiny"}  # budget-fork was unloaded to make room
     finally:
         await stack.stop()
+
+
+async def _import_on_server(client: Client, source: str, name: str) -> errors.YieldloopError | None:
+    """ImportModel of a path on the service's machine, as a remote caller would send it."""
+    try:
+        await client.import_model(source, name, on_server=True)
+    except errors.YieldloopError as err:
+        return err
+    return None
+
+
+async def test_nobody_imports_what_is_not_theirs(tmp_path_factory, llama) -> None:
+    """Another team's private weights in the stack's own folders (the rollout's download of them) cannot be
+    imported: a team key never names a path on the service's machine (ROLE_NOT_ALLOWED, and nothing is read:
+    a path that does not exist answers the same); an admin key only under the operator's import roots, resolved
+    first (a symlink out of a root, or a root holding the data directory, are refused: IMPORT_PATH_REFUSED). A
+    team uploads its own folder instead, its files checked against their sha256."""
+    import os
+    import shutil
+
+    data_dir = tmp_path_factory.mktemp("imports")
+    roots = tmp_path_factory.mktemp("import-root")
+    shutil.copytree(llama, roots / "allowed")
+    from yieldloop_server.config import CheckpointOptions
+
+    stack = InProcessStack(StackConfig(data_dir=data_dir, env=EnvOptions(workers=0),
+                                       checkpoint=CheckpointOptions(import_roots=(str(roots), str(data_dir)))))
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as admin:
+            victim = (await admin.create_api_key("victim", "train")).api_key
+            thief = (await admin.create_api_key("thief", "train")).api_key
+            async with Client(**stack.addresses, api_key=victim, timeout=120) as v:
+                await v.fork_model("tiny", "victim-private")
+                await v.forward_backward(datums=good_batch(1), model="victim-private")
+                step = await v.optim_step(1e-2, model="victim-private")
+                await v.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, model="victim-private")
+            downloaded = data_dir / "work" / "rollout" / "victim-private" / step.checkpoint.checkpoint_id
+            assert downloaded.is_dir()
+            async with Client(**stack.addresses, api_key=thief, timeout=120) as t:
+                for path in (downloaded, data_dir / "no-such-folder", roots / "allowed"):
+                    err = await _import_on_server(t, str(path), "stolen")
+                    assert isinstance(err, errors.PermissionDeniedError) and err.reason == "ROLE_NOT_ALLOWED", err
+                    assert "upload" in err.message and "config.json" not in err.message
+                # Its own folder, uploaded: fine, and its own.
+                mine = await t.import_model(str(llama), "thief-own")
+                assert mine.model.owner == "thief" and mine.model.source == str(llama)
+            # Admin keys: only under a root, never the stack's own folders, symlinks resolved first.
+            os.symlink(downloaded, roots / "link-into-data")
+            for path, reason in ((downloaded, "IMPORT_PATH_REFUSED"), (roots / "link-into-data", "IMPORT_PATH_REFUSED"),
+                                 (roots / ".." / "elsewhere", "IMPORT_PATH_REFUSED"), (llama, "IMPORT_PATH_REFUSED")):
+                err = await _import_on_server(admin, str(path), "by-path")
+                assert isinstance(err, errors.PermissionDeniedError) and err.reason == reason, (path, err)
+            assert await _import_on_server(admin, str(roots / "allowed"), "by-path") is None
+            assert (await admin.get_model("by-path")).source == str(roots / "allowed")
+            assert "stolen" not in {m.slug for m in (await admin.list_models()).models}
+    finally:
+        await stack.stop()
+
+
+async def test_an_upload_is_checked_file_by_file(stack, client: Client, llama) -> None:
+    """Bytes that do not match their declared sha256 are DATA_LOSS naming the file, fewer bytes than declared or
+    a file name that is a path are INVALID_ARGUMENT; nothing is written for any of them."""
+    from yieldloop._status import error_from_rpc
+    from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as pb
+    from yieldloop.uploads import upload_header, upload_requests
+
+    header = upload_header(llama, "upload-checked")
+
+    async def send(requests) -> errors.YieldloopError:
+        try:
+            await client.checkpoint_stub.UploadModel(iter(list(requests)), timeout=60)
+        except Exception as err:  # noqa: BLE001  (the grpc error, typed below)
+            return error_from_rpc(err)
+        raise AssertionError("accepted")
+
+    forged = pb.UploadModelHeader()
+    forged.CopyFrom(header)
+    forged.files[0].sha256 = "0" * 64
+    err = await send(upload_requests(llama, forged))
+    assert isinstance(err, errors.DataLossError) and forged.files[0].name in err.message
+    short = list(upload_requests(llama, header))[:-1]
+    err = await send(short)
+    assert isinstance(err, errors.InvalidArgumentError) and err.field == "chunk"
+    for name in ("../escape.json", "sub/dir.json", "notes.exe"):
+        evil = pb.UploadModelHeader(name="upload-evil", files=[pb.UploadedFile(name=name, size=0, sha256="0" * 64)])
+        err = await send([pb.UploadModelRequest(header=evil)])
+        assert isinstance(err, errors.InvalidArgumentError) and err.field == "header.files[0].name", err
+    listed = {m.slug for m in (await client.list_models()).models}
+    assert not {"upload-checked", "upload-evil"} & listed
+    assert _keys(stack, "upload-checked") == [] and _keys(stack, "upload-evil") == []

@@ -17,8 +17,10 @@ import os
 import pathlib
 import re
 import tempfile
+from collections.abc import AsyncIterator, Sequence
 
-from yieldloop.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from yieldloop.errors import (AlreadyExistsError, DataLossError, InvalidArgumentError, NotFoundError,
+                              PermissionDeniedError, ResourceExhaustedError, invalid_field)
 from yieldloop.types import Head, Manifest, ModelInfo
 from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, check_owner
@@ -43,8 +45,14 @@ def hub_cache_dir() -> pathlib.Path:
     return pathlib.Path(home).expanduser() / "hub"
 
 
+def is_hub_id(source: str) -> bool:
+    """Whether ``source`` names a hub repository ("org/name"), not a path ("./x", "/x", "~/x" are paths)."""
+    return bool(_HUB_ID.fullmatch(source)) and not source.startswith((".", "~"))
+
+
 def resolve_source(source: str) -> pathlib.Path | None:
-    """The folder ``source`` names (a directory, or a hub id's snapshot in the local cache), or None."""
+    """The folder ``source`` names (a directory, or a hub id's snapshot in the local cache), or None. For the
+    stack's own start (``yieldloop up --model``); requests go through :func:`requested_folder`."""
     if not source or len(source) > 4096 or "\0" in source:
         return None
     path = pathlib.Path(source).expanduser()
@@ -53,7 +61,12 @@ def resolve_source(source: str) -> pathlib.Path | None:
             return path.resolve()
     except OSError:  # a name too long for the filesystem, a permission problem: not a readable folder
         return None
-    if not _HUB_ID.fullmatch(source):
+    return hub_snapshot(source)
+
+
+def hub_snapshot(source: str) -> pathlib.Path | None:
+    """A hub id's snapshot folder in the local Hugging Face cache, or None (nothing is downloaded)."""
+    if not is_hub_id(source):
         return None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -62,6 +75,17 @@ def resolve_source(source: str) -> pathlib.Path | None:
         return pathlib.Path(snapshot_download(source, cache_dir=hub_cache_dir(), local_files_only=True))
     except (LocalEntryNotFoundError, ValueError, OSError):
         return None
+
+
+def check_new_model(registry: CheckpointRegistry, name: str, owner: str) -> None:
+    """INVALID_ARGUMENT for a malformed slug or owner, ALREADY_EXISTS (MODEL_ALREADY_EXISTS) for a taken one."""
+    check_name(name, "name")
+    check_owner(owner)
+    try:
+        registry.get_model(name)
+        raise AlreadyExistsError(f"model {name!r} already exists", reason="MODEL_ALREADY_EXISTS")
+    except NotFoundError:
+        pass
 
 
 def slug_for(source: str) -> str:
@@ -100,7 +124,7 @@ def inspect_folder(folder: pathlib.Path, source: str) -> ModelFacts:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not (folder / "config.json").is_file():
-        raise _invalid(source, f"no config.json in {folder}")
+        raise _invalid(source, "no config.json")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as err:  # transformers raises many kinds; the user's folder is to blame
@@ -108,13 +132,13 @@ def inspect_folder(folder: pathlib.Path, source: str) -> ModelFacts:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as err:
-        raise _invalid(source, f"no tokenizer loads from {folder}: {err}") from None
+        raise _invalid(source, f"no tokenizer loads: {err}") from None
     if isinstance(tokenizer, bool) or not hasattr(tokenizer, "encode"):
-        raise _invalid(source, f"no tokenizer loads from {folder}")
+        raise _invalid(source, "no tokenizer loads")
     safetensors = sorted(folder.glob("*.safetensors"))
     pytorch = sorted(folder.glob("pytorch_model*.bin"))
     if not safetensors and not pytorch:
-        raise _invalid(source, f"no weights (*.safetensors or pytorch_model*.bin) in {folder}")
+        raise _invalid(source, "no weights (*.safetensors or pytorch_model*.bin)")
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -198,24 +222,70 @@ def _stage_converted(folder: pathlib.Path, staging: pathlib.Path) -> pathlib.Pat
     return staging
 
 
+@dataclasses.dataclass(frozen=True)
+class ImportPolicy:
+    """Which server-side folders a request may import: admin keys only, under ``roots``, never inside
+    ``forbidden`` (the stack's data directory, the store). Both are resolved (symlinks, ``..``) before the check."""
+
+    roots: tuple[pathlib.Path, ...] = ()
+    forbidden: tuple[pathlib.Path, ...] = ()
+
+    def folder(self, source: str, admin: bool) -> pathlib.Path:
+        """The folder a request's ``source`` may import: a hub id's snapshot (anyone), or an allowed path.
+
+        Raises:
+            PermissionDeniedError: ROLE_NOT_ALLOWED (a path from a key that is not admin), IMPORT_PATH_REFUSED.
+            NotFoundError: MODEL_SOURCE_NOT_FOUND.
+        """
+        if is_hub_id(source):
+            folder = hub_snapshot(source)
+            if folder is None:
+                raise NotFoundError(
+                    f"no model {source!r} in the checkpoint service's local Hugging Face cache (nothing is "
+                    "downloaded: put it there, or upload the folder: `yieldloop models import ./folder`)",
+                    reason="MODEL_SOURCE_NOT_FOUND", field="source")
+            return folder
+        if not admin:
+            raise PermissionDeniedError(
+                "only admin keys import from the checkpoint service's filesystem: upload the folder from your "
+                "machine (`yieldloop models import ./folder`, Client.import_model of a local folder) or name a hub "
+                "id in the service's Hugging Face cache", reason="ROLE_NOT_ALLOWED", field="source")
+        if not source or len(source) > 4096 or "\0" in source:
+            raise invalid_field("source", "a source is a hub id or a folder path")
+        try:
+            path = pathlib.Path(source).expanduser().resolve(strict=True)
+        except (OSError, RuntimeError):
+            path = None
+        roots = [root.resolve() for root in self.roots]
+        if path is None or not any(path.is_relative_to(root) for root in roots):
+            raise PermissionDeniedError(
+                f"{source!r} is not a folder under an import root of this service (--import-roots: "
+                f"{', '.join(map(str, roots)) or 'none'}); upload it instead",
+                reason="IMPORT_PATH_REFUSED", field="source")
+        for inside in (place.resolve() for place in self.forbidden):
+            if path.is_relative_to(inside) or inside.is_relative_to(path):
+                raise PermissionDeniedError(
+                    f"{source!r} is (or holds) the stack's own data ({inside}): never importable",
+                    reason="IMPORT_PATH_REFUSED", field="source")
+        if not path.is_dir():
+            raise NotFoundError(f"{source!r} is not a folder", reason="MODEL_SOURCE_NOT_FOUND", field="source")
+        return path
+
+
 def import_model(
-    registry: CheckpointRegistry, source: str, name: str, owner: str = "", public: bool = False
+    registry: CheckpointRegistry, source: str, name: str, owner: str = "", public: bool = False,
+    folder: pathlib.Path | None = None,
 ) -> tuple[ModelInfo, Head]:
-    """Imports ``source`` as the base slug ``name``: checks first, then uploads, creates and commits.
+    """Imports ``source`` (or ``folder``, recorded as coming from ``source``) as the base slug ``name``: checks
+    first, then uploads, creates and commits.
 
     Raises:
         InvalidArgumentError: INVALID_FIELD (slug), MODEL_SOURCE_INVALID.
         NotFoundError: MODEL_SOURCE_NOT_FOUND.
         AlreadyExistsError: MODEL_ALREADY_EXISTS.
     """
-    check_name(name, "name")
-    check_owner(owner)
-    try:
-        registry.get_model(name)
-        raise AlreadyExistsError(f"model {name!r} already exists", reason="MODEL_ALREADY_EXISTS")
-    except NotFoundError:
-        pass
-    folder = resolve_source(source)
+    check_new_model(registry, name, owner)
+    folder = folder or resolve_source(source)
     if folder is None:
         raise NotFoundError(
             f"no model {source!r}: not a folder, and not in the local Hugging Face cache {hub_cache_dir()} "
@@ -237,3 +307,104 @@ def import_model(
     assert head is not None
     return info, head
 
+
+
+MAX_UPLOAD_FILES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadedFile:
+    """One file of an upload, as its header declares it."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+def check_upload(files: Sequence[UploadedFile], max_bytes: int) -> None:
+    """INVALID_ARGUMENT for a header whose files a model folder cannot hold; RESOURCE_EXHAUSTED
+    (REQUEST_TOO_LARGE) past the service's limits."""
+    from yieldloop.uploads import KEPT_SUFFIXES, MODEL_FILE
+
+    if not files:
+        raise invalid_field("header.files", "an upload names the folder's files (weights, config, tokenizer)")
+    if len(files) > MAX_UPLOAD_FILES:
+        raise ResourceExhaustedError(f"an upload holds at most {MAX_UPLOAD_FILES} files, not {len(files)}",
+                                     reason="REQUEST_TOO_LARGE", field="header.files")
+    seen = set()
+    for i, f in enumerate(files):
+        field = f"header.files[{i}]"
+        if not MODEL_FILE.fullmatch(f.name) or not KEPT_SUFFIXES.fullmatch(f.name) or f.name in seen:
+            raise invalid_field(f"{field}.name", f"{f.name[:80]!r} is not a model file name (a top-level "
+                                                  "*.safetensors, *.json, tokenizer or chat template file), or repeated")
+        seen.add(f.name)
+        if f.size < 0:
+            raise invalid_field(f"{field}.size", "a size is >= 0")
+        if len(f.sha256) != 64 or any(c not in "0123456789abcdef" for c in f.sha256):
+            raise invalid_field(f"{field}.sha256", "a sha256 is 64 lowercase hex digits")
+    total = sum(f.size for f in files)
+    if total > max_bytes:
+        raise ResourceExhaustedError(f"the upload declares {total:,} bytes; this service takes at most {max_bytes:,}",
+                                     reason="REQUEST_TOO_LARGE", field="header.files")
+
+
+async def receive_upload(files: Sequence[UploadedFile], chunks: AsyncIterator[bytes], folder: pathlib.Path) -> None:
+    """Writes the declared files from ``chunks`` into ``folder`` in order, hashing each as it arrives (off the
+    event loop).
+
+    Raises:
+        InvalidArgumentError: INVALID_FIELD when more or fewer bytes arrive than declared.
+        DataLossError: CHECKPOINT_CORRUPT naming the file whose bytes do not hash to its declared sha256.
+    """
+    import asyncio
+    import hashlib
+
+    index, written, digest, out = 0, 0, hashlib.sha256(), None
+
+    def close_current() -> None:
+        nonlocal index, written, digest, out
+        declared = files[index]
+        if out is None:
+            (folder / declared.name).write_bytes(b"")
+        else:
+            out.close()
+            out = None
+        if digest.hexdigest() != declared.sha256:
+            raise DataLossError(f"{declared.name}: the bytes received hash to {digest.hexdigest()}, not the declared "
+                                f"{declared.sha256}", reason="CHECKPOINT_CORRUPT", field="chunk")
+        index, written, digest = index + 1, 0, hashlib.sha256()
+
+    def take(view: memoryview) -> memoryview:
+        """Writes what of ``view`` belongs to the current file; returns the rest."""
+        nonlocal written, out
+        declared = files[index]
+        if out is None:
+            out = open(folder / declared.name, "wb")  # noqa: SIM115  (closed by close_current or below)
+        part = view[:declared.size - written]
+        out.write(part)
+        digest.update(part)
+        written += len(part)
+        if written == declared.size:
+            close_current()
+        return view[len(part):]
+
+    def write(chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            while index < len(files) and files[index].size == 0:
+                close_current()
+            if index >= len(files):
+                raise invalid_field("chunk", "more bytes arrived than the header declared")
+            view = take(view)
+
+    try:
+        async for chunk in chunks:
+            await asyncio.to_thread(write, chunk)
+        while index < len(files) and files[index].size == 0:
+            close_current()
+        if index < len(files):
+            raise invalid_field("chunk", f"{files[index].name}: {written:,} bytes arrived, the header declared "
+                                         f"{files[index].size:,}")
+    finally:
+        if out is not None:
+            out.close()

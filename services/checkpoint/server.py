@@ -8,6 +8,7 @@ from yieldloop.client import Client
 from yieldloop.errors import DeadlineExceededError, NotFoundError, UnavailableError
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
 from yieldloop.types import Manifest
+from yieldloop_server.checkpoint.importer import ImportPolicy
 from yieldloop_server.checkpoint.pending import PendingHeads
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.checkpoint.servicer import CheckpointServicer
@@ -46,10 +47,13 @@ def trainer_probe(transport: TransportConfig) -> Callable[[Manifest], Awaitable[
 def build(
     store: ObjectStore, host: str = "127.0.0.1", port: int = 0, keep_last: int = 0,
     transport: TransportConfig = DEFAULT_TRANSPORT, keys: KeyStore | None = None,
+    imports: ImportPolicy = ImportPolicy(), max_upload_bytes: int = 500 * 10**9,
 ) -> GrpcServer:
-    """A CheckpointService server over ``store`` (not started); ``keep_last`` > 0 applies retention on commit."""
+    """A CheckpointService server over ``store`` (not started); ``keep_last`` > 0 applies retention on commit;
+    ``imports`` says which server-side folders admins may import."""
     server = GrpcServer(host, port, transport)
     registry = CheckpointRegistry(store, keep_last=keep_last)
-    servicer = CheckpointServicer(registry, keys, PendingHeads(registry, trainer_probe(transport)))
+    servicer = CheckpointServicer(registry, keys, PendingHeads(registry, trainer_probe(transport)), imports,
+                                  max_upload_bytes)
     server.add(pb_grpc.add_CheckpointServiceServicer_to_server, servicer, SERVICE_NAME)
     return server

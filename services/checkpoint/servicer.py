@@ -7,6 +7,8 @@ thread so a slow store never stalls the event loop's other calls.
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import tempfile
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,7 +18,8 @@ from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as pb
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
 from yieldloop.errors import PermissionDeniedError, invalid_field
 from yieldloop.convert import head_to_pb, lora_from_pb, manifest_from_pb, manifest_to_pb, model_to_pb
-from yieldloop_server.checkpoint.importer import import_model
+from yieldloop_server.checkpoint.importer import (ImportPolicy, UploadedFile, check_new_model, check_upload,
+                                                  import_model, receive_upload)
 from yieldloop_server.checkpoint.pending import PendingHeads
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.common import telemetry
@@ -47,9 +50,13 @@ def _owner(requested: str, public: bool = False) -> str:
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     def __init__(self, registry: CheckpointRegistry, keys: KeyStore | None = None,
-                 pending: PendingHeads | None = None) -> None:
+                 pending: PendingHeads | None = None, imports: ImportPolicy = ImportPolicy(),
+                 max_upload_bytes: int = 500 * 10**9) -> None:
         self.registry = registry
         self.pending = pending
+        self.imports = imports
+        """Which server-side folders ImportModel may read (admin keys, under the operator's roots)."""
+        self.max_upload_bytes = max_upload_bytes
         self.keys = keys or KeyStore(registry.store)
         # This service reads the records at the source: never a stale owner.
         self.access = ModelAccess(lambda slug: asyncio.to_thread(self.registry.get_model, slug), ttl_s=0.0)
@@ -82,9 +89,37 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @rpc
     async def ImportModel(self, request: pb.ImportModelRequest, context: grpc.aio.ServicerContext) -> pb.ImportModelResponse:
         owner = _owner(request.owner, request.public)
+        folder = await asyncio.to_thread(self.imports.folder, request.source, current_principal().is_admin)
         info, head = await asyncio.to_thread(
-            import_model, self.registry, request.source, request.name, owner, request.public)
+            import_model, self.registry, request.source, request.name, owner, request.public, folder)
         return pb.ImportModelResponse(model=model_to_pb(info), head=head_to_pb(head))
+
+    @rpc
+    async def UploadModel(
+        self, request_iterator: AsyncIterator[pb.UploadModelRequest], context: grpc.aio.ServicerContext
+    ) -> pb.UploadModelResponse:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof("item") != "header":
+            raise invalid_field("header", "the first message of an upload is its header")
+        header = first.header
+        owner = _owner(header.owner, header.public)
+        files = [UploadedFile(f.name, f.size, f.sha256) for f in header.files]
+        check_upload(files, self.max_upload_bytes)
+        await asyncio.to_thread(check_new_model, self.registry, header.name, owner)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for request in requests:
+                if request.WhichOneof("item") != "chunk":
+                    raise invalid_field("header", "an upload has one header, first")
+                yield request.chunk
+
+        source = header.source[:4096] or "upload"
+        with tempfile.TemporaryDirectory(prefix="yieldloop-upload-") as staging:
+            await receive_upload(files, chunks(), pathlib.Path(staging))
+            info, head = await asyncio.to_thread(import_model, self.registry, source, header.name, owner,
+                                                 header.public, pathlib.Path(staging))
+        return pb.UploadModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc
     async def CreateApiKey(self, request: pb.CreateApiKeyRequest, context: grpc.aio.ServicerContext) -> pb.CreateApiKeyResponse:

@@ -231,6 +231,7 @@ METHOD_ROLES: dict[str, Role] = {
     "/yieldloop.checkpoint.v1.CheckpointService/ForkModel": "train",
     "/yieldloop.checkpoint.v1.CheckpointService/DeleteModel": "train",
     "/yieldloop.checkpoint.v1.CheckpointService/ImportModel": "train",
+    "/yieldloop.checkpoint.v1.CheckpointService/UploadModel": "train",
     "/yieldloop.checkpoint.v1.CheckpointService/ListCheckpoints": "sample",
     "/yieldloop.checkpoint.v1.CheckpointService/GetCheckpoint": "sample",
     "/yieldloop.checkpoint.v1.CheckpointService/CommitCheckpoint": "train",

@@ -64,10 +64,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     imported = model_commands.add_parser(
         "import", help="a Hugging Face model (a folder, or a hub id in the local cache: nothing is downloaded) as a new "
                        "base slug; its weights become the checkpoint 'base'")
-    imported.add_argument("source", help="a model folder the checkpoint service can read, or a hub id (org/name)")
+    imported.add_argument("source", help="a model folder on this machine (uploaded), or a hub id (org/name) in the "
+                                         "checkpoint service's Hugging Face cache")
     imported.add_argument("--name", required=True, help="the new slug")
     imported.add_argument("--owner", default="", help="the owning team (admin keys; default: the key's team)")
     imported.add_argument("--public", action="store_true", help="every team may sample and fork it (admin keys)")
+    imported.add_argument("--on-server", action="store_true",
+                          help="SOURCE is a folder on the checkpoint service's machine (admin keys; under the "
+                               "service's --import-roots)")
     fork = model_commands.add_parser(
         "fork", help="a new model starting from a model's head: full fine-tuning (objects shared until its first "
                      "step), or with --lora-rank a LoRA fork training adapters only over the source's frozen weights")
@@ -378,7 +382,7 @@ async def _models(args: argparse.Namespace) -> None:
                               "yes" if m.has_chat_template else "no", f"{m.size_bytes / 1e6:.3f} MB")
             console.print(table)
         elif args.models_command == "import":
-            done = await client.import_model(args.source, args.name, args.owner, args.public)
+            done = await client.import_model(args.source, args.name, args.owner, args.public, args.on_server)
             m = done.model
             console.print(f"imported {args.source} as {m.slug}: {m.architecture}, {m.num_parameters:,} parameters "
                           f"({m.dtype}), chat template {'yes' if m.has_chat_template else 'no'}, "

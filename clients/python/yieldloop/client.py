@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import pathlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -50,7 +51,8 @@ from yieldloop.convert import (
     run_to_pb,
 )
 from yieldloop.environment import Task
-from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError, error_from_wire, invalid_field
+from yieldloop.errors import (FailedPreconditionError, NotFoundError, UnavailableError, YieldloopError, error_from_wire,
+                              invalid_field)
 from yieldloop.retry import Backoff
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
@@ -869,14 +871,38 @@ class Client:
         return await _unary(self.checkpoint_stub.ForkModel, request, self.timeout)
 
     async def import_model(
-        self, source: str, name: str, owner: str = "", public: bool = False
+        self, source: str, name: str, owner: str = "", public: bool = False, on_server: bool = False
     ) -> ckpt_pb.ImportModelResponse:
-        """Imports a Hugging Face model (a folder the checkpoint service reads, or a hub id in its local
-        Hugging Face cache) as the base slug ``name``; its weights become the checkpoint "base" (HEAD). It belongs
-        to the key's team (an admin names any ``owner``, and may make it ``public``: every team samples and forks
-        it)."""
+        """Imports a Hugging Face model as the base slug ``name``; its weights become the checkpoint "base" (HEAD).
+        ``source`` is a folder on this machine (uploaded: :meth:`upload_model`) or a hub id ("org/name") in the
+        checkpoint service's local Hugging Face cache; with ``on_server``, a folder on the service's machine (admin
+        keys only, under the operator's ``--import-roots``). It belongs to the key's team (an admin names any
+        ``owner``, and may make it ``public``: every team samples and forks it).
+
+        Raises:
+            NotFoundError: MODEL_SOURCE_NOT_FOUND for a path that is no folder here (without ``on_server``).
+        """
+        folder = pathlib.Path(source).expanduser()
+        if not on_server:
+            if folder.is_dir():
+                return await self.upload_model(folder, name, owner, public, source=source)
+            if source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source:
+                raise NotFoundError(f"no folder {source!r} on this machine (a folder on the checkpoint service's "
+                                    "machine: on_server / --on-server, admin keys)", reason="MODEL_SOURCE_NOT_FOUND",
+                                    field="source")
         request = ckpt_pb.ImportModelRequest(source=source, name=name, owner=owner, public=public)
         return await _unary(self.checkpoint_stub.ImportModel, request, self.timeout)
+
+    async def upload_model(
+        self, folder: str | pathlib.Path, name: str, owner: str = "", public: bool = False, source: str = ""
+    ) -> ckpt_pb.UploadModelResponse:
+        """Uploads a Hugging Face model folder of this machine (its weights, configs, tokenizer files and chat
+        templates, each with its sha256) and imports it as the base slug ``name`` (see :meth:`import_model`)."""
+        from yieldloop.uploads import upload_header, upload_requests
+
+        folder = pathlib.Path(folder).expanduser()
+        header = await asyncio.to_thread(upload_header, folder, name, owner, public, source)
+        return await _unary(self.checkpoint_stub.UploadModel, upload_requests(folder, header), self.timeout)
 
     # API keys (admin keys only) -------------------------------------------------------------------------
 

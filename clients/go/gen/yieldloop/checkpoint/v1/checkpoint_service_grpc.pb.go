@@ -35,14 +35,26 @@ type CheckpointServiceClient interface {
 	// force: full forks keep the objects they use) or LoRA forks run on its weights; INVALID_ARGUMENT
 	// (INVALID_FIELD).
 	DeleteModel(ctx context.Context, in *DeleteModelRequest, opts ...grpc.CallOption) (*DeleteModelResponse, error)
-	// Imports a Hugging Face model (a folder the service can read, or a hub id already in the service's local
-	// Hugging Face cache; never downloaded) as a new base slug: checks that transformers can load its config,
+	// Imports a Hugging Face model as a new base slug: a hub id ("org/name") already in the service's local
+	// Hugging Face cache (never downloaded), or, for admin keys only, a folder on the service's filesystem under
+	// one of the operator's import roots (--import-roots; resolved first, never inside the stack's data directory
+	// or store). Anyone else uploads the folder (UploadModel). Checks that transformers can load its config,
 	// tokenizer and weights, records what it is, and commits the weights as the slug's first checkpoint
 	// ("base", HEAD). Safetensors files are stored as they are; PyTorch .bin weights are converted.
 	// Returns: OK; NOT_FOUND (MODEL_SOURCE_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
-	// INVALID_ARGUMENT (INVALID_FIELD for a malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or
-	// weights are missing or do not load). Nothing is written unless the import succeeds.
+	// PERMISSION_DENIED (ROLE_NOT_ALLOWED: a path from a key that is not admin; IMPORT_PATH_REFUSED: a path
+	// outside the import roots or inside the stack's own folders); INVALID_ARGUMENT (INVALID_FIELD for a
+	// malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or weights are missing or do not load).
+	// Nothing is written unless the import succeeds.
 	ImportModel(ctx context.Context, in *ImportModelRequest, opts ...grpc.CallOption) (*ImportModelResponse, error)
+	// Imports a Hugging Face model folder the caller streams: first a header naming the new slug and every file
+	// (its name, size and sha256), then the files' bytes in that order, in chunks. Each file is hashed as it
+	// arrives and checked against its header; then the folder is checked and committed as ImportModel does.
+	// Returns: OK; ALREADY_EXISTS (MODEL_ALREADY_EXISTS); INVALID_ARGUMENT (INVALID_FIELD: the header, a file
+	// name, more or fewer bytes than declared; MODEL_SOURCE_INVALID); DATA_LOSS (CHECKPOINT_CORRUPT: a file's
+	// bytes differ from its sha256); RESOURCE_EXHAUSTED (REQUEST_TOO_LARGE: more files or bytes than the service
+	// takes). Nothing is written unless the import succeeds.
+	UploadModel(ctx context.Context, opts ...grpc.CallOption) (CheckpointService_UploadModelClient, error)
 	// Lists a model's committed checkpoints, oldest first, head marked.
 	// Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD).
 	ListCheckpoints(ctx context.Context, in *ListCheckpointsRequest, opts ...grpc.CallOption) (*ListCheckpointsResponse, error)
@@ -143,6 +155,40 @@ func (c *checkpointServiceClient) ImportModel(ctx context.Context, in *ImportMod
 	return out, nil
 }
 
+func (c *checkpointServiceClient) UploadModel(ctx context.Context, opts ...grpc.CallOption) (CheckpointService_UploadModelClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_CheckpointService_serviceDesc.Streams[0], "/yieldloop.checkpoint.v1.CheckpointService/UploadModel", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &checkpointServiceUploadModelClient{stream}
+	return x, nil
+}
+
+type CheckpointService_UploadModelClient interface {
+	Send(*UploadModelRequest) error
+	CloseAndRecv() (*UploadModelResponse, error)
+	grpc.ClientStream
+}
+
+type checkpointServiceUploadModelClient struct {
+	grpc.ClientStream
+}
+
+func (x *checkpointServiceUploadModelClient) Send(m *UploadModelRequest) error {
+	return x.ClientStream.SendMsg(m)
+}
+
+func (x *checkpointServiceUploadModelClient) CloseAndRecv() (*UploadModelResponse, error) {
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	m := new(UploadModelResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 func (c *checkpointServiceClient) ListCheckpoints(ctx context.Context, in *ListCheckpointsRequest, opts ...grpc.CallOption) (*ListCheckpointsResponse, error) {
 	out := new(ListCheckpointsResponse)
 	err := c.cc.Invoke(ctx, "/yieldloop.checkpoint.v1.CheckpointService/ListCheckpoints", in, out, opts...)
@@ -189,7 +235,7 @@ func (c *checkpointServiceClient) SetHead(ctx context.Context, in *SetHeadReques
 }
 
 func (c *checkpointServiceClient) WatchHead(ctx context.Context, in *WatchHeadRequest, opts ...grpc.CallOption) (CheckpointService_WatchHeadClient, error) {
-	stream, err := c.cc.NewStream(ctx, &_CheckpointService_serviceDesc.Streams[0], "/yieldloop.checkpoint.v1.CheckpointService/WatchHead", opts...)
+	stream, err := c.cc.NewStream(ctx, &_CheckpointService_serviceDesc.Streams[1], "/yieldloop.checkpoint.v1.CheckpointService/WatchHead", opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -278,14 +324,26 @@ type CheckpointServiceServer interface {
 	// force: full forks keep the objects they use) or LoRA forks run on its weights; INVALID_ARGUMENT
 	// (INVALID_FIELD).
 	DeleteModel(context.Context, *DeleteModelRequest) (*DeleteModelResponse, error)
-	// Imports a Hugging Face model (a folder the service can read, or a hub id already in the service's local
-	// Hugging Face cache; never downloaded) as a new base slug: checks that transformers can load its config,
+	// Imports a Hugging Face model as a new base slug: a hub id ("org/name") already in the service's local
+	// Hugging Face cache (never downloaded), or, for admin keys only, a folder on the service's filesystem under
+	// one of the operator's import roots (--import-roots; resolved first, never inside the stack's data directory
+	// or store). Anyone else uploads the folder (UploadModel). Checks that transformers can load its config,
 	// tokenizer and weights, records what it is, and commits the weights as the slug's first checkpoint
 	// ("base", HEAD). Safetensors files are stored as they are; PyTorch .bin weights are converted.
 	// Returns: OK; NOT_FOUND (MODEL_SOURCE_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
-	// INVALID_ARGUMENT (INVALID_FIELD for a malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or
-	// weights are missing or do not load). Nothing is written unless the import succeeds.
+	// PERMISSION_DENIED (ROLE_NOT_ALLOWED: a path from a key that is not admin; IMPORT_PATH_REFUSED: a path
+	// outside the import roots or inside the stack's own folders); INVALID_ARGUMENT (INVALID_FIELD for a
+	// malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or weights are missing or do not load).
+	// Nothing is written unless the import succeeds.
 	ImportModel(context.Context, *ImportModelRequest) (*ImportModelResponse, error)
+	// Imports a Hugging Face model folder the caller streams: first a header naming the new slug and every file
+	// (its name, size and sha256), then the files' bytes in that order, in chunks. Each file is hashed as it
+	// arrives and checked against its header; then the folder is checked and committed as ImportModel does.
+	// Returns: OK; ALREADY_EXISTS (MODEL_ALREADY_EXISTS); INVALID_ARGUMENT (INVALID_FIELD: the header, a file
+	// name, more or fewer bytes than declared; MODEL_SOURCE_INVALID); DATA_LOSS (CHECKPOINT_CORRUPT: a file's
+	// bytes differ from its sha256); RESOURCE_EXHAUSTED (REQUEST_TOO_LARGE: more files or bytes than the service
+	// takes). Nothing is written unless the import succeeds.
+	UploadModel(CheckpointService_UploadModelServer) error
 	// Lists a model's committed checkpoints, oldest first, head marked.
 	// Returns: OK; NOT_FOUND (MODEL_NOT_FOUND); INVALID_ARGUMENT (INVALID_FIELD).
 	ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error)
@@ -352,6 +410,9 @@ func (UnimplementedCheckpointServiceServer) DeleteModel(context.Context, *Delete
 }
 func (UnimplementedCheckpointServiceServer) ImportModel(context.Context, *ImportModelRequest) (*ImportModelResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ImportModel not implemented")
+}
+func (UnimplementedCheckpointServiceServer) UploadModel(CheckpointService_UploadModelServer) error {
+	return status.Errorf(codes.Unimplemented, "method UploadModel not implemented")
 }
 func (UnimplementedCheckpointServiceServer) ListCheckpoints(context.Context, *ListCheckpointsRequest) (*ListCheckpointsResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method ListCheckpoints not implemented")
@@ -484,6 +545,32 @@ func _CheckpointService_ImportModel_Handler(srv interface{}, ctx context.Context
 		return srv.(CheckpointServiceServer).ImportModel(ctx, req.(*ImportModelRequest))
 	}
 	return interceptor(ctx, in, info, handler)
+}
+
+func _CheckpointService_UploadModel_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(CheckpointServiceServer).UploadModel(&checkpointServiceUploadModelServer{stream})
+}
+
+type CheckpointService_UploadModelServer interface {
+	SendAndClose(*UploadModelResponse) error
+	Recv() (*UploadModelRequest, error)
+	grpc.ServerStream
+}
+
+type checkpointServiceUploadModelServer struct {
+	grpc.ServerStream
+}
+
+func (x *checkpointServiceUploadModelServer) SendAndClose(m *UploadModelResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
+func (x *checkpointServiceUploadModelServer) Recv() (*UploadModelRequest, error) {
+	m := new(UploadModelRequest)
+	if err := x.ServerStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
 }
 
 func _CheckpointService_ListCheckpoints_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
@@ -731,6 +818,11 @@ var _CheckpointService_serviceDesc = grpc.ServiceDesc{
 		},
 	},
 	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "UploadModel",
+			Handler:       _CheckpointService_UploadModel_Handler,
+			ClientStreams: true,
+		},
 		{
 			StreamName:    "WatchHead",
 			Handler:       _CheckpointService_WatchHead_Handler,

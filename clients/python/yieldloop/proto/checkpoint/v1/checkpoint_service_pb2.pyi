@@ -270,6 +270,46 @@ class ImportModelResponse(_message.Message):
     head: Head
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
 
+class UploadModelRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: UploadModelHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[UploadModelHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadModelHeader(_message.Message):
+    __slots__ = ("name", "owner", "public", "source", "files")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    owner: str
+    public: bool
+    source: str
+    files: _containers.RepeatedCompositeFieldContainer[UploadedFile]
+    def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., public: _Optional[bool] = ..., source: _Optional[str] = ..., files: _Optional[_Iterable[_Union[UploadedFile, _Mapping]]] = ...) -> None: ...
+
+class UploadedFile(_message.Message):
+    __slots__ = ("name", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class UploadModelResponse(_message.Message):
+    __slots__ = ("model", "head")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    head: Head
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., head: _Optional[_Union[Head, _Mapping]] = ...) -> None: ...
+
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class CheckpointServiceStub:
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelResponse.FromString,
                 _registered_method=True)
+        self.UploadModel = channel.stream_unary(
+                '/yieldloop.checkpoint.v1.CheckpointService/UploadModel',
+                request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.UploadModelRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.UploadModelResponse.FromString,
+                _registered_method=True)
         self.ListCheckpoints = channel.unary_unary(
                 '/yieldloop.checkpoint.v1.CheckpointService/ListCheckpoints',
                 request_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ListCheckpointsRequest.SerializeToString,
@@ -155,13 +160,30 @@ class CheckpointServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ImportModel(self, request, context):
-        """Imports a Hugging Face model (a folder the service can read, or a hub id already in the service's local
-        Hugging Face cache; never downloaded) as a new base slug: checks that transformers can load its config,
+        """Imports a Hugging Face model as a new base slug: a hub id ("org/name") already in the service's local
+        Hugging Face cache (never downloaded), or, for admin keys only, a folder on the service's filesystem under
+        one of the operator's import roots (--import-roots; resolved first, never inside the stack's data directory
+        or store). Anyone else uploads the folder (UploadModel). Checks that transformers can load its config,
         tokenizer and weights, records what it is, and commits the weights as the slug's first checkpoint
         ("base", HEAD). Safetensors files are stored as they are; PyTorch .bin weights are converted.
         Returns: OK; NOT_FOUND (MODEL_SOURCE_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
-        INVALID_ARGUMENT (INVALID_FIELD for a malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or
-        weights are missing or do not load). Nothing is written unless the import succeeds.
+        PERMISSION_DENIED (ROLE_NOT_ALLOWED: a path from a key that is not admin; IMPORT_PATH_REFUSED: a path
+        outside the import roots or inside the stack's own folders); INVALID_ARGUMENT (INVALID_FIELD for a
+        malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or weights are missing or do not load).
+        Nothing is written unless the import succeeds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadModel(self, request_iterator, context):
+        """Imports a Hugging Face model folder the caller streams: first a header naming the new slug and every file
+        (its name, size and sha256), then the files' bytes in that order, in chunks. Each file is hashed as it
+        arrives and checked against its header; then the folder is checked and committed as ImportModel does.
+        Returns: OK; ALREADY_EXISTS (MODEL_ALREADY_EXISTS); INVALID_ARGUMENT (INVALID_FIELD: the header, a file
+        name, more or fewer bytes than declared; MODEL_SOURCE_INVALID); DATA_LOSS (CHECKPOINT_CORRUPT: a file's
+        bytes differ from its sha256); RESOURCE_EXHAUSTED (REQUEST_TOO_LARGE: more files or bytes than the service
+        takes). Nothing is written unless the import succeeds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -289,6 +311,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.ImportModel,
                     request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelRequest.FromString,
                     response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelResponse.SerializeToString,
+            ),
+            'UploadModel': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadModel,
+                    request_deserializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.UploadModelRequest.FromString,
+                    response_serializer=yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.UploadModelResponse.SerializeToString,
             ),
             'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
                     servicer.ListCheckpoints,
@@ -477,6 +504,33 @@ class CheckpointService:
             '/yieldloop.checkpoint.v1.CheckpointService/ImportModel',
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelRequest.SerializeToString,
             yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.ImportModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadModel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/yieldloop.checkpoint.v1.CheckpointService/UploadModel',
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.UploadModelRequest.SerializeToString,
+            yieldloop_dot_checkpoint_dot_v1_dot_checkpoint__service__pb2.UploadModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

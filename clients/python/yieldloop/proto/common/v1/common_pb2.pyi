@@ -100,6 +100,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRACE_ALREADY_RECORDED: _ClassVar[ErrorReason]
     NO_SPACE: _ClassVar[ErrorReason]
     REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
+    IMPORT_PATH_REFUSED: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -179,6 +180,7 @@ CHECKPOINT_ABANDONED: ErrorReason
 TRACE_ALREADY_RECORDED: ErrorReason
 NO_SPACE: ErrorReason
 REQUEST_TOO_LARGE: ErrorReason
+IMPORT_PATH_REFUSED: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file yieldloop/checkpoint/v1/checkpoint_service.proto.
  */
 export const file_yieldloop_checkpoint_v1_checkpoint_service: GenFile = /*@__PURE__*/
-  fileDesc("CjB5aWVsZGxvb3AvY2hlY2twb2ludC92MS9jaGVja3BvaW50X3NlcnZpY2UucHJvdG8SF3lpZWxkbG9vcC5jaGVja3BvaW50LnYxInIKCkFwaUtleUluZm8SDgoGa2V5X2lkGAEgASgJEgwKBHRlYW0YAiABKAkSDAoEcm9sZRgDIAEoCRIMCgRuYW1lGAQgASgJEhQKDGNyZWF0ZWRfdGltZRgFIAEoARIUCgxyZXZva2VkX3RpbWUYBiABKAEiPwoTQ3JlYXRlQXBpS2V5UmVxdWVzdBIMCgR0ZWFtGAEgASgJEgwKBHJvbGUYAiABKAkSDAoEbmFtZRgDIAEoCSJaChRDcmVhdGVBcGlLZXlSZXNwb25zZRIxCgRpbmZvGAEgASgLMiMueWllbGRsb29wLmNoZWNrcG9pbnQudjEuQXBpS2V5SW5mbxIPCgdhcGlfa2V5GAIgASgJIhQKEkxpc3RBcGlLZXlzUmVxdWVzdCJIChNMaXN0QXBpS2V5c1Jlc3BvbnNlEjEKBGtleXMYASADKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5BcGlLZXlJbmZvIiUKE1Jldm9rZUFwaUtleVJlcXVlc3QSDgoGa2V5X2lkGAEgASgJIkkKFFJldm9rZUFwaUtleVJlc3BvbnNlEjEKBGluZm8YASABKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5BcGlLZXlJbmZvIroBCglQcm9tb3Rpb24SNgoFc3RhdGUYASABKA4yJy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Qcm9tb3Rpb25TdGF0ZRIOCgZyZWFzb24YAiABKAkSFgoOaGVsZG91dF9yZXdhcmQYAyABKAESHgoWYmFzZWxpbmVfY2hlY2twb2ludF9pZBgEIAEoCRIXCg9iYXNlbGluZV9yZXdhcmQYBSABKAESFAoMZGVjaWRlZF90aW1lGAYgASgBInUKFlJlY29yZFByb21vdGlvblJlcXVlc3QSDQoFbW9kZWwYASABKAkSFQoNY2hlY2twb2ludF9pZBgCIAEoCRI1Cglwcm9tb3Rpb24YAyABKAsyIi55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Qcm9tb3Rpb24iGQoXUmVjb3JkUHJvbW90aW9uUmVzcG9uc2Ui7gIKCU1vZGVsSW5mbxIMCgRzbHVnGAEgASgJEgwKBGJhc2UYAiABKAkSDgoGcGFyZW50GAMgASgJEg0KBW93bmVyGAQgASgJEhEKCXRyYWluYWJsZRgFIAEoCBIUCgxjcmVhdGVkX3RpbWUYBiABKAESFAoMYXJjaGl0ZWN0dXJlGAcgASgJEhYKDm51bV9wYXJhbWV0ZXJzGAggASgDEg0KBWR0eXBlGAkgASgJEhkKEWhhc19jaGF0X3RlbXBsYXRlGAogASgIEg4KBnNvdXJjZRgLIAEoCRISCgpzaXplX2J5dGVzGAwgASgDEjEKBGxvcmEYDSABKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Mb3JhQ29uZmlnEhoKEmFkYXB0ZXJfYmFzZV9tb2RlbBgOIAEoCRIiChphZGFwdGVyX2Jhc2VfY2hlY2twb2ludF9pZBgPIAEoCRIOCgZwdWJsaWMYECABKAgiQQoKTG9yYUNvbmZpZxIMCgRyYW5rGAEgASgFEg0KBWFscGhhGAIgASgBEhYKDnRhcmdldF9tb2R1bGVzGAMgAygJIlQKCk9iamVjdEluZm8SDAoEbmFtZRgBIAEoCRIMCgRzaXplGAIgASgDEg4KBnNoYTI1NhgDIAEoCRILCgNrZXkYBCABKAkSDQoFc3RhdGUYBSABKAgi6AEKCE1hbmlmZXN0Eg0KBW1vZGVsGAEgASgJEhUKDWNoZWNrcG9pbnRfaWQYAiABKAkSHAoUcGFyZW50X2NoZWNrcG9pbnRfaWQYAyABKAkSDAoEc3RlcBgEIAEoAxIUCgxjcmVhdGVkX3RpbWUYBSABKAESNAoHb2JqZWN0cxgGIAMoCzIjLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk9iamVjdEluZm8SFQoNbWV0YWRhdGFfanNvbhgHIAEoCRIPCgdwZW5kaW5nGAggASgIEhYKDndlaWdodHNfc291cmNlGAkgASgJIlQKBEhlYWQSDQoFbW9kZWwYASABKAkSFQoNY2hlY2twb2ludF9pZBgCIAEoCRIQCghzZXF1ZW5jZRgDIAEoAxIUCgx1cGRhdGVkX3RpbWUYBCABKAEiEwoRTGlzdE1vZGVsc1JlcXVlc3QiSAoSTGlzdE1vZGVsc1Jlc3BvbnNlEjIKBm1vZGVscxgBIAMoCzIiLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk1vZGVsSW5mbyJyChBGb3JrTW9kZWxSZXF1ZXN0Eg4KBnNvdXJjZRgBIAEoCRIMCgRuYW1lGAIgASgJEg0KBW93bmVyGAMgASgJEjEKBGxvcmEYBCABKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Mb3JhQ29uZmlnIjIKEkRlbGV0ZU1vZGVsUmVxdWVzdBINCgVtb2RlbBgBIAEoCRINCgVmb3JjZRgCIAEoCCIVChNEZWxldGVNb2RlbFJlc3BvbnNlIiAKD0dldE1vZGVsUmVxdWVzdBINCgVtb2RlbBgBIAEoCSJFChBHZXRNb2RlbFJlc3BvbnNlEjEKBW1vZGVsGAEgASgLMiIueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTW9kZWxJbmZvInMKEUZvcmtNb2RlbFJlc3BvbnNlEjEKBW1vZGVsGAEgASgLMiIueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTW9kZWxJbmZvEisKBGhlYWQYAiABKAsyHS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5IZWFkIlEKEkltcG9ydE1vZGVsUmVxdWVzdBIOCgZzb3VyY2UYASABKAkSDAoEbmFtZRgCIAEoCRINCgVvd25lchgDIAEoCRIOCgZwdWJsaWMYBCABKAgidQoTSW1wb3J0TW9kZWxSZXNwb25zZRIxCgVtb2RlbBgBIAEoCzIiLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk1vZGVsSW5mbxIrCgRoZWFkGAIgASgLMh0ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuSGVhZCInChZMaXN0Q2hlY2twb2ludHNSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJIu8BChFDaGVja3BvaW50U3VtbWFyeRIVCg1jaGVja3BvaW50X2lkGAEgASgJEhwKFHBhcmVudF9jaGVja3BvaW50X2lkGAIgASgJEgwKBHN0ZXAYAyABKAMSFAoMY3JlYXRlZF90aW1lGAQgASgBEg8KB2lzX2hlYWQYBSABKAgSNQoJcHJvbW90aW9uGAYgASgLMiIueWllbGRsb29wLmNoZWNrcG9pbnQudjEuUHJvbW90aW9uEg8KB3BlbmRpbmcYByABKAgSEQoJaGFzX3N0YXRlGAggASgIEhUKDW1ldGFkYXRhX2pzb24YCSABKAkiWgoXTGlzdENoZWNrcG9pbnRzUmVzcG9uc2USPwoLY2hlY2twb2ludHMYASADKAsyKi55aWVsZGxvb3AuY2hlY2twb2ludC52MS5DaGVja3BvaW50U3VtbWFyeSI8ChRHZXRDaGVja3BvaW50UmVxdWVzdBINCgVtb2RlbBgBIAEoCRIVCg1jaGVja3BvaW50X2lkGAIgASgJIkwKFUdldENoZWNrcG9pbnRSZXNwb25zZRIzCghtYW5pZmVzdBgBIAEoCzIhLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk1hbmlmZXN0IoUBChdDb21taXRDaGVja3BvaW50UmVxdWVzdBIzCghtYW5pZmVzdBgBIAEoCzIhLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk1hbmlmZXN0EhAKCHNldF9oZWFkGAIgASgIEiMKG2V4cGVjdGVkX2hlYWRfY2hlY2twb2ludF9pZBgDIAEoCSJ8ChhDb21taXRDaGVja3BvaW50UmVzcG9uc2USMwoIbWFuaWZlc3QYASABKAsyIS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5NYW5pZmVzdBIrCgRoZWFkGAIgASgLMh0ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuSGVhZCIfCg5HZXRIZWFkUmVxdWVzdBINCgVtb2RlbBgBIAEoCSI+Cg9HZXRIZWFkUmVzcG9uc2USKwoEaGVhZBgBIAEoCzIdLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkhlYWQicQoOU2V0SGVhZFJlcXVlc3QSDQoFbW9kZWwYASABKAkSFQoNY2hlY2twb2ludF9pZBgCIAEoCRIeChZleHBlY3RlZF9jaGVja3BvaW50X2lkGAMgASgJEhkKEWV4cGVjdGVkX3NlcXVlbmNlGAQgASgDIj4KD1NldEhlYWRSZXNwb25zZRIrCgRoZWFkGAEgASgLMh0ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuSGVhZCI5ChBXYXRjaEhlYWRSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEhYKDmFmdGVyX3NlcXVlbmNlGAIgASgDIkAKEVdhdGNoSGVhZFJlc3BvbnNlEisKBGhlYWQYASABKAsyHS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5IZWFkKm0KDlByb21vdGlvblN0YXRlEh8KG1BST01PVElPTl9TVEFURV9VTlNQRUNJRklFRBAAEhwKGFBST01PVElPTl9TVEFURV9QUk9NT1RFRBABEhwKGFBST01PVElPTl9TVEFURV9SRUpFQ1RFRBACMs4MChFDaGVja3BvaW50U2VydmljZRJlCgpMaXN0TW9kZWxzEioueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTGlzdE1vZGVsc1JlcXVlc3QaKy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5MaXN0TW9kZWxzUmVzcG9uc2USXwoIR2V0TW9kZWwSKC55aWVsZGxvb3AuY2hlY2twb2ludC52MS5HZXRNb2RlbFJlcXVlc3QaKS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5HZXRNb2RlbFJlc3BvbnNlEmIKCUZvcmtNb2RlbBIpLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkZvcmtNb2RlbFJlcXVlc3QaKi55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Gb3JrTW9kZWxSZXNwb25zZRJoCgtEZWxldGVNb2RlbBIrLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkRlbGV0ZU1vZGVsUmVxdWVzdBosLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkRlbGV0ZU1vZGVsUmVzcG9uc2USaAoLSW1wb3J0TW9kZWwSKy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5JbXBvcnRNb2RlbFJlcXVlc3QaLC55aWVsZGxvb3AuY2hlY2twb2ludC52MS5JbXBvcnRNb2RlbFJlc3BvbnNlEnQKD0xpc3RDaGVja3BvaW50cxIvLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkxpc3RDaGVja3BvaW50c1JlcXVlc3QaMC55aWVsZGxvb3AuY2hlY2twb2ludC52MS5MaXN0Q2hlY2twb2ludHNSZXNwb25zZRJuCg1HZXRDaGVja3BvaW50Ei0ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuR2V0Q2hlY2twb2ludFJlcXVlc3QaLi55aWVsZGxvb3AuY2hlY2twb2ludC52MS5HZXRDaGVja3BvaW50UmVzcG9uc2USdwoQQ29tbWl0Q2hlY2twb2ludBIwLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkNvbW1pdENoZWNrcG9pbnRSZXF1ZXN0GjEueWllbGRsb29wLmNoZWNrcG9pbnQudjEuQ29tbWl0Q2hlY2twb2ludFJlc3BvbnNlElwKB0dldEhlYWQSJy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5HZXRIZWFkUmVxdWVzdBooLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkdldEhlYWRSZXNwb25zZRJcCgdTZXRIZWFkEicueWllbGRsb29wLmNoZWNrcG9pbnQudjEuU2V0SGVhZFJlcXVlc3QaKC55aWVsZGxvb3AuY2hlY2twb2ludC52MS5TZXRIZWFkUmVzcG9uc2USZAoJV2F0Y2hIZWFkEikueWllbGRsb29wLmNoZWNrcG9pbnQudjEuV2F0Y2hIZWFkUmVxdWVzdBoqLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLldhdGNoSGVhZFJlc3BvbnNlMAESdAoPUmVjb3JkUHJvbW90aW9uEi8ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuUmVjb3JkUHJvbW90aW9uUmVxdWVzdBowLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLlJlY29yZFByb21vdGlvblJlc3BvbnNlEmsKDENyZWF0ZUFwaUtleRIsLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkNyZWF0ZUFwaUtleVJlcXVlc3QaLS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5DcmVhdGVBcGlLZXlSZXNwb25zZRJoCgtMaXN0QXBpS2V5cxIrLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkxpc3RBcGlLZXlzUmVxdWVzdBosLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkxpc3RBcGlLZXlzUmVzcG9uc2USawoMUmV2b2tlQXBpS2V5EiwueWllbGRsb29wLmNoZWNrcG9pbnQudjEuUmV2b2tlQXBpS2V5UmVxdWVzdBotLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLlJldm9rZUFwaUtleVJlc3BvbnNlYgZwcm90bzM");
+  fileDesc("CjB5aWVsZGxvb3AvY2hlY2twb2ludC92MS9jaGVja3BvaW50X3NlcnZpY2UucHJvdG8SF3lpZWxkbG9vcC5jaGVja3BvaW50LnYxInIKCkFwaUtleUluZm8SDgoGa2V5X2lkGAEgASgJEgwKBHRlYW0YAiABKAkSDAoEcm9sZRgDIAEoCRIMCgRuYW1lGAQgASgJEhQKDGNyZWF0ZWRfdGltZRgFIAEoARIUCgxyZXZva2VkX3RpbWUYBiABKAEiPwoTQ3JlYXRlQXBpS2V5UmVxdWVzdBIMCgR0ZWFtGAEgASgJEgwKBHJvbGUYAiABKAkSDAoEbmFtZRgDIAEoCSJaChRDcmVhdGVBcGlLZXlSZXNwb25zZRIxCgRpbmZvGAEgASgLMiMueWllbGRsb29wLmNoZWNrcG9pbnQudjEuQXBpS2V5SW5mbxIPCgdhcGlfa2V5GAIgASgJIhQKEkxpc3RBcGlLZXlzUmVxdWVzdCJIChNMaXN0QXBpS2V5c1Jlc3BvbnNlEjEKBGtleXMYASADKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5BcGlLZXlJbmZvIiUKE1Jldm9rZUFwaUtleVJlcXVlc3QSDgoGa2V5X2lkGAEgASgJIkkKFFJldm9rZUFwaUtleVJlc3BvbnNlEjEKBGluZm8YASABKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5BcGlLZXlJbmZvIroBCglQcm9tb3Rpb24SNgoFc3RhdGUYASABKA4yJy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Qcm9tb3Rpb25TdGF0ZRIOCgZyZWFzb24YAiABKAkSFgoOaGVsZG91dF9yZXdhcmQYAyABKAESHgoWYmFzZWxpbmVfY2hlY2twb2ludF9pZBgEIAEoCRIXCg9iYXNlbGluZV9yZXdhcmQYBSABKAESFAoMZGVjaWRlZF90aW1lGAYgASgBInUKFlJlY29yZFByb21vdGlvblJlcXVlc3QSDQoFbW9kZWwYASABKAkSFQoNY2hlY2twb2ludF9pZBgCIAEoCRI1Cglwcm9tb3Rpb24YAyABKAsyIi55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Qcm9tb3Rpb24iGQoXUmVjb3JkUHJvbW90aW9uUmVzcG9uc2Ui7gIKCU1vZGVsSW5mbxIMCgRzbHVnGAEgASgJEgwKBGJhc2UYAiABKAkSDgoGcGFyZW50GAMgASgJEg0KBW93bmVyGAQgASgJEhEKCXRyYWluYWJsZRgFIAEoCBIUCgxjcmVhdGVkX3RpbWUYBiABKAESFAoMYXJjaGl0ZWN0dXJlGAcgASgJEhYKDm51bV9wYXJhbWV0ZXJzGAggASgDEg0KBWR0eXBlGAkgASgJEhkKEWhhc19jaGF0X3RlbXBsYXRlGAogASgIEg4KBnNvdXJjZRgLIAEoCRISCgpzaXplX2J5dGVzGAwgASgDEjEKBGxvcmEYDSABKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Mb3JhQ29uZmlnEhoKEmFkYXB0ZXJfYmFzZV9tb2RlbBgOIAEoCRIiChphZGFwdGVyX2Jhc2VfY2hlY2twb2ludF9pZBgPIAEoCRIOCgZwdWJsaWMYECABKAgiQQoKTG9yYUNvbmZpZxIMCgRyYW5rGAEgASgFEg0KBWFscGhhGAIgASgBEhYKDnRhcmdldF9tb2R1bGVzGAMgAygJIlQKCk9iamVjdEluZm8SDAoEbmFtZRgBIAEoCRIMCgRzaXplGAIgASgDEg4KBnNoYTI1NhgDIAEoCRILCgNrZXkYBCABKAkSDQoFc3RhdGUYBSABKAgi6AEKCE1hbmlmZXN0Eg0KBW1vZGVsGAEgASgJEhUKDWNoZWNrcG9pbnRfaWQYAiABKAkSHAoUcGFyZW50X2NoZWNrcG9pbnRfaWQYAyABKAkSDAoEc3RlcBgEIAEoAxIUCgxjcmVhdGVkX3RpbWUYBSABKAESNAoHb2JqZWN0cxgGIAMoCzIjLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk9iamVjdEluZm8SFQoNbWV0YWRhdGFfanNvbhgHIAEoCRIPCgdwZW5kaW5nGAggASgIEhYKDndlaWdodHNfc291cmNlGAkgASgJIlQKBEhlYWQSDQoFbW9kZWwYASABKAkSFQoNY2hlY2twb2ludF9pZBgCIAEoCRIQCghzZXF1ZW5jZRgDIAEoAxIUCgx1cGRhdGVkX3RpbWUYBCABKAEiEwoRTGlzdE1vZGVsc1JlcXVlc3QiSAoSTGlzdE1vZGVsc1Jlc3BvbnNlEjIKBm1vZGVscxgBIAMoCzIiLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk1vZGVsSW5mbyJyChBGb3JrTW9kZWxSZXF1ZXN0Eg4KBnNvdXJjZRgBIAEoCRIMCgRuYW1lGAIgASgJEg0KBW93bmVyGAMgASgJEjEKBGxvcmEYBCABKAsyIy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Mb3JhQ29uZmlnIjIKEkRlbGV0ZU1vZGVsUmVxdWVzdBINCgVtb2RlbBgBIAEoCRINCgVmb3JjZRgCIAEoCCIVChNEZWxldGVNb2RlbFJlc3BvbnNlIiAKD0dldE1vZGVsUmVxdWVzdBINCgVtb2RlbBgBIAEoCSJFChBHZXRNb2RlbFJlc3BvbnNlEjEKBW1vZGVsGAEgASgLMiIueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTW9kZWxJbmZvInMKEUZvcmtNb2RlbFJlc3BvbnNlEjEKBW1vZGVsGAEgASgLMiIueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTW9kZWxJbmZvEisKBGhlYWQYAiABKAsyHS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5IZWFkIlEKEkltcG9ydE1vZGVsUmVxdWVzdBIOCgZzb3VyY2UYASABKAkSDAoEbmFtZRgCIAEoCRINCgVvd25lchgDIAEoCRIOCgZwdWJsaWMYBCABKAgidQoTSW1wb3J0TW9kZWxSZXNwb25zZRIxCgVtb2RlbBgBIAEoCzIiLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk1vZGVsSW5mbxIrCgRoZWFkGAIgASgLMh0ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuSGVhZCJrChJVcGxvYWRNb2RlbFJlcXVlc3QSPAoGaGVhZGVyGAEgASgLMioueWllbGRsb29wLmNoZWNrcG9pbnQudjEuVXBsb2FkTW9kZWxIZWFkZXJIABIPCgVjaHVuaxgCIAEoDEgAQgYKBGl0ZW0ihgEKEVVwbG9hZE1vZGVsSGVhZGVyEgwKBG5hbWUYASABKAkSDQoFb3duZXIYAiABKAkSDgoGcHVibGljGAMgASgIEg4KBnNvdXJjZRgEIAEoCRI0CgVmaWxlcxgFIAMoCzIlLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLlVwbG9hZGVkRmlsZSI6CgxVcGxvYWRlZEZpbGUSDAoEbmFtZRgBIAEoCRIMCgRzaXplGAIgASgDEg4KBnNoYTI1NhgDIAEoCSJ1ChNVcGxvYWRNb2RlbFJlc3BvbnNlEjEKBW1vZGVsGAEgASgLMiIueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTW9kZWxJbmZvEisKBGhlYWQYAiABKAsyHS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5IZWFkIicKFkxpc3RDaGVja3BvaW50c1JlcXVlc3QSDQoFbW9kZWwYASABKAki7wEKEUNoZWNrcG9pbnRTdW1tYXJ5EhUKDWNoZWNrcG9pbnRfaWQYASABKAkSHAoUcGFyZW50X2NoZWNrcG9pbnRfaWQYAiABKAkSDAoEc3RlcBgDIAEoAxIUCgxjcmVhdGVkX3RpbWUYBCABKAESDwoHaXNfaGVhZBgFIAEoCBI1Cglwcm9tb3Rpb24YBiABKAsyIi55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Qcm9tb3Rpb24SDwoHcGVuZGluZxgHIAEoCBIRCgloYXNfc3RhdGUYCCABKAgSFQoNbWV0YWRhdGFfanNvbhgJIAEoCSJaChdMaXN0Q2hlY2twb2ludHNSZXNwb25zZRI/CgtjaGVja3BvaW50cxgBIAMoCzIqLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkNoZWNrcG9pbnRTdW1tYXJ5IjwKFEdldENoZWNrcG9pbnRSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEhUKDWNoZWNrcG9pbnRfaWQYAiABKAkiTAoVR2V0Q2hlY2twb2ludFJlc3BvbnNlEjMKCG1hbmlmZXN0GAEgASgLMiEueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTWFuaWZlc3QihQEKF0NvbW1pdENoZWNrcG9pbnRSZXF1ZXN0EjMKCG1hbmlmZXN0GAEgASgLMiEueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTWFuaWZlc3QSEAoIc2V0X2hlYWQYAiABKAgSIwobZXhwZWN0ZWRfaGVhZF9jaGVja3BvaW50X2lkGAMgASgJInwKGENvbW1pdENoZWNrcG9pbnRSZXNwb25zZRIzCghtYW5pZmVzdBgBIAEoCzIhLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLk1hbmlmZXN0EisKBGhlYWQYAiABKAsyHS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5IZWFkIh8KDkdldEhlYWRSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJIj4KD0dldEhlYWRSZXNwb25zZRIrCgRoZWFkGAEgASgLMh0ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuSGVhZCJxCg5TZXRIZWFkUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIVCg1jaGVja3BvaW50X2lkGAIgASgJEh4KFmV4cGVjdGVkX2NoZWNrcG9pbnRfaWQYAyABKAkSGQoRZXhwZWN0ZWRfc2VxdWVuY2UYBCABKAMiPgoPU2V0SGVhZFJlc3BvbnNlEisKBGhlYWQYASABKAsyHS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5IZWFkIjkKEFdhdGNoSGVhZFJlcXVlc3QSDQoFbW9kZWwYASABKAkSFgoOYWZ0ZXJfc2VxdWVuY2UYAiABKAMiQAoRV2F0Y2hIZWFkUmVzcG9uc2USKwoEaGVhZBgBIAEoCzIdLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkhlYWQqbQoOUHJvbW90aW9uU3RhdGUSHwobUFJPTU9USU9OX1NUQVRFX1VOU1BFQ0lGSUVEEAASHAoYUFJPTU9USU9OX1NUQVRFX1BST01PVEVEEAESHAoYUFJPTU9USU9OX1NUQVRFX1JFSkVDVEVEEAIyug0KEUNoZWNrcG9pbnRTZXJ2aWNlEmUKCkxpc3RNb2RlbHMSKi55aWVsZGxvb3AuY2hlY2twb2ludC52MS5MaXN0TW9kZWxzUmVxdWVzdBorLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkxpc3RNb2RlbHNSZXNwb25zZRJfCghHZXRNb2RlbBIoLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkdldE1vZGVsUmVxdWVzdBopLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkdldE1vZGVsUmVzcG9uc2USYgoJRm9ya01vZGVsEikueWllbGRsb29wLmNoZWNrcG9pbnQudjEuRm9ya01vZGVsUmVxdWVzdBoqLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkZvcmtNb2RlbFJlc3BvbnNlEmgKC0RlbGV0ZU1vZGVsEisueWllbGRsb29wLmNoZWNrcG9pbnQudjEuRGVsZXRlTW9kZWxSZXF1ZXN0GiwueWllbGRsb29wLmNoZWNrcG9pbnQudjEuRGVsZXRlTW9kZWxSZXNwb25zZRJoCgtJbXBvcnRNb2RlbBIrLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkltcG9ydE1vZGVsUmVxdWVzdBosLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkltcG9ydE1vZGVsUmVzcG9uc2USagoLVXBsb2FkTW9kZWwSKy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5VcGxvYWRNb2RlbFJlcXVlc3QaLC55aWVsZGxvb3AuY2hlY2twb2ludC52MS5VcGxvYWRNb2RlbFJlc3BvbnNlKAESdAoPTGlzdENoZWNrcG9pbnRzEi8ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTGlzdENoZWNrcG9pbnRzUmVxdWVzdBowLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkxpc3RDaGVja3BvaW50c1Jlc3BvbnNlEm4KDUdldENoZWNrcG9pbnQSLS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5HZXRDaGVja3BvaW50UmVxdWVzdBouLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkdldENoZWNrcG9pbnRSZXNwb25zZRJ3ChBDb21taXRDaGVja3BvaW50EjAueWllbGRsb29wLmNoZWNrcG9pbnQudjEuQ29tbWl0Q2hlY2twb2ludFJlcXVlc3QaMS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5Db21taXRDaGVja3BvaW50UmVzcG9uc2USXAoHR2V0SGVhZBInLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkdldEhlYWRSZXF1ZXN0GigueWllbGRsb29wLmNoZWNrcG9pbnQudjEuR2V0SGVhZFJlc3BvbnNlElwKB1NldEhlYWQSJy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5TZXRIZWFkUmVxdWVzdBooLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLlNldEhlYWRSZXNwb25zZRJkCglXYXRjaEhlYWQSKS55aWVsZGxvb3AuY2hlY2twb2ludC52MS5XYXRjaEhlYWRSZXF1ZXN0GioueWllbGRsb29wLmNoZWNrcG9pbnQudjEuV2F0Y2hIZWFkUmVzcG9uc2UwARJ0Cg9SZWNvcmRQcm9tb3Rpb24SLy55aWVsZGxvb3AuY2hlY2twb2ludC52MS5SZWNvcmRQcm9tb3Rpb25SZXF1ZXN0GjAueWllbGRsb29wLmNoZWNrcG9pbnQudjEuUmVjb3JkUHJvbW90aW9uUmVzcG9uc2USawoMQ3JlYXRlQXBpS2V5EiwueWllbGRsb29wLmNoZWNrcG9pbnQudjEuQ3JlYXRlQXBpS2V5UmVxdWVzdBotLnlpZWxkbG9vcC5jaGVja3BvaW50LnYxLkNyZWF0ZUFwaUtleVJlc3BvbnNlEmgKC0xpc3RBcGlLZXlzEisueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTGlzdEFwaUtleXNSZXF1ZXN0GiwueWllbGRsb29wLmNoZWNrcG9pbnQudjEuTGlzdEFwaUtleXNSZXNwb25zZRJrCgxSZXZva2VBcGlLZXkSLC55aWVsZGxvb3AuY2hlY2twb2ludC52MS5SZXZva2VBcGlLZXlSZXF1ZXN0Gi0ueWllbGRsb29wLmNoZWNrcG9pbnQudjEuUmV2b2tlQXBpS2V5UmVzcG9uc2ViBnByb3RvMw");
 
 /**
  * @generated from message yieldloop.checkpoint.v1.ApiKeyInfo
@@ -781,6 +781,137 @@ export const ImportModelResponseSchema: GenMessage<ImportModelResponse> = /*@__P
   messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 24);
 
 /**
+ * @generated from message yieldloop.checkpoint.v1.UploadModelRequest
+ */
+export type UploadModelRequest = Message<"yieldloop.checkpoint.v1.UploadModelRequest"> & {
+  /**
+   * @generated from oneof yieldloop.checkpoint.v1.UploadModelRequest.item
+   */
+  item: {
+    /**
+     * The first message.
+     *
+     * @generated from field: yieldloop.checkpoint.v1.UploadModelHeader header = 1;
+     */
+    value: UploadModelHeader;
+    case: "header";
+  } | {
+    /**
+     * Then the files' bytes, in the header's order (a file's chunks in order; empty files send none).
+     *
+     * @generated from field: bytes chunk = 2;
+     */
+    value: Uint8Array;
+    case: "chunk";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message yieldloop.checkpoint.v1.UploadModelRequest.
+ * Use `create(UploadModelRequestSchema)` to create a new message.
+ */
+export const UploadModelRequestSchema: GenMessage<UploadModelRequest> = /*@__PURE__*/
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 25);
+
+/**
+ * @generated from message yieldloop.checkpoint.v1.UploadModelHeader
+ */
+export type UploadModelHeader = Message<"yieldloop.checkpoint.v1.UploadModelHeader"> & {
+  /**
+   * The new slug.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * The owning team (admins only; otherwise the caller's team).
+   *
+   * @generated from field: string owner = 2;
+   */
+  owner: string;
+
+  /**
+   * Visible to every team (admins only).
+   *
+   * @generated from field: bool public = 3;
+   */
+  public: boolean;
+
+  /**
+   * Recorded as the model's source (e.g. the caller's folder path; never read by the service).
+   *
+   * @generated from field: string source = 4;
+   */
+  source: string;
+
+  /**
+   * @generated from field: repeated yieldloop.checkpoint.v1.UploadedFile files = 5;
+   */
+  files: UploadedFile[];
+};
+
+/**
+ * Describes the message yieldloop.checkpoint.v1.UploadModelHeader.
+ * Use `create(UploadModelHeaderSchema)` to create a new message.
+ */
+export const UploadModelHeaderSchema: GenMessage<UploadModelHeader> = /*@__PURE__*/
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 26);
+
+/**
+ * @generated from message yieldloop.checkpoint.v1.UploadedFile
+ */
+export type UploadedFile = Message<"yieldloop.checkpoint.v1.UploadedFile"> & {
+  /**
+   * A top-level file name of the folder (weights, configs, tokenizer files, chat templates).
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * @generated from field: int64 size = 2;
+   */
+  size: bigint;
+
+  /**
+   * Hex sha256 of the file's bytes.
+   *
+   * @generated from field: string sha256 = 3;
+   */
+  sha256: string;
+};
+
+/**
+ * Describes the message yieldloop.checkpoint.v1.UploadedFile.
+ * Use `create(UploadedFileSchema)` to create a new message.
+ */
+export const UploadedFileSchema: GenMessage<UploadedFile> = /*@__PURE__*/
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 27);
+
+/**
+ * @generated from message yieldloop.checkpoint.v1.UploadModelResponse
+ */
+export type UploadModelResponse = Message<"yieldloop.checkpoint.v1.UploadModelResponse"> & {
+  /**
+   * @generated from field: yieldloop.checkpoint.v1.ModelInfo model = 1;
+   */
+  model?: ModelInfo | undefined;
+
+  /**
+   * @generated from field: yieldloop.checkpoint.v1.Head head = 2;
+   */
+  head?: Head | undefined;
+};
+
+/**
+ * Describes the message yieldloop.checkpoint.v1.UploadModelResponse.
+ * Use `create(UploadModelResponseSchema)` to create a new message.
+ */
+export const UploadModelResponseSchema: GenMessage<UploadModelResponse> = /*@__PURE__*/
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 28);
+
+/**
  * @generated from message yieldloop.checkpoint.v1.ListCheckpointsRequest
  */
 export type ListCheckpointsRequest = Message<"yieldloop.checkpoint.v1.ListCheckpointsRequest"> & {
@@ -795,7 +926,7 @@ export type ListCheckpointsRequest = Message<"yieldloop.checkpoint.v1.ListCheckp
  * Use `create(ListCheckpointsRequestSchema)` to create a new message.
  */
 export const ListCheckpointsRequestSchema: GenMessage<ListCheckpointsRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 25);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 29);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.CheckpointSummary
@@ -860,7 +991,7 @@ export type CheckpointSummary = Message<"yieldloop.checkpoint.v1.CheckpointSumma
  * Use `create(CheckpointSummarySchema)` to create a new message.
  */
 export const CheckpointSummarySchema: GenMessage<CheckpointSummary> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 26);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 30);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.ListCheckpointsResponse
@@ -877,7 +1008,7 @@ export type ListCheckpointsResponse = Message<"yieldloop.checkpoint.v1.ListCheck
  * Use `create(ListCheckpointsResponseSchema)` to create a new message.
  */
 export const ListCheckpointsResponseSchema: GenMessage<ListCheckpointsResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 27);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 31);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.GetCheckpointRequest
@@ -899,7 +1030,7 @@ export type GetCheckpointRequest = Message<"yieldloop.checkpoint.v1.GetCheckpoin
  * Use `create(GetCheckpointRequestSchema)` to create a new message.
  */
 export const GetCheckpointRequestSchema: GenMessage<GetCheckpointRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 28);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 32);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.GetCheckpointResponse
@@ -916,7 +1047,7 @@ export type GetCheckpointResponse = Message<"yieldloop.checkpoint.v1.GetCheckpoi
  * Use `create(GetCheckpointResponseSchema)` to create a new message.
  */
 export const GetCheckpointResponseSchema: GenMessage<GetCheckpointResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 29);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 33);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.CommitCheckpointRequest
@@ -949,7 +1080,7 @@ export type CommitCheckpointRequest = Message<"yieldloop.checkpoint.v1.CommitChe
  * Use `create(CommitCheckpointRequestSchema)` to create a new message.
  */
 export const CommitCheckpointRequestSchema: GenMessage<CommitCheckpointRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 30);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 34);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.CommitCheckpointResponse
@@ -973,7 +1104,7 @@ export type CommitCheckpointResponse = Message<"yieldloop.checkpoint.v1.CommitCh
  * Use `create(CommitCheckpointResponseSchema)` to create a new message.
  */
 export const CommitCheckpointResponseSchema: GenMessage<CommitCheckpointResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 31);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 35);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.GetHeadRequest
@@ -990,7 +1121,7 @@ export type GetHeadRequest = Message<"yieldloop.checkpoint.v1.GetHeadRequest"> &
  * Use `create(GetHeadRequestSchema)` to create a new message.
  */
 export const GetHeadRequestSchema: GenMessage<GetHeadRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 32);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 36);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.GetHeadResponse
@@ -1007,7 +1138,7 @@ export type GetHeadResponse = Message<"yieldloop.checkpoint.v1.GetHeadResponse">
  * Use `create(GetHeadResponseSchema)` to create a new message.
  */
 export const GetHeadResponseSchema: GenMessage<GetHeadResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 33);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 37);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.SetHeadRequest
@@ -1044,7 +1175,7 @@ export type SetHeadRequest = Message<"yieldloop.checkpoint.v1.SetHeadRequest"> &
  * Use `create(SetHeadRequestSchema)` to create a new message.
  */
 export const SetHeadRequestSchema: GenMessage<SetHeadRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 34);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 38);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.SetHeadResponse
@@ -1061,7 +1192,7 @@ export type SetHeadResponse = Message<"yieldloop.checkpoint.v1.SetHeadResponse">
  * Use `create(SetHeadResponseSchema)` to create a new message.
  */
 export const SetHeadResponseSchema: GenMessage<SetHeadResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 35);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 39);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.WatchHeadRequest
@@ -1085,7 +1216,7 @@ export type WatchHeadRequest = Message<"yieldloop.checkpoint.v1.WatchHeadRequest
  * Use `create(WatchHeadRequestSchema)` to create a new message.
  */
 export const WatchHeadRequestSchema: GenMessage<WatchHeadRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 36);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 40);
 
 /**
  * @generated from message yieldloop.checkpoint.v1.WatchHeadResponse
@@ -1102,7 +1233,7 @@ export type WatchHeadResponse = Message<"yieldloop.checkpoint.v1.WatchHeadRespon
  * Use `create(WatchHeadResponseSchema)` to create a new message.
  */
 export const WatchHeadResponseSchema: GenMessage<WatchHeadResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 37);
+  messageDesc(file_yieldloop_checkpoint_v1_checkpoint_service, 41);
 
 /**
  * @generated from enum yieldloop.checkpoint.v1.PromotionState
@@ -1191,13 +1322,17 @@ export const CheckpointService: GenService<{
     output: typeof DeleteModelResponseSchema;
   },
   /**
-   * Imports a Hugging Face model (a folder the service can read, or a hub id already in the service's local
-   * Hugging Face cache; never downloaded) as a new base slug: checks that transformers can load its config,
+   * Imports a Hugging Face model as a new base slug: a hub id ("org/name") already in the service's local
+   * Hugging Face cache (never downloaded), or, for admin keys only, a folder on the service's filesystem under
+   * one of the operator's import roots (--import-roots; resolved first, never inside the stack's data directory
+   * or store). Anyone else uploads the folder (UploadModel). Checks that transformers can load its config,
    * tokenizer and weights, records what it is, and commits the weights as the slug's first checkpoint
    * ("base", HEAD). Safetensors files are stored as they are; PyTorch .bin weights are converted.
    * Returns: OK; NOT_FOUND (MODEL_SOURCE_NOT_FOUND); ALREADY_EXISTS (MODEL_ALREADY_EXISTS);
-   * INVALID_ARGUMENT (INVALID_FIELD for a malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or
-   * weights are missing or do not load). Nothing is written unless the import succeeds.
+   * PERMISSION_DENIED (ROLE_NOT_ALLOWED: a path from a key that is not admin; IMPORT_PATH_REFUSED: a path
+   * outside the import roots or inside the stack's own folders); INVALID_ARGUMENT (INVALID_FIELD for a
+   * malformed slug, MODEL_SOURCE_INVALID when config, tokenizer or weights are missing or do not load).
+   * Nothing is written unless the import succeeds.
    *
    * @generated from rpc yieldloop.checkpoint.v1.CheckpointService.ImportModel
    */
@@ -1205,6 +1340,22 @@ export const CheckpointService: GenService<{
     methodKind: "unary";
     input: typeof ImportModelRequestSchema;
     output: typeof ImportModelResponseSchema;
+  },
+  /**
+   * Imports a Hugging Face model folder the caller streams: first a header naming the new slug and every file
+   * (its name, size and sha256), then the files' bytes in that order, in chunks. Each file is hashed as it
+   * arrives and checked against its header; then the folder is checked and committed as ImportModel does.
+   * Returns: OK; ALREADY_EXISTS (MODEL_ALREADY_EXISTS); INVALID_ARGUMENT (INVALID_FIELD: the header, a file
+   * name, more or fewer bytes than declared; MODEL_SOURCE_INVALID); DATA_LOSS (CHECKPOINT_CORRUPT: a file's
+   * bytes differ from its sha256); RESOURCE_EXHAUSTED (REQUEST_TOO_LARGE: more files or bytes than the service
+   * takes). Nothing is written unless the import succeeds.
+   *
+   * @generated from rpc yieldloop.checkpoint.v1.CheckpointService.UploadModel
+   */
+  uploadModel: {
+    methodKind: "client_streaming";
+    input: typeof UploadModelRequestSchema;
+    output: typeof UploadModelResponseSchema;
   },
   /**
    * Lists a model's committed checkpoints, oldest first, head marked.
