@@ -234,7 +234,7 @@ async def test_a_server_without_interceptors_refuses_undecodable_requests_typed(
 
 async def test_aborted_streams_leave_no_error_in_the_log(client: Client, caplog) -> None:
     """Clients that hang up mid-stream (Generate cut after its first delta, hundreds at once) leave nothing at
-    ERROR: every interceptor's exit (the auth principal, spans) runs in the call's own task, not in a finalizer
+    WARNING or above: every interceptor's exit (the auth principal, spans) runs in the call's own task, not in a finalizer
     of another context ("Task exception was never retrieved ... created in a different Context")."""
     import gc
     import logging
@@ -254,5 +254,5 @@ async def test_aborted_streams_leave_no_error_in_the_log(client: Client, caplog)
         await asyncio.sleep(0.2)
     gc.collect()
     await asyncio.sleep(0.5)
-    noisy = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not noisy, [r.getMessage()[:300] for r in noisy[:3]]
