@@ -22,13 +22,12 @@ from collections.abc import AsyncIterator, Sequence
 from yieldloop.errors import (AlreadyExistsError, DataLossError, InvalidArgumentError, NotFoundError,
                               PermissionDeniedError, ResourceExhaustedError, invalid_field)
 from yieldloop.types import Head, Manifest, ModelInfo
+from yieldloop.uploads import CHECKPOINT_FILE, MODEL_FILE, UPLOADED_FILE
 from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, check_owner
 from yieldloop_server.store.base import check_name
 
 BASE_CHECKPOINT = "base"
-# What a model folder's checkpoint keeps: weights, configs, tokenizer files, chat templates (top level only).
-_KEPT = re.compile(r".*\.(safetensors|json|txt|model|jinja|tiktoken)$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -52,7 +51,7 @@ def is_hub_id(source: str) -> bool:
 
 def resolve_source(source: str) -> pathlib.Path | None:
     """The folder ``source`` names (a directory, or a hub id's snapshot in the local cache), or None. For the
-    stack's own start (``yieldloop up --model``); requests go through :func:`requested_folder`."""
+    stack's own start (``yieldloop up --model``); requests go through :meth:`ImportPolicy.folder`."""
     if not source or len(source) > 4096 or "\0" in source:
         return None
     path = pathlib.Path(source).expanduser()
@@ -217,7 +216,7 @@ def _stage_converted(folder: pathlib.Path, staging: pathlib.Path) -> pathlib.Pat
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, torch_dtype="auto")
     model.save_pretrained(staging, safe_serialization=True)
     for path in folder.iterdir():
-        if path.is_file() and _KEPT.match(path.name) and not (staging / path.name).exists():
+        if path.is_file() and CHECKPOINT_FILE.fullmatch(path.name) and not (staging / path.name).exists():
             (staging / path.name).symlink_to(path)
     return staging
 
@@ -297,7 +296,7 @@ def import_model(
         staging = pathlib.Path(tmp)
         if facts.weights:  # safetensors: the files themselves, as they are
             for path in folder.iterdir():
-                if path.is_file() and _KEPT.match(path.name):
+                if path.is_file() and CHECKPOINT_FILE.fullmatch(path.name):
                     (staging / path.name).symlink_to(path.resolve())
         else:
             _stage_converted(folder, staging)
@@ -306,7 +305,6 @@ def import_model(
     _, head = registry.commit(Manifest(model=name, checkpoint_id=BASE_CHECKPOINT, objects=objects), set_head=True)
     assert head is not None
     return info, head
-
 
 
 MAX_UPLOAD_FILES = 256
@@ -324,8 +322,6 @@ class UploadedFile:
 def check_upload(files: Sequence[UploadedFile], max_bytes: int) -> None:
     """INVALID_ARGUMENT for a header whose files a model folder cannot hold; RESOURCE_EXHAUSTED
     (REQUEST_TOO_LARGE) past the service's limits."""
-    from yieldloop.uploads import KEPT_SUFFIXES, MODEL_FILE
-
     if not files:
         raise invalid_field("header.files", "an upload names the folder's files (weights, config, tokenizer)")
     if len(files) > MAX_UPLOAD_FILES:
@@ -334,7 +330,7 @@ def check_upload(files: Sequence[UploadedFile], max_bytes: int) -> None:
     seen = set()
     for i, f in enumerate(files):
         field = f"header.files[{i}]"
-        if not MODEL_FILE.fullmatch(f.name) or not KEPT_SUFFIXES.fullmatch(f.name) or f.name in seen:
+        if not MODEL_FILE.fullmatch(f.name) or not UPLOADED_FILE.fullmatch(f.name) or f.name in seen:
             raise invalid_field(f"{field}.name", f"{f.name[:80]!r} is not a model file name (a top-level "
                                                   "*.safetensors, *.json, tokenizer or chat template file), or repeated")
         seen.add(f.name)

@@ -47,12 +47,8 @@ class PendingHeads:
             return head
         if await self.holds(manifest):
             return head
-        lock = self._locks.setdefault(head.model, asyncio.Lock())
-        async with lock:  # one settles; the others read what it left
-            settled = await asyncio.to_thread(self.registry.settle_pending, head.model, head)
-        if not self._locks.get(head.model, lock).locked():
-            self._locks.pop(head.model, None)
-        return settled
+        async with self._locks.setdefault(head.model, asyncio.Lock()):  # one settles; the others read what it left
+            return await asyncio.to_thread(self.registry.settle_pending, head.model, head)
 
     def _remember(self, head: Head) -> None:
         self._durable[head.model, head.checkpoint_id] = None

@@ -340,13 +340,12 @@ class CheckpointRegistry:
 
     def _seal(self, existing: Manifest, new: Manifest, etag: str) -> Manifest:
         """Replaces a committed manifest by ``new`` (durable now, or with its training state added), unless it was
-        abandoned meanwhile: the write is conditional on the version read, and the abandon marker is checked
-        before and after it (:meth:`settle_pending` writes the marker, then reads the manifest again)."""
+        abandoned meanwhile: the write is conditional on the version read, and the abandon marker (checked by
+        :meth:`commit` before) is checked again after it (:meth:`settle_pending` writes the marker, then reads the
+        manifest again)."""
         sealed = dataclasses.replace(new, created_time=existing.created_time)
         key = checkpoint_prefix(new.model, new.checkpoint_id) + MANIFEST
         marker = abandoned_key(new.model, new.checkpoint_id)
-        if self.store.stat(marker) is not None:
-            raise self._gone(new.model, new.checkpoint_id)
         try:
             self.store.put_bytes(key, sealed.to_json(), if_match=etag)
         except PreconditionFailed:  # changed or removed since it was read: read again (a retry decides)

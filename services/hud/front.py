@@ -98,6 +98,10 @@ def _finite_metrics(values: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
+_UNKNOWN = object()
+"""A trace id's owner not looked up yet."""
+
+
 @dataclasses.dataclass
 class _Trace:
     """A trace the SDK opened: who, under which job and group, and the samples the gateway saw for it."""
@@ -495,15 +499,17 @@ class HudFront(HttpServer):
         if self.auth:
             require_run(team, trace_id)
 
-    async def _trace(self, trace_id: str) -> _Trace:
+    async def _trace(self, trace_id: str, owner: tuple[str, int] | None | object = _UNKNOWN) -> _Trace:
         """The open trace ``trace_id`` of the caller's team, opened now when nobody used the id. Trace ids are
         owned like runs: another team's (open or recorded) is RUN_NOT_OWNED, and a recorded one is never
-        opened again (TRACE_ALREADY_RECORDED), so nothing is stored under an id that is not the caller's."""
+        opened again (TRACE_ALREADY_RECORDED), so nothing is stored under an id that is not the caller's. ``owner``:
+        what :meth:`_owner` answered for it just before (not asked again)."""
         if not named_trace(trace_id):
             raise invalid_field("trace_id", "a trace id is 32 lowercase hex digits (the SDK's uuid4().hex)")
         trace = self._pending.get(trace_id)
         if trace is None:
-            owner = await self._owner(trace_id)
+            if owner is _UNKNOWN:
+                owner = await self._owner(trace_id)
             if owner is not None and owner[1] >= 0:
                 self._require(owner[0], trace_id)
                 raise FailedPreconditionError(f"trace {trace_id} was exited and recorded: a new trace needs a new id",
@@ -540,7 +546,7 @@ class HudFront(HttpServer):
         if owner is not None and owner[1] >= 0:  # the SDK repeats a report it did not hear answered: recorded once
             self._require(owner[0], trace_id)
             return {"trace_id": trace_id, "num_samples": owner[1]}
-        trace = await self._trace(trace_id)
+        trace = await self._trace(trace_id, owner)
         reward = _number(body.get("reward") or 0.0, "reward")
         error = body.get("error") if isinstance(body.get("error"), str) else ""
         info = {key: body[key] for key in ("status", "stop_reason", "evaluation_result", "metadata") if key in body}
@@ -567,7 +573,7 @@ class HudFront(HttpServer):
             raise invalid_field("telemetry", "telemetry must be a list of spans")
         owner = await self._owner(trace_id)
         if owner is None:
-            await self._trace(trace_id)  # nobody's yet: the caller's from now on
+            await self._trace(trace_id, owner)  # nobody's yet: the caller's from now on
         else:
             self._require(owner[0], trace_id)
         key = f"hud/telemetry/{trace_id}/{time.time_ns():020d}-{uuid.uuid4().hex[:6]}.json"
@@ -603,37 +609,34 @@ class HudFront(HttpServer):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if "traceparent" in request.headers:
             headers["traceparent"] = request.headers["traceparent"]
-        try:
-            return await self._forward_once(request, method, path, body, headers, trace)
-        except ClientConnectorError:  # the endpoint moved (a rollout service restarted elsewhere): ask again
-            with contextlib.suppress(YieldloopError):
-                self.gateway_url = (await self.client.get_serving_info()).openai_base_url or self.gateway_url
-        try:
-            return await self._forward_once(request, method, path, body, headers, trace)
-        except ClientError as err:
-            return error_response(UnavailableError(f"the rollout service's endpoint did not answer: {err}",
-                                                   reason="GATEWAY_UNAVAILABLE"))
+        for attempt in range(2):
+            try:
+                return await self._forward_once(request, method, path, body, headers, trace)
+            except ClientConnectorError as err:
+                failure = err
+                if attempt == 0:  # the endpoint moved (a rollout service restarted elsewhere): ask again
+                    with contextlib.suppress(YieldloopError):
+                        self.gateway_url = (await self.client.get_serving_info()).openai_base_url or self.gateway_url
+            except ClientError as err:
+                failure = err
+                break
+        return error_response(UnavailableError(f"the rollout service's endpoint did not answer: {failure}",
+                                               reason="GATEWAY_UNAVAILABLE"))
 
     async def _forward_once(self, request: Any, method: str, path: str, body: Any, headers: dict[str, str],
                             trace: _Trace | None) -> Any:
-        from aiohttp import ClientConnectorError, ClientError, web
+        from aiohttp import web
 
-        try:
-            async with self._session.request(method, self.gateway_url + path, json=body, headers=headers) as upstream:
-                if body and body.get("stream"):  # streamed through as it comes (not recorded as a sample)
-                    response = web.StreamResponse(status=upstream.status, headers={
-                        "Content-Type": upstream.headers.get("Content-Type", "text/event-stream")})
-                    await response.prepare(request)
-                    async for chunk in upstream.content.iter_any():
-                        await response.write(chunk)
-                    return response
-                data = await upstream.read()
-                status = upstream.status
-        except ClientConnectorError:
-            raise
-        except ClientError as err:
-            return error_response(UnavailableError(f"the rollout service's endpoint did not answer: {err}",
-                                                   reason="GATEWAY_UNAVAILABLE"))
+        async with self._session.request(method, self.gateway_url + path, json=body, headers=headers) as upstream:
+            if body and body.get("stream"):  # streamed through as it comes (not recorded as a sample)
+                response = web.StreamResponse(status=upstream.status, headers={
+                    "Content-Type": upstream.headers.get("Content-Type", "text/event-stream")})
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                return response
+            data = await upstream.read()
+            status = upstream.status
         if trace is not None and status == 200:
             trace.samples.append(_sample(json.loads(data)))
             if body.get("model") and not trace.model:

@@ -35,7 +35,6 @@ from yieldloop.errors import (
     YieldloopError,
     as_yieldloop_error,
     invalid_field,
-    no_space,
 )
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, ObjectInfo, Run, RunStatus
@@ -129,9 +128,9 @@ class TrainingSession:
         self.manifest: Manifest | None = None
         """The checkpoint the weights are at (None before the first load)."""
         self._uploads: dict[str, asyncio.Task] = {}
+        """Background uploads of pending checkpoints by id, until they end (their steps answer then)."""
         self._stalls: dict[str, asyncio.Future] = {}
         """Per background upload: resolved by an attempt that a full disk failed (the step waiting answers it)."""
-        """Background uploads of pending checkpoints by id, until they end (their steps answer then)."""
         self._durability: asyncio.Task | None = None
         """The newest background upload (each waits for the one before it: a child may share its parent's
         objects)."""
@@ -279,24 +278,16 @@ class TrainingSession:
                     upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects)
                 await self.checkpoints.commit_checkpoint(dataclasses.replace(manifest, pending=False, weights_source=""))
                 break
-            except (NotFoundError, InvalidArgumentError, DataLossError) as err:
-                if isinstance(err, DataLossError) and attempt < 2:  # bytes damaged on the way: write them again
-                    log.warning("%s: checkpoint %s: %s; writing it again", self.model, manifest.checkpoint_id, err)
-                    continue
-                # the model was deleted, or the checkpoint refused: it never becomes durable
-                log.error("%s: checkpoint %s stays pending: %s", self.model, manifest.checkpoint_id, err)
-                raise
-            except FailedPreconditionError as err:
-                if err.reason == "CHECKPOINT_ABANDONED":  # CheckpointService gave up on it (we were unreachable)
-                    log.error("%s: checkpoint %s was abandoned before it became durable", self.model,
-                              manifest.checkpoint_id)
+            except Exception as err:  # deliberate: the store or CheckpointService is away; try again, unless...
+                error = as_yieldloop_error(err)
+                if (isinstance(error, (NotFoundError, InvalidArgumentError))  # the model was deleted
+                        or error.reason == "CHECKPOINT_ABANDONED"  # CheckpointService gave up on it
+                        or (isinstance(error, DataLossError) and attempt >= 2)):  # bytes damaged, written 3 times
+                    log.error("%s: checkpoint %s never becomes durable: %s", self.model, manifest.checkpoint_id, err)
                     raise
-                log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
-                await asyncio.sleep(RETRY.delay(attempt))
-            except Exception as err:  # deliberate: the store or CheckpointService is away; try again
                 stalled = self._stalls.get(manifest.checkpoint_id)
-                if (no_space(err) or getattr(err, "reason", "") == "NO_SPACE") and stalled and not stalled.done():
-                    stalled.set_result(err)  # its step answers RESOURCE_EXHAUSTED; the upload goes on trying
+                if error.reason == "NO_SPACE" and stalled is not None and not stalled.done():
+                    stalled.set_result(error)  # its step answers RESOURCE_EXHAUSTED; the upload goes on trying
                 log.warning("%s: checkpoint %s not durable yet (%s); retrying", self.model, manifest.checkpoint_id, err)
                 await asyncio.sleep(RETRY.delay(attempt))
         if self.manifest is not None and self.manifest.checkpoint_id == manifest.checkpoint_id:
@@ -548,7 +539,7 @@ class TrainingSession:
             await asyncio.wait([task, *([stalled] if stalled is not None else [])],
                                return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
-                raise as_yieldloop_error(stalled.result())
+                raise stalled.result()
             task.result()
         except YieldloopError:
             if key and task.done():

@@ -224,9 +224,8 @@ def parse_json(text: str | bytes, field: str, reason: str = "INVALID_FIELD", **o
     except (ValueError, UnicodeDecodeError) as err:
         raise InvalidArgumentError(f"{field} is not valid JSON: {err}", reason=reason, field=field) from None
     else:
-        brackets = text.count(b"[" if isinstance(text, bytes) else "[") + \
-            text.count(b"{" if isinstance(text, bytes) else "{")
-        nested = brackets > MAX_JSON_DEPTH and _nesting(value) > MAX_JSON_DEPTH
+        opening = (b"[", b"{") if isinstance(text, bytes) else ("[", "{")
+        nested = sum(map(text.count, opening)) > MAX_JSON_DEPTH and _nesting(value) > MAX_JSON_DEPTH
     if nested:
         raise InvalidArgumentError(f"{field} nests deeper than {MAX_JSON_DEPTH} levels", reason=reason, field=field)
     return value

@@ -17,9 +17,10 @@ from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 
 MODEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 """A file name a model folder may upload (top level only: no separators)."""
-KEPT_SUFFIXES = re.compile(r".*\.(safetensors|json|txt|model|jinja|tiktoken)$|^pytorch_model.*\.bin$")
-"""What of a model folder is a model's: weights (safetensors, or PyTorch's, converted on import), configs,
-tokenizer files, chat templates."""
+CHECKPOINT_FILE = re.compile(r".*\.(safetensors|json|txt|model|jinja|tiktoken)$")
+"""What of a model folder a checkpoint keeps: weights, configs, tokenizer files, chat templates."""
+UPLOADED_FILE = re.compile(rf"{CHECKPOINT_FILE.pattern}|^pytorch_model.*\.bin$")
+"""What of a model folder is uploaded: a checkpoint's files, and PyTorch weights (converted on import)."""
 CHUNK_BYTES = 1 << 20
 """Bytes per UploadModel chunk."""
 
@@ -27,7 +28,7 @@ CHUNK_BYTES = 1 << 20
 def model_files(folder: pathlib.Path) -> list[pathlib.Path]:
     """The files of ``folder`` that make up its model, sorted by name."""
     return sorted(p for p in folder.iterdir()
-                  if p.is_file() and MODEL_FILE.fullmatch(p.name) and KEPT_SUFFIXES.fullmatch(p.name))
+                  if p.is_file() and MODEL_FILE.fullmatch(p.name) and UPLOADED_FILE.fullmatch(p.name))
 
 
 def _sha256(path: pathlib.Path) -> str:
