@@ -6,7 +6,7 @@ import ast
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ROOTS = {"yieldloop": REPO / "clients" / "python" / "yieldloop", "yieldloop_server": REPO / "services"}
+ROOTS = {"yieldloop": REPO / "clients" / "python" / "yieldloop", "yieldloop_server": REPO / "services" / "yieldloop_server"}
 DOMAIN_MODULES = [
     "yieldloop_server.trainer.trainer", "yieldloop_server.trainer.losses", "yieldloop_server.trainer.session",
     "yieldloop_server.checkpoint.registry", "yieldloop_server.checkpoint.files", "yieldloop_server.rollout.rollouts",

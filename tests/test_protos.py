@@ -65,7 +65,7 @@ def test_cli_and_import_stay_light() -> None:
 
 @pytest.mark.parametrize("root,source,package", [
     (REPO / "clients" / "python", REPO / "clients" / "python" / "yieldloop", "yieldloop"),
-    (REPO, REPO / "services", "yieldloop_server"),
+    (REPO, REPO / "services" / "yieldloop_server", "yieldloop_server"),
 ], ids=["client", "server"])
 def test_every_package_is_in_the_distribution(tmp_path: pathlib.Path, root, source, package) -> None:
     """Packages are discovered, never listed: every folder with an __init__.py lands in the built wheel."""
@@ -94,7 +94,7 @@ def test_every_error_reason_is_on_the_wire_contract() -> None:
 
     known = set(common_pb2.ErrorReason.keys())
     used = set()
-    for source in [*(REPO / "clients" / "python" / "yieldloop").rglob("*.py"), *(REPO / "services").rglob("*.py")]:
+    for source in [*(REPO / "clients" / "python" / "yieldloop").rglob("*.py"), *(REPO / "services" / "yieldloop_server").rglob("*.py")]:
         if "proto" in source.relative_to(REPO).parts[:4]:
             continue
         text = source.read_text()
