@@ -16,7 +16,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from scratch import scratch_dir  # noqa: E402
+from scratch import scratch_dir
 
 
 async def measure(group_size: int, max_tokens: int, device: str) -> None:
@@ -35,7 +35,7 @@ async def measure(group_size: int, max_tokens: int, device: str) -> None:
         worst, num_tokens = 0.0, 0
         for run, logprobs in zip(runs, learner, strict=True):
             turn = run.turns[0]
-            ours = logprobs[len(turn.prompt_token_ids) - 1:]
+            ours = logprobs[len(turn.prompt_token_ids) - 1 :]
             worst = max(worst, max(abs(a - b) for a, b in zip(ours, turn.completion_logprobs, strict=True)))
             num_tokens += len(ours)
         print(f"device={device} runs={len(runs)} completion_tokens={num_tokens} max_abs_logprob_diff={worst:.2e}")

@@ -8,7 +8,8 @@ machine, it measures two references with the same message pattern:
 
 and our EnvService three times: environment code in the service's process (``ours``), in worker processes
 (``ours-workers``), and ``ours-processes``: ``--env-processes`` processes serving one port (SO_REUSEPORT), each
-with its environment code in-process, the client's episodes spread over ``--env-connections`` connections. Then the same episodes multiplexed over one StreamEpisodes stream per client
+with its environment code in-process, the client's episodes spread over ``--env-connections`` connections.
+Then the same episodes multiplexed over one StreamEpisodes stream per client
 (``Client(multiplex_episodes=True)``, as RolloutService opens them): ``echo-multiplexed``, the echo server
 answering each frame with an empty response frame (no episode work), and ``ours-multiplexed`` (in-process
 environment code). Servers run in their own processes (loopback only) so their memory is measured alone.
@@ -37,18 +38,23 @@ import sys
 import time
 from typing import Any
 
-import yieldloop  # noqa: F401  (sets gRPC's fork handling before grpc loads)
 import grpc
 
+import yieldloop  # noqa: F401  (sets gRPC's fork handling before grpc loads)
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from scratch import scratch_dir  # noqa: E402
+from scratch import scratch_dir
 
 ECHO_SERVICE = "yieldloop.loadtest.Echo"
 ECHO_METHOD = f"/{ECHO_SERVICE}/Stream"
 RUNS = ("inprocess", "echo", "ours", "ours-workers", "ours-processes", "echo-multiplexed", "ours-multiplexed")
 # What each run is compared with (per round): the echo of its own protocol, and the per-stream echo.
-BASES = {"ours": ("echo", "inprocess"), "ours-workers": ("echo", "inprocess"), "ours-processes": ("echo", "inprocess"),
-         "ours-multiplexed": ("echo-multiplexed", "echo", "inprocess")}
+BASES = {
+    "ours": ("echo", "inprocess"),
+    "ours-workers": ("echo", "inprocess"),
+    "ours-processes": ("echo", "inprocess"),
+    "ours-multiplexed": ("echo-multiplexed", "echo", "inprocess"),
+}
 
 
 # Measuring -------------------------------------------------------------------------------------------
@@ -56,6 +62,7 @@ BASES = {"ours": ("echo", "inprocess"), "ours-workers": ("echo", "inprocess"), "
 
 def tree_rss_bytes(pid: int) -> int:
     """Resident memory of a process and its children (worker processes), from /proc."""
+
     def rss(p: int) -> int:
         try:
             for line in pathlib.Path(f"/proc/{p}/status").read_text().splitlines():
@@ -140,17 +147,22 @@ async def echo_server(ready_file: pathlib.Path) -> None:
     async def frames(request_iterator: Any, context: Any) -> Any:  # StreamEpisodes, no episode behind it
         empty = env_pb.StreamEpisodeResponse()
         async for request in request_iterator:
-            yield env_pb.StreamEpisodesResponse(frames=[
-                env_pb.EpisodeResponseFrame(tag=f.tag, closed=f.close, response=empty if f.HasField("request") else None)
-                for f in request.frames
-            ])
+            yield env_pb.StreamEpisodesResponse(
+                frames=[
+                    env_pb.EpisodeResponseFrame(
+                        tag=f.tag, closed=f.close, response=empty if f.HasField("request") else None
+                    )
+                    for f in request.frames
+                ]
+            )
 
     message = _message_type()
     method = grpc.stream_stream_rpc_method_handler(
         stream, request_deserializer=message.FromString, response_serializer=message.SerializeToString
     )
     multiplexed = grpc.stream_stream_rpc_method_handler(
-        frames, request_deserializer=env_pb.StreamEpisodesRequest.FromString,
+        frames,
+        request_deserializer=env_pb.StreamEpisodesRequest.FromString,
         response_serializer=env_pb.StreamEpisodesResponse.SerializeToString,
     )
     # The same transport settings as our services: the comparison is about what happens per message.
@@ -179,7 +191,12 @@ class ServerProcess:
         ready.unlink(missing_ok=True)
         log = open(self.workdir / f"{self.name}.log", "wb")
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, *self.args, "--ready-file", str(ready), stdout=log, stderr=log,
+            sys.executable,
+            *self.args,
+            "--ready-file",
+            str(ready),
+            stdout=log,
+            stderr=log,
             stdin=asyncio.subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 120
@@ -213,7 +230,9 @@ def request_payloads(calls: int) -> dict[str, Any]:
     task = common_pb.Task(env="bench", scenario="walk", args_json=json.dumps({"n": calls}))
     return {
         "start": env_pb.StreamEpisodeRequest(start=env_pb.StartEpisode(task=task)),
-        "call": env_pb.StreamEpisodeRequest(call_tool=env_pb.CallTool(call_id="c", name="step", arguments_json='{"by": 1}')),
+        "call": env_pb.StreamEpisodeRequest(
+            call_tool=env_pb.CallTool(call_id="c", name="step", arguments_json='{"by": 1}')
+        ),
         "submit": env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(answer=str(calls))),
     }
 
@@ -223,7 +242,9 @@ async def think(pace: tuple[float, float] | None) -> None:
         await asyncio.sleep(random.uniform(*pace))
 
 
-async def our_agent(client: Any, calls: int, pace: tuple[float, float] | None, stats: Stats, graded: bool = True) -> None:
+async def our_agent(
+    client: Any, calls: int, pace: tuple[float, float] | None, stats: Stats, graded: bool = True
+) -> None:
     """One episode through the client (``graded=False``: against the echo, which grades nothing)."""
     from yieldloop.proto.common.v1 import common_pb2 as common_pb
 
@@ -250,7 +271,9 @@ async def our_agent(client: Any, calls: int, pace: tuple[float, float] | None, s
         await episode.close()
 
 
-async def echo_agent(channel: Any, payloads: dict[str, Any], calls: int, pace: tuple[float, float] | None, stats: Stats) -> None:
+async def echo_agent(
+    channel: Any, payloads: dict[str, Any], calls: int, pace: tuple[float, float] | None, stats: Stats
+) -> None:
     message = _message_type()
     call = channel.stream_stream(
         ECHO_METHOD, request_serializer=message.SerializeToString, response_deserializer=message.FromString
@@ -301,7 +324,9 @@ async def inprocess_agent(host: Any, index: int, calls: int, pace: tuple[float, 
 # Runs ----------------------------------------------------------------------------------------------------
 
 
-async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: ServerProcess | None, stats: Stats) -> dict:
+async def run_agents(
+    make_agent: Any, episodes: int, timeout_s: float, server: ServerProcess | None, stats: Stats
+) -> dict:
     rss_before = server.rss if server else 0
     peak = rss_before
 
@@ -335,7 +360,9 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
         "wall_s": round(wall, 3),
         "episodes_per_s": round(stats.episodes_ok / wall, 1),
         "tool_calls_per_s": round(len(stats.latencies) / wall, 1),
-        "latency_ms": {q: round(percentile(stats.latencies, v) * 1000, 2) for q, v in (("p50", .5), ("p95", .95), ("p99", .99))},
+        "latency_ms": {
+            q: round(percentile(stats.latencies, v) * 1000, 2) for q, v in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+        },
         "errors": dict(stats.errors),
         "error_samples": stats.samples,
         "num_errors": sum(stats.errors.values()),
@@ -343,15 +370,18 @@ async def run_agents(make_agent: Any, episodes: int, timeout_s: float, server: S
         "client_cpu_us_per_episode": round(client_cpu / max(stats.episodes_ok, 1) * 1e6, 1),
     }
     if server:
-        result["server_rss_mb"] = {k: round(v / 2**20, 1) for k, v in (("before", rss_before), ("peak", peak), ("after", rss_after))}
+        result["server_rss_mb"] = {
+            k: round(v / 2**20, 1) for k, v in (("before", rss_before), ("peak", peak), ("after", rss_after))
+        }
         result["server_cpu_us_per_call"] = round(server_cpu / max(len(stats.latencies), 1) * 1e6, 1)
         result["server_cpu_us_per_episode"] = round(server_cpu / max(stats.episodes_ok, 1) * 1e6, 1)
         result["server_rss_kb_per_live_episode"] = round((peak - rss_before) / episodes / 1024, 1)
     return result
 
 
-def make_clients(address: str, episodes: int, streams_per_channel: int, multiplex: bool = False,
-                 connections: int = 1) -> list[Any]:
+def make_clients(
+    address: str, episodes: int, streams_per_channel: int, multiplex: bool = False, connections: int = 1
+) -> list[Any]:
     from yieldloop.client import Client
     from yieldloop.transport import TransportConfig
 
@@ -384,9 +414,9 @@ async def bench(args: argparse.Namespace) -> dict:
     """Runs every variant ``args.rounds`` times, interleaved, so a slower spell of this shared machine
     falls on all of them; ratios are per round (ours and echo back to back), then the median."""
     from yieldloop.transport import open_channel
+    from yieldloop_server.config import EnvOptions, ServeOptions
     from yieldloop_server.env.inprocess import InProcessHost
     from yieldloop_server.env.loader import load_environment
-    from yieldloop_server.config import EnvOptions, ServeOptions
 
     pace = (args.think_min, args.think_max) if args.mode == "agent-pace" else None
     workdir = scratch_dir("yl-envbench-")
@@ -407,7 +437,10 @@ async def bench(args: argparse.Namespace) -> dict:
         try:
             return await run_agents(
                 lambda i: echo_agent(channels[i % len(channels)], payloads, args.calls, pace, stats),
-                args.episodes, args.timeout, server, stats,
+                args.episodes,
+                args.timeout,
+                server,
+                stats,
             )
         finally:
             for channel in channels:
@@ -419,15 +452,22 @@ async def bench(args: argparse.Namespace) -> dict:
         try:
             return await run_agents(
                 lambda i: our_agent(clients[i % len(clients)], args.calls, pace, stats, graded),
-                args.episodes, args.timeout, server, stats,
+                args.episodes,
+                args.timeout,
+                server,
+                stats,
             )
         finally:
             for client in clients:
                 await client.close()
 
     def our_server(name: str, workers: int, processes: int = 1) -> ServerProcess:
-        options = ServeOptions(service="env", data_dir=workdir / name, auth=False,
-                               env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=workers, processes=processes))
+        options = ServeOptions(
+            service="env",
+            data_dir=workdir / name,
+            auth=False,
+            env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=workers, processes=processes),
+        )
         return ServerProcess(["-m", "yieldloop.cli", *options.to_args()], workdir, name)
 
     rounds: dict[str, list[dict]] = {name: [] for name in RUNS}
@@ -447,7 +487,10 @@ async def bench(args: argparse.Namespace) -> dict:
             rounds["ours-multiplexed"].append(await ours(ours_server, multiplex=True))
 
     results: dict[str, Any] = {
-        "mode": args.mode, "episodes": args.episodes, "calls_per_episode": args.calls, "rounds": args.rounds,
+        "mode": args.mode,
+        "episodes": args.episodes,
+        "calls_per_episode": args.calls,
+        "rounds": args.rounds,
     }
     key = rate_key(args.calls)
     results.update({name: median_round(runs, key) for name, runs in rounds.items()})
@@ -465,11 +508,13 @@ def print_results(results: dict) -> None:
     per = "call" if results["calls_per_episode"] else "episode"
     print(
         f"mode={results['mode']} episodes={results['episodes']} calls/episode={results['calls_per_episode']} "
-        f"rounds={results['rounds']} (the median round of each run; ratios, of {per}s/s, are medians of per-round ratios)"
+        f"rounds={results['rounds']} "
+        f"(the median round of each run; ratios, of {per}s/s, are medians of per-round ratios)"
     )
     header = (
         f"{'run':<18}{'eps/s':>9}{'calls/s':>10}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}"
-        f"{'RSS MB before/peak/after':>27}{'KB/ep':>8}{f'CPU us/{per} srv+cli':>24}{'vs echo':>9}{'vs echo-mux':>12}{'vs inproc':>10}"
+        f"{'RSS MB before/peak/after':>27}{'KB/ep':>8}{f'CPU us/{per} srv+cli':>24}"
+        f"{'vs echo':>9}{'vs echo-mux':>12}{'vs inproc':>10}"
     )
     print(header)
     for name in RUNS:
@@ -480,7 +525,8 @@ def print_results(results: dict) -> None:
         print(
             f"{name:<18}{r['episodes_per_s']:>9}{r['tool_calls_per_s']:>10}{r['latency_ms']['p50']:>9}"
             f"{r['latency_ms']['p95']:>9}{r['latency_ms']['p99']:>9}{r['num_errors']:>8}{rss_text:>27}"
-            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{cpu:>24}{str(r.get('rate_vs_echo', '-')):>9}{str(r.get('rate_vs_echo-multiplexed', '-')):>12}"
+            f"{r.get('server_rss_kb_per_live_episode', '-'):>8}{cpu:>24}"
+            f"{str(r.get('rate_vs_echo', '-')):>9}{str(r.get('rate_vs_echo-multiplexed', '-')):>12}"
             f"{str(r.get('rate_vs_inprocess', '-')):>10}"
         )
     for name in RUNS:
@@ -505,8 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-max", type=float, default=1.5)
     parser.add_argument("--env-workers", type=int, default=2, help="worker processes for the ours-workers run")
     parser.add_argument("--env-processes", type=int, default=2, help="server processes of the ours-processes run")
-    parser.add_argument("--env-connections", type=int, default=16,
-                        help="client connections of the ours-processes run (the kernel places each on a process)")
+    parser.add_argument(
+        "--env-connections",
+        type=int,
+        default=16,
+        help="client connections of the ours-processes run (the kernel places each on a process)",
+    )
     parser.add_argument("--streams-per-channel", type=int, default=2048, help="streams on one client channel")
     parser.add_argument("--timeout", type=float, default=300.0, help="bound on each run, seconds")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run; medians reported")

@@ -20,7 +20,7 @@ import time
 import uuid
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from scratch import scratch_dir  # noqa: E402
+from scratch import scratch_dir
 
 
 async def bench(args: argparse.Namespace) -> dict:
@@ -30,18 +30,24 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.config import EnvOptions, StackConfig
     from yieldloop_server.stack import InProcessStack
 
-    stack = InProcessStack(StackConfig(data_dir=scratch_dir("yl-hudbench-"),
-                                       env=EnvOptions(workers=0)))
+    stack = InProcessStack(StackConfig(data_dir=scratch_dir("yl-hudbench-"), env=EnvOptions(workers=0)))
     await stack.start()
     try:
         async with Client(**stack.addresses, api_key=stack.api_key) as client:
             direct_url = (await client.get_serving_info()).openai_base_url + "/chat/completions"
         front_url = stack.hud_url + "/v1/chat/completions"
-        body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "Say a."}]}],
-                "max_tokens": args.max_tokens, "temperature": 1.0, "logprobs": True, "return_token_ids": True,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say a."}]}],
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "logprobs": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         headers = {"Authorization": f"Bearer {stack.api_key}"}
         async with aiohttp.ClientSession(headers=headers) as http:
+
             async def call(url: str) -> float:
                 started = time.perf_counter()
                 trace = {"Trace-Id": uuid.uuid4().hex} if url == front_url else {}
@@ -79,9 +85,14 @@ async def bench(args: argparse.Namespace) -> dict:
         ordered = sorted(values)
         return {"median_ms": 1000 * statistics.median(ordered), "p90_ms": 1000 * ordered[int(0.9 * (len(ordered) - 1))]}
 
-    return {"calls": args.calls, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
-            "direct": summary(latency["direct"]), "front": summary(latency["front"]),
-            "calls_per_s": {way: statistics.median(r) for way, r in rates.items()}}
+    return {
+        "calls": args.calls,
+        "max_tokens": args.max_tokens,
+        "concurrency": args.concurrency,
+        "direct": summary(latency["direct"]),
+        "front": summary(latency["front"]),
+        "calls_per_s": {way: statistics.median(r) for way, r in rates.items()},
+    }
 
 
 def main() -> None:
@@ -95,11 +106,16 @@ def main() -> None:
     direct, front = result["direct"], result["front"]
     print(f"{args.calls} sequential chat completions of {args.max_tokens} tokens, alternating:")
     print(f"  direct to RolloutService  median {direct['median_ms']:.2f} ms  p90 {direct['p90_ms']:.2f} ms")
-    print(f"  through the HUD front     median {front['median_ms']:.2f} ms  p90 {front['p90_ms']:.2f} ms  "
-          f"(+{front['median_ms'] - direct['median_ms']:.2f} ms per call)")
+    print(
+        f"  through the HUD front     median {front['median_ms']:.2f} ms  p90 {front['p90_ms']:.2f} ms  "
+        f"(+{front['median_ms'] - direct['median_ms']:.2f} ms per call)"
+    )
     rates = result["calls_per_s"]
-    print(f"  at {args.concurrency} concurrent: {rates['direct']:.0f} calls/s direct, {rates['front']:.0f} through the front "
-          f"({rates['front'] / rates['direct']:.2f}x)")
+    print(
+        f"  at {args.concurrency} concurrent: {rates['direct']:.0f} calls/s direct, "
+        f"{rates['front']:.0f} through the front "
+        f"({rates['front'] / rates['direct']:.2f}x)"
+    )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

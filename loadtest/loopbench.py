@@ -28,9 +28,9 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from envbench import tree_cpu_s  # noqa: E402
-from trainerbench import run_and_report  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from envbench import tree_cpu_s
+from scratch import scratch_dir
+from trainerbench import run_and_report
 
 SPLIT = ("rollout_s", "forward_backward_s", "optim_s", "heldout_s", "reload_s", "total_s")
 
@@ -56,12 +56,19 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
     from yieldloop_server.config import StackConfig
     from yieldloop_server.stack import ProcessStack
 
-    stack = ProcessStack(StackConfig(data_dir=scratch_dir("yl-loopbench-"),
-                                     rollout=rollout_options(variant)))  # type: ignore[arg-type]
+    stack = ProcessStack(StackConfig(data_dir=scratch_dir("yl-loopbench-"), rollout=rollout_options(variant)))  # type: ignore[arg-type]
     addresses = await stack.start()
     pids = {name: service.process.pid for name, service in stack.services.items()}
-    config = LoopConfig(steps=args.steps, group_size=8, learning_rate=1e-3, max_tokens=12, promotion_tolerance=1.0,
-                        max_off_policy=args.off_policy, seed=seed, name=f"loopbench-{seed}")
+    config = LoopConfig(
+        steps=args.steps,
+        group_size=8,
+        learning_rate=1e-3,
+        max_tokens=12,
+        promotion_tolerance=1.0,
+        max_off_policy=args.off_policy,
+        seed=seed,
+        name=f"loopbench-{seed}",
+    )
     reports = []
     before: dict[str, float] = {}
     started = 0.0
@@ -76,12 +83,15 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
         after = {name: tree_cpu_s(pid) for name, pid in pids.items()} | {"loop client": _own_cpu_s()}
     finally:
         await stack.stop()
-    measured = reports[args.warmup:]
+    measured = reports[args.warmup :]
     n = len(measured)
     cpu = {name: round((after[name] - before[name]) / n, 3) for name in after if after[name] - before[name] > 0}
     return {
-        "variant": variant, "steps_measured": n, "wall_s_per_step": round(wall / n, 3),
-        "cpu_s_per_step": cpu, "cpu_s_per_step_total": round(sum(cpu.values()), 3),
+        "variant": variant,
+        "steps_measured": n,
+        "wall_s_per_step": round(wall / n, 3),
+        "cpu_s_per_step": cpu,
+        "cpu_s_per_step_total": round(sum(cpu.values()), 3),
         "cores_busy": round(sum(cpu.values()) / (wall / n), 2),
         "split_median_s": {part: round(statistics.median(getattr(r, part) for r in measured), 3) for part in SPLIT},
         "off_policy_runs_per_step": round(statistics.mean(r.off_policy_runs for r in measured), 1),
@@ -101,8 +111,12 @@ async def bench(args: argparse.Namespace) -> dict:
         for variant in args.variants:
             result = await run_loop(args, variant, seed)
             runs[variant].append(result)
-            print(f"{variant}: {result['wall_s_per_step']} s per step, {result['cpu_s_per_step_total']} CPU s "
-                  f"({result['cpu_s_per_step']})", file=sys.stderr, flush=True)
+            print(
+                f"{variant}: {result['wall_s_per_step']} s per step, {result['cpu_s_per_step_total']} CPU s "
+                f"({result['cpu_s_per_step']})",
+                file=sys.stderr,
+                flush=True,
+            )
     summary = {
         variant: {
             "wall_s_per_step": [r["wall_s_per_step"] for r in results],
@@ -111,8 +125,14 @@ async def bench(args: argparse.Namespace) -> dict:
         }
         for variant, results in runs.items()
     }
-    return {"steps": args.steps, "warmup": args.warmup, "off_policy": args.off_policy, "cpu_threads": os.cpu_count(),
-            "summary": summary, "runs": runs}
+    return {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "off_policy": args.off_policy,
+        "cpu_threads": os.cpu_count(),
+        "summary": summary,
+        "runs": runs,
+    }
 
 
 def main() -> None:
@@ -120,8 +140,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the figures")
     parser.add_argument("--off-policy", type=int, default=1, help="the loop's max_off_policy")
-    parser.add_argument("--variants", nargs="+", default=["default"],
-                        help="RolloutOptions settings, e.g. max_batch=64 (default: none)")
+    parser.add_argument(
+        "--variants", nargs="+", default=["default"], help="RolloutOptions settings, e.g. max_batch=64 (default: none)"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="runs of every variant, alternating")
     parser.add_argument("--out", type=pathlib.Path)
     run_and_report(bench, parser.parse_args())

@@ -29,7 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from trainerbench import build_model, make_batch  # noqa: E402
+from trainerbench import build_model, make_batch
 
 STREAMS = 64
 FORKS = 8
@@ -67,8 +67,10 @@ def make_adapters(base: pathlib.Path, out: pathlib.Path, count: int, rank: int =
     folders = []
     for i in range(count):
         torch.manual_seed(i)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                               LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0))
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+            LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0),
+        )
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.02)
@@ -111,10 +113,17 @@ async def serve_one(kind: str, lora: bool, base: pathlib.Path, adapters: list[pa
         serving = rss_mb() - before
     finally:
         await engine.close()
-    label = (f"{len(names)} LoRA forks, one engine" if names else
-             "LoRA-enabled, base requests" if lora else "base alone")
-    return {"part": "serve", "engine": kind, "config": label, "streams": STREAMS, "max_tokens": max_tokens,
-            "tok_s": round(tok_s, 1), "rss_loaded_mb": round(loaded, 1), "rss_serving_mb": round(serving, 1)}
+    label = f"{len(names)} LoRA forks, one engine" if names else "LoRA-enabled, base requests" if lora else "base alone"
+    return {
+        "part": "serve",
+        "engine": kind,
+        "config": label,
+        "streams": STREAMS,
+        "max_tokens": max_tokens,
+        "tok_s": round(tok_s, 1),
+        "rss_loaded_mb": round(loaded, 1),
+        "rss_serving_mb": round(serving, 1),
+    }
 
 
 def bench_serve(kind: str, base: pathlib.Path, adapters: list[pathlib.Path], max_tokens: int) -> list[dict]:
@@ -125,16 +134,26 @@ def bench_serve(kind: str, base: pathlib.Path, adapters: list[pathlib.Path], max
     if kind == "vllm":  # vLLM's LoRA mode costs something even for requests without an adapter
         configs.insert(1, (True, []))
     for lora, loaded in configs:
-        spec = json.dumps({"kind": kind, "lora": lora, "base": str(base), "adapters": [str(a) for a in loaded],
-                           "max_tokens": max_tokens})
+        spec = json.dumps(
+            {
+                "kind": kind,
+                "lora": lora,
+                "base": str(base),
+                "adapters": [str(a) for a in loaded],
+                "max_tokens": max_tokens,
+            }
+        )
         done = subprocess.run([sys.executable, __file__, "--serve-one", spec], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
             raise RuntimeError(f"serve {kind} lora={lora} failed:\n{done.stderr[-3000:]}")
         row = json.loads(lines[-1])
         rows.append(row)
-        print(f"serve  {kind:5} {row['config']:28} {row['tok_s']:8.1f} tok/s at {STREAMS} streams   RSS of the "
-              f"engine loaded {row['rss_loaded_mb']:7.1f} MB, serving {row['rss_serving_mb']:7.1f} MB", flush=True)
+        print(
+            f"serve  {kind:5} {row['config']:28} {row['tok_s']:8.1f} tok/s at {STREAMS} streams   RSS of the "
+            f"engine loaded {row['rss_loaded_mb']:7.1f} MB, serving {row['rss_serving_mb']:7.1f} MB",
+            flush=True,
+        )
     return rows
 
 
@@ -170,13 +189,20 @@ async def bench_commit(base: pathlib.Path, data_dir: pathlib.Path, repeats: int)
                     step_s.append(committed - start)
                     first_token_s.append(first - committed)
                     sizes.append(sum(o.size for o in (await client.get_checkpoint(fork, head)).objects))
-                row = {"part": "commit", "kind": name, "checkpoint_bytes": sizes[-1],
-                       "optim_step_with_commit_s": round(statistics.median(step_s[1:]), 4),
-                       "commit_to_first_token_s": round(statistics.median(first_token_s[1:]), 4)}
+                row = {
+                    "part": "commit",
+                    "kind": name,
+                    "checkpoint_bytes": sizes[-1],
+                    "optim_step_with_commit_s": round(statistics.median(step_s[1:]), 4),
+                    "commit_to_first_token_s": round(statistics.median(first_token_s[1:]), 4),
+                }
                 rows.append(row)
-                print(f"commit {name:9} checkpoint {sizes[-1] / 1e6:8.2f} MB   OptimStep+commit "
-                      f"{row['optim_step_with_commit_s']:.3f} s   commit -> first token "
-                      f"{row['commit_to_first_token_s']:.3f} s", flush=True)
+                print(
+                    f"commit {name:9} checkpoint {sizes[-1] / 1e6:8.2f} MB   OptimStep+commit "
+                    f"{row['optim_step_with_commit_s']:.3f} s   commit -> first token "
+                    f"{row['commit_to_first_token_s']:.3f} s",
+                    flush=True,
+                )
     finally:
         await stack.stop()
     return rows
@@ -207,12 +233,21 @@ def bench_train(base: pathlib.Path, scratch: pathlib.Path, steps: int, batch: in
             if i:
                 times.append(elapsed)
                 save_times.append(time.perf_counter() - start)
-        row = {"part": "train", "kind": name, "batch": batch, "tokens": tokens,
-               "trainable_parameters": trainer.num_trainable_parameters,
-               "step_s": round(statistics.median(times), 4), "save_s": round(statistics.median(save_times), 4)}
+        row = {
+            "part": "train",
+            "kind": name,
+            "batch": batch,
+            "tokens": tokens,
+            "trainable_parameters": trainer.num_trainable_parameters,
+            "step_s": round(statistics.median(times), 4),
+            "save_s": round(statistics.median(save_times), 4),
+        }
         rows.append(row)
-        print(f"train  {name:9} {row['trainable_parameters']:>12,} trainable   forward_backward+optim_step "
-              f"{row['step_s']:.3f} s   save {row['save_s']:.3f} s", flush=True)
+        print(
+            f"train  {name:9} {row['trainable_parameters']:>12,} trainable   forward_backward+optim_step "
+            f"{row['step_s']:.3f} s   save {row['save_s']:.3f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -234,19 +269,31 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve_one:
         spec = json.loads(args.serve_one)
-        row = asyncio.run(serve_one(spec["kind"], spec["lora"], pathlib.Path(spec["base"]),
-                                    [pathlib.Path(a) for a in spec["adapters"]], spec["max_tokens"]))
+        row = asyncio.run(
+            serve_one(
+                spec["kind"],
+                spec["lora"],
+                pathlib.Path(spec["base"]),
+                [pathlib.Path(a) for a in spec["adapters"]],
+                spec["max_tokens"],
+            )
+        )
         print(json.dumps(row), flush=True)
         return
     parts = args.parts.split(",")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         base = build_model(pathlib.Path(tmp) / "model", args.hidden, args.layers)
-        print(f"model: hidden {args.hidden}, {args.layers} layers, "
-              f"{(base / 'model.safetensors').stat().st_size / 1e6:.1f} MB of weights", flush=True)
+        print(
+            f"model: hidden {args.hidden}, {args.layers} layers, "
+            f"{(base / 'model.safetensors').stat().st_size / 1e6:.1f} MB of weights",
+            flush=True,
+        )
         if "serve" in parts:
             adapters = make_adapters(base, pathlib.Path(tmp) / "adapters", FORKS)
-            print(f"adapter: {(adapters[0] / 'adapter_model.safetensors').stat().st_size / 1e6:.2f} MB each", flush=True)
+            print(
+                f"adapter: {(adapters[0] / 'adapter_model.safetensors').stat().st_size / 1e6:.2f} MB each", flush=True
+            )
             for kind in [e for e in args.engines.split(",") if e != "vllm" or vllm_available()]:
                 rows += bench_serve(kind, base, adapters, args.max_tokens)
         if "commit" in parts:

@@ -27,12 +27,16 @@ def main() -> None:
     torch.cuda.synchronize()
     second = time.perf_counter()
     dist.destroy_process_group()
-    print(json.dumps({
-        "init_process_group_s": round(initialised - started, 3),
-        "first_all_reduce_s": round(first - initialised, 3),
-        "second_all_reduce_ms": round((second - first) * 1000, 3),
-        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
-    }))
+    print(
+        json.dumps(
+            {
+                "init_process_group_s": round(initialised - started, 3),
+                "first_all_reduce_s": round(first - initialised, 3),
+                "second_all_reduce_ms": round((second - first) * 1000, 3),
+                "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,18 +19,30 @@ import time
 import uuid
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from reloadbench import start_moto  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from reloadbench import start_moto
+from scratch import scratch_dir
 
 
 def make_runs(n: int):
     from yieldloop.types import Run, Turn
 
     rng = random.Random(0)
-    return [Run(group_id=f"g{i // 8}", reward=rng.random(), answer="abc", turns=[Turn(
-        prompt_token_ids=[rng.randrange(300) for _ in range(300)],
-        completion_token_ids=[rng.randrange(300) for _ in range(64)],
-        completion_logprobs=[-rng.random() for _ in range(64)], weight_version="step-000001-abcdef12")]) for i in range(n)]
+    return [
+        Run(
+            group_id=f"g{i // 8}",
+            reward=rng.random(),
+            answer="abc",
+            turns=[
+                Turn(
+                    prompt_token_ids=[rng.randrange(300) for _ in range(300)],
+                    completion_token_ids=[rng.randrange(300) for _ in range(64)],
+                    completion_logprobs=[-rng.random() for _ in range(64)],
+                    weight_version="step-000001-abcdef12",
+                )
+            ],
+        )
+        for i in range(n)
+    ]
 
 
 def one_per_run(traces, runs, job: str) -> None:

@@ -23,18 +23,25 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from trainerbench import build_model, run_and_report  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from scratch import scratch_dir
+from trainerbench import build_model, run_and_report
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    for name, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"), ("AWS_DEFAULT_REGION", "us-east-1")):
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "bench"),
+        ("AWS_SECRET_ACCESS_KEY", "bench"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
         os.environ.setdefault(name, value)
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     while True:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
@@ -73,9 +80,16 @@ async def bench(args: argparse.Namespace) -> dict:
     addresses: dict[str, str] = {}
     stoppers = []
     for service in ("checkpoint", "env", "rollout"):
-        options = ServeOptions(service=service, data_dir=root, store=url, model="bench", env=EnvOptions(workers=0),
-                               checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""),
-                               service_key=service_key)
+        options = ServeOptions(
+            service=service,
+            data_dir=root,
+            store=url,
+            model="bench",
+            env=EnvOptions(workers=0),
+            checkpoint_address=addresses.get("checkpoint", ""),
+            env_address=addresses.get("env", ""),
+            service_key=service_key,
+        )
         start, stop = await build_service(options)
         addresses[service] = await start()
         stoppers.append(stop)

@@ -20,8 +20,10 @@ def scratch_dir(prefix: str) -> pathlib.Path:
     is set (by this process only: a child that inherits the handler leaves it)."""
     path = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
     keep = os.environ.get("YIELDLOOP_KEEP_SCRATCH", "") not in ("", "0")
-    print(f"scratch folder {path} ({'kept' if keep else 'removed at exit; YIELDLOOP_KEEP_SCRATCH=1 keeps it'})",
-          file=sys.stderr)
+    print(
+        f"scratch folder {path} ({'kept' if keep else 'removed at exit; YIELDLOOP_KEEP_SCRATCH=1 keeps it'})",
+        file=sys.stderr,
+    )
     if not keep:
         owner = os.getpid()
         atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))

@@ -29,9 +29,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-import envbench  # noqa: E402
-import generatebench  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+import envbench
+import generatebench
+from scratch import scratch_dir
 
 SETTINGS = ("off", "auth", "auth+trace100", "auth+trace1")
 SAMPLERS = {"auth+trace100": ("always_on", ""), "auth+trace1": ("parentbased_traceidratio", "0.01")}
@@ -58,8 +58,13 @@ def otel_environment(setting: str, sink: str) -> dict[str, str]:
     if setting not in SAMPLERS:
         return {}
     sampler, arg = SAMPLERS[setting]
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{sink}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_TRACES_SAMPLER": sampler, "OTEL_TRACES_SAMPLER_ARG": arg, "OTEL_METRICS_EXPORTER": "none"}
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{sink}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_TRACES_SAMPLER": sampler,
+        "OTEL_TRACES_SAMPLER_ARG": arg,
+        "OTEL_METRICS_EXPORTER": "none",
+    }
 
 
 def rotated(round_no: int) -> tuple[str, ...]:
@@ -77,8 +82,12 @@ async def env_round(servers: dict, keys: dict, args: argparse.Namespace, round_n
         stats = envbench.Stats()
         try:
             result = await envbench.run_agents(
-                lambda i: envbench.our_agent(clients[0], args.calls, None, stats), args.episodes, args.timeout,
-                servers[setting], stats)
+                lambda i: envbench.our_agent(clients[0], args.calls, None, stats),
+                args.episodes,
+                args.timeout,
+                servers[setting],
+                stats,
+            )
         finally:
             await clients[0].close()
         if result["num_errors"]:
@@ -87,17 +96,17 @@ async def env_round(servers: dict, keys: dict, args: argparse.Namespace, round_n
     return out
 
 
-async def generate_round(clients: dict, prompt: list[int], args: argparse.Namespace, round_no: int
-                         ) -> dict[str, float]:
-    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio, ALWAYS_ON
+async def generate_round(clients: dict, prompt: list[int], args: argparse.Namespace, round_no: int) -> dict[str, float]:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBasedTraceIdRatio
 
     out = {}
     for setting in rotated(round_no):
         if setting in SAMPLERS:  # the in-process server's sampler for this setting
             from yieldloop_server.common import telemetry
 
-            telemetry.tracer().sampler = {"auth+trace100": ALWAYS_ON,
-                                          "auth+trace1": ParentBasedTraceIdRatio(0.01)}[setting]
+            telemetry.tracer().sampler = {"auth+trace100": ALWAYS_ON, "auth+trace1": ParentBasedTraceIdRatio(0.01)}[
+                setting
+            ]
         started = time.perf_counter()
         tokens = await generatebench._grpc(clients[setting], [prompt] * args.streams, args.streams, args.max_tokens, [])
         out[setting] = tokens / (time.perf_counter() - started)
@@ -124,13 +133,18 @@ async def bench(args: argparse.Namespace) -> dict:
     keys = {setting: "" if setting == "off" else admin for setting in SETTINGS}
     try:
         for setting in SETTINGS:  # each EnvService in its own process, with its own environment
-            options = ServeOptions(service="env", data_dir=workdir, auth=setting != "off",
-                                   env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=0))
+            options = ServeOptions(
+                service="env",
+                data_dir=workdir,
+                auth=setting != "off",
+                env=EnvOptions(specs=("yieldloop.envs.bench:env",), workers=0),
+            )
             saved = dict(os.environ)
             os.environ.update(otel_environment(setting, sink.address))
             try:
-                servers[setting] = envbench.ServerProcess(["-m", "yieldloop.cli", *options.to_args()], workdir,
-                                                          setting.replace("+", "-"))
+                servers[setting] = envbench.ServerProcess(
+                    ["-m", "yieldloop.cli", *options.to_args()], workdir, setting.replace("+", "-")
+                )
                 await servers[setting].__aenter__()
             finally:
                 os.environ.clear()
@@ -143,12 +157,17 @@ async def bench(args: argparse.Namespace) -> dict:
         engine = create_engine("torch")
         await engine.load_weights(folder, "bench")
         authenticated = (Authenticator(KeyStore(store)),)
-        transports = {"off": TransportConfig(), "auth": TransportConfig(server_interceptors=authenticated),
-                      "auth+trace100": TransportConfig(server_interceptors=(telemetry.Tracing(), *authenticated)),
-                      "auth+trace1": TransportConfig(server_interceptors=(telemetry.Tracing(), *authenticated))}
+        transports = {
+            "off": TransportConfig(),
+            "auth": TransportConfig(server_interceptors=authenticated),
+            "auth+trace100": TransportConfig(server_interceptors=(telemetry.Tracing(), *authenticated)),
+            "auth+trace1": TransportConfig(server_interceptors=(telemetry.Tracing(), *authenticated)),
+        }
         interval = RolloutOptions.stream_interval_ms / 1000  # the rollout service's default
-        generate_servers = {s: await serve_engine("bench", engine, stream_interval_s=interval, transport=transports[s])
-                            for s in SETTINGS}
+        generate_servers = {
+            s: await serve_engine("bench", engine, stream_interval_s=interval, transport=transports[s])
+            for s in SETTINGS
+        }
         clients = {s: Client(rollout=generate_servers[s].address, api_key=keys[s], timeout=600) for s in SETTINGS}
         prompt = engine.render_chat([{"role": "user", "content": "Write the letter a over and over."}])
         for client in clients.values():
@@ -158,8 +177,11 @@ async def bench(args: argparse.Namespace) -> dict:
         for round_no in range(args.rounds):
             env_rounds.append(await env_round(servers, keys, args, round_no))
             generate_rounds.append(await generate_round(clients, prompt, args, round_no))
-            print(f"round {round_no + 1}: env calls/s {env_rounds[-1]}; generate tok/s "
-                  f"{ {k: round(v) for k, v in generate_rounds[-1].items()} }", flush=True)
+            print(
+                f"round {round_no + 1}: env calls/s {env_rounds[-1]}; generate tok/s "
+                f"{ {k: round(v) for k, v in generate_rounds[-1].items()} }",
+                flush=True,
+            )
         for client in clients.values():
             await client.close()
         for server in generate_servers.values():
@@ -171,13 +193,24 @@ async def bench(args: argparse.Namespace) -> dict:
         await sink.__aexit__(None, None, None)
 
     def summary(rounds: list[dict[str, float]]) -> dict:
-        return {setting: {"median": round(statistics.median(r[setting] for r in rounds), 1),
-                          "ratio_to_off": round(statistics.median(r[setting] / r["off"] for r in rounds), 3),
-                          "rounds": [round(r[setting], 1) for r in rounds]} for setting in SETTINGS}
+        return {
+            setting: {
+                "median": round(statistics.median(r[setting] for r in rounds), 1),
+                "ratio_to_off": round(statistics.median(r[setting] / r["off"] for r in rounds), 3),
+                "rounds": [round(r[setting], 1) for r in rounds],
+            }
+            for setting in SETTINGS
+        }
 
-    return {"episodes": args.episodes, "calls": args.calls, "streams": args.streams, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "envservice_calls_per_s": summary(env_rounds),
-            "generate_tokens_per_s": summary(generate_rounds)}
+    return {
+        "episodes": args.episodes,
+        "calls": args.calls,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "envservice_calls_per_s": summary(env_rounds),
+        "generate_tokens_per_s": summary(generate_rounds),
+    }
 
 
 def main() -> int:

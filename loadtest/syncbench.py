@@ -34,8 +34,8 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from trainerbench import build_model, make_batch, run_and_report  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from scratch import scratch_dir
+from trainerbench import build_model, make_batch, run_and_report
 
 WAYS = ("through_store", "direct", "stream", "group")
 WEIGHTS_FROM = {"through_store": "auto", "direct": "auto", "stream": "stream", "group": "group"}
@@ -65,31 +65,45 @@ async def bench(args: argparse.Namespace) -> dict:
         base = "bench"
     else:
         base = ensure_model(store, "tiny") and "tiny"
-    weights_mb = sum(p.stat().st_size for p in (root / "store" / "models" / base / "checkpoints" / "base").glob(
-        "*.safetensors")) / 2**20
+    weights_mb = (
+        sum(p.stat().st_size for p in (root / "store" / "models" / base / "checkpoints" / "base").glob("*.safetensors"))
+        / 2**20
+    )
     admin_key, service_key = ensure_stack_keys(store, root)
     addresses: dict[str, str] = {}
     stoppers = []
 
     async def serve(service: str, **options) -> str:
-        start, stop = await build_service(ServeOptions(
-            service=service, store=url, env=EnvOptions(workers=0), service_key=service_key,
-            checkpoint_address=addresses.get("checkpoint", ""), env_address=addresses.get("env", ""),
-            **{"data_dir": root, "model": base, **options}))
+        start, stop = await build_service(
+            ServeOptions(
+                service=service,
+                store=url,
+                env=EnvOptions(workers=0),
+                service_key=service_key,
+                checkpoint_address=addresses.get("checkpoint", ""),
+                env_address=addresses.get("env", ""),
+                **{"data_dir": root, "model": base, **options},
+            )
+        )
         stoppers.append(stop)
         return await start()
 
     for service in ("checkpoint", "env", "trainer"):
-        addresses[service] = await serve(service, trainer=TrainerOptions(state_every=args.state_every,
-                                                                         max_models=len(args.ways) + 1))
+        addresses[service] = await serve(
+            service, trainer=TrainerOptions(state_every=args.state_every, max_models=len(args.ways) + 1)
+        )
     client = Client(**{k: v for k, v in addresses.items() if k != "env"}, timeout=600, api_key=admin_key)
     fleets: dict[str, list[Client]] = {}
     for way in args.ways:
         await client.fork_model(base, f"{base}-{way}")
         fleets[way] = []
         for index in range(args.fleet):
-            address = await serve("rollout", model=f"{base}-{way}", data_dir=root / f"{way}-{index}",
-                                  rollout=RolloutOptions(http_port=-1, weights_from=WEIGHTS_FROM[way]))
+            address = await serve(
+                "rollout",
+                model=f"{base}-{way}",
+                data_dir=root / f"{way}-{index}",
+                rollout=RolloutOptions(http_port=-1, weights_from=WEIGHTS_FROM[way]),
+            )
             fleets[way].append(Client(rollout=address, timeout=600, api_key=admin_key))
     batch = make_batch(4, 32, 300)  # ids inside the locally trained tokenizer's vocabulary
 
@@ -105,8 +119,9 @@ async def bench(args: argparse.Namespace) -> dict:
             await client.forward_backward(datums=batch, model=slug)
             before = store_bytes(root / "store")
             started = time.perf_counter()
-            result = await client.optim_step(1e-5, model=slug, wait_durable=way == "through_store",
-                                             save_state=way == "through_store")
+            result = await client.optim_step(
+                1e-5, model=slug, wait_durable=way == "through_store", save_state=way == "through_store"
+            )
             answered = time.perf_counter()
             checkpoint_id = result.checkpoint.checkpoint_id
             await asyncio.gather(*(first_token(rollout, slug, checkpoint_id) for rollout in fleets[way]))
@@ -123,8 +138,13 @@ async def bench(args: argparse.Namespace) -> dict:
     await client.close()
     for stop in reversed(stoppers):
         await stop(1.0)
-    result = {"model": base, "weights_mb": round(weights_mb, 1), "fleet": args.fleet, "steps_each": args.steps,
-              "state_every": args.state_every}
+    result = {
+        "model": base,
+        "weights_mb": round(weights_mb, 1),
+        "fleet": args.fleet,
+        "steps_each": args.steps,
+        "state_every": args.state_every,
+    }
     if "group" in args.ways:
         result["group_members"] = members
     for way in args.ways:

@@ -28,11 +28,19 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from scratch import scratch_dir  # noqa: E402
+from scratch import scratch_dir
 
 
-def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: int = 0, seed: int = 0,
-                vocab: int = 0, kv_heads: int = 0, context: int = 1024) -> pathlib.Path:
+def build_model(
+    folder: pathlib.Path,
+    hidden: int,
+    layers: int,
+    intermediate: int = 0,
+    seed: int = 0,
+    vocab: int = 0,
+    kv_heads: int = 0,
+    context: int = 1024,
+) -> pathlib.Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -40,9 +48,16 @@ def build_model(folder: pathlib.Path, hidden: int, layers: int, intermediate: in
 
     tokenizer = train_tokenizer(TinyModelConfig())
     config = Qwen2Config(
-        vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden, intermediate_size=intermediate or hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=kv_heads or max(1, hidden // 256), head_dim=64,
-        max_position_embeddings=context, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=max(vocab, len(tokenizer)),
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=kv_heads or max(1, hidden // 256),
+        head_dim=64,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(folder)
@@ -58,10 +73,15 @@ def make_batch(num_datums: int, num_tokens: int, vocab_size: int, seed: int = 0)
     for _ in range(num_datums):
         tokens = [rng.randrange(vocab_size) for _ in range(num_tokens + 1)]
         prompt = num_tokens // 4
-        datums.append(Datum(
-            tokens[:-1], tokens[1:], [-rng.uniform(4, 7) for _ in range(num_tokens)],
-            [0.0] * prompt + [rng.uniform(-1, 1) for _ in range(num_tokens - prompt)], [0.0] * num_tokens,
-        ))
+        datums.append(
+            Datum(
+                tokens[:-1],
+                tokens[1:],
+                [-rng.uniform(4, 7) for _ in range(num_tokens)],
+                [0.0] * prompt + [rng.uniform(-1, 1) for _ in range(num_tokens - prompt)],
+                [0.0] * num_tokens,
+            )
+        )
     return datums
 
 
@@ -79,7 +99,7 @@ def bare_step(model, optimizer, datums, device: str, per_micro_batch: int) -> fl
 
     started = time.perf_counter()
     for i in range(0, len(datums), per_micro_batch):
-        part = datums[i:i + per_micro_batch]
+        part = datums[i : i + per_micro_batch]
         # Logits from the first action token on (the prompt's advantages are 0), as the service computes them.
         start = min(first_action(d) for d in part)
         tokens = torch.tensor([d.input_tokens for d in part], device=device)
@@ -110,8 +130,15 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop_server.trainer.trainer import TrainerConfig
 
     root = scratch_dir("yl-trainerbench-")
-    folder = build_model(root / "model", args.hidden, args.layers, args.intermediate, vocab=args.vocab,
-                         kv_heads=args.kv_heads, context=max(1024, args.tokens))
+    folder = build_model(
+        root / "model",
+        args.hidden,
+        args.layers,
+        args.intermediate,
+        vocab=args.vocab,
+        kv_heads=args.kv_heads,
+        context=max(1024, args.tokens),
+    )
     store = open_store(str(root / "store"))
     registry = CheckpointRegistry(store)
     registry.create_model(ModelInfo(slug="bench", base="bench"))
@@ -131,8 +158,15 @@ async def bench(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8)
     num_params = sum(p.numel() for p in model.parameters())
     datums = make_batch(args.batch, args.tokens, model.config.vocab_size)
-    messages = [common_pb.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
-                                sampling_logprobs=d.sampling_logprobs, advantages=d.advantages) for d in datums]
+    messages = [
+        common_pb.Datum(
+            input_tokens=d.input_tokens,
+            target_tokens=d.target_tokens,
+            sampling_logprobs=d.sampling_logprobs,
+            advantages=d.advantages,
+        )
+        for d in datums
+    ]
 
     async def service_step(checkpoint: bool) -> float:
         started = time.perf_counter()
@@ -143,8 +177,11 @@ async def bench(args: argparse.Namespace) -> dict:
     async def bare() -> float:
         return bare_step(model, optimizer, datums, args.device, max(1, micro_batch_tokens // args.tokens))
 
-    variants = {"bare": bare,
-                "service": lambda: service_step(False), "service_with_checkpoint": lambda: service_step(True)}
+    variants = {
+        "bare": bare,
+        "service": lambda: service_step(False),
+        "service_with_checkpoint": lambda: service_step(True),
+    }
     times: dict[str, list[float]] = {name: [] for name in args.variants}
     for i in range(args.warmup + args.steps):  # interleaved, so machine noise hits all of them alike
         for name in args.variants:
@@ -165,12 +202,17 @@ async def bench(args: argparse.Namespace) -> dict:
     median = {k: statistics.median(v) for k, v in times.items()}
     tokens = args.batch * args.tokens
     result = {
-        "device": args.device, "dtype": dtype, "params": num_params, "batch": args.batch, "tokens_per_datum": args.tokens,
+        "device": args.device,
+        "dtype": dtype,
+        "params": num_params,
+        "batch": args.batch,
+        "tokens_per_datum": args.tokens,
         "micro_batch_tokens": micro_batch_tokens,
         "steps": args.steps,
         "median_step_s": {k: round(v, 4) for k, v in median.items()},
         "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
-        "compile": args.compile, "vocab": model.config.vocab_size,
+        "compile": args.compile,
+        "vocab": model.config.vocab_size,
     }
     if "bare" in median:
         result.update({f"{k}_vs_bare": round(v / median["bare"], 3) for k, v in median.items() if k != "bare"})
@@ -210,10 +252,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the tiny tokenizer's)")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--profile", action="store_true", help="print a torch profile of one more service step")
-    parser.add_argument("--micro-batch-tokens", type=int, default=0,
-                        help="tokens per forward/backward, both loops (default: the whole batch)")
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=["bare", "service", "service_with_checkpoint"],
-                        help="comma-separated: bare, service, service_with_checkpoint")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=0,
+        help="tokens per forward/backward, both loops (default: the whole batch)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=lambda s: s.split(","),
+        default=["bare", "service", "service_with_checkpoint"],
+        help="comma-separated: bare, service, service_with_checkpoint",
+    )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H100 SXM: 989)")
     parser.add_argument("--out", type=pathlib.Path)
     run_and_report(bench, parser.parse_args())

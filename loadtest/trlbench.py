@@ -39,8 +39,8 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from trainerbench import run_and_report  # noqa: E402
-from scratch import scratch_dir  # noqa: E402
+from scratch import scratch_dir
+from trainerbench import run_and_report
 
 LEARNING_RATE = 1e-3
 GROUP = 8
@@ -61,10 +61,20 @@ def to_target(per_step: list[dict], target: float, before_s: float = 0.0) -> dic
         wall += step["train_s"] + step["eval_s"]
         tokens += step["tokens"]
         if step["heldout"] >= target:
-            return {"reached": True, "steps": i, "seconds": round(seconds, 2), "wall_seconds": round(wall, 2),
-                    "tokens_per_s": round(tokens / seconds, 1)}
-    return {"reached": False, "steps": len(per_step), "seconds": round(seconds, 2), "wall_seconds": round(wall, 2),
-            "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0}
+            return {
+                "reached": True,
+                "steps": i,
+                "seconds": round(seconds, 2),
+                "wall_seconds": round(wall, 2),
+                "tokens_per_s": round(tokens / seconds, 1),
+            }
+    return {
+        "reached": False,
+        "steps": len(per_step),
+        "seconds": round(seconds, 2),
+        "wall_seconds": round(wall, 2),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
+    }
 
 
 async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_policy: int, seed: int) -> dict:
@@ -76,22 +86,37 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
 
     stack = ProcessStack(StackConfig(data_dir=data_dir, rollout=RolloutOptions(engine_process=args.engine_process)))
     addresses = await stack.start()
-    config = LoopConfig(steps=args.max_steps, group_size=GROUP, learning_rate=LEARNING_RATE, max_tokens=MAX_TOKENS,
-                        promotion_tolerance=1.0, max_off_policy=off_policy, seed=seed,
-                        target_heldout_reward=args.target, name=f"trlbench-{seed}")
+    config = LoopConfig(
+        steps=args.max_steps,
+        group_size=GROUP,
+        learning_rate=LEARNING_RATE,
+        max_tokens=MAX_TOKENS,
+        promotion_tolerance=1.0,
+        max_off_policy=off_policy,
+        seed=seed,
+        target_heldout_reward=args.target,
+        name=f"trlbench-{seed}",
+    )
     per_step = []
     baseline: list = []
     try:
         async with Client(**addresses, timeout=300, api_key=stack.api_key) as client:
-            async for report in closed_loop(client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks(),
-                                            baseline=baseline):
-                per_step.append({
-                    "heldout": report.heldout_reward, "train_s": report.total_s - report.heldout_s,
-                    "eval_s": report.heldout_s,
-                    "tokens": report.completion_tokens, "rollout_s": report.rollout_s,
-                    "forward_backward_s": report.forward_backward_s, "optim_s": report.optim_s,
-                    "reload_s": report.reload_s, "off_policy_runs": report.off_policy_runs,
-                })
+            async for report in closed_loop(
+                client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks(), baseline=baseline
+            ):
+                per_step.append(
+                    {
+                        "heldout": report.heldout_reward,
+                        "train_s": report.total_s - report.heldout_s,
+                        "eval_s": report.heldout_s,
+                        "tokens": report.completion_tokens,
+                        "rollout_s": report.rollout_s,
+                        "forward_backward_s": report.forward_backward_s,
+                        "optim_s": report.optim_s,
+                        "reload_s": report.reload_s,
+                        "off_policy_runs": report.off_policy_runs,
+                    }
+                )
     finally:
         await stack.stop()
     before = baseline[0].heldout_s if baseline else 0.0  # the loop's first evaluation (the gate's reference)
@@ -100,25 +125,32 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
 
 def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
     import torch
-    from datasets import Dataset
+    from datasets import Dataset  # pyright: ignore[reportMissingImports] (the bench extra)
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]
 
     from yieldloop.envs.letters import HELDOUT_LETTERS, TRAIN_LETTERS, letter_reward
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": prompt(c)}], "letter": c}
-                                 for c in TRAIN_LETTERS])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": prompt(c)}], "letter": c} for c in TRAIN_LETTERS]
+    )
     tokens = [0]
 
     def reward(completions: list, letter: list, completion_ids: list | None = None, **_: object) -> list[float]:
         tokens[0] += sum(len(ids) for ids in completion_ids or [])
-        return [letter_reward(c[0]["content"] if isinstance(c, list) else c, target)
-                for c, target in zip(completions, letter, strict=True)]
+        return [
+            letter_reward(c[0]["content"] if isinstance(c, list) else c, target)
+            for c, target in zip(completions, letter, strict=True)
+        ]
 
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": prompt(c)}], add_generation_prompt=True,
-                                           tokenize=False) for c in HELDOUT_LETTERS]
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt(c)}], add_generation_prompt=True, tokenize=False
+        )
+        for c in HELDOUT_LETTERS
+    ]
 
     def heldout() -> float:
         """The held-out prompts answered greedily in one batch (left-padded), as fast as ``generate`` goes."""
@@ -127,9 +159,13 @@ def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, see
         try:
             with torch.no_grad():
                 batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
-                generated = model.generate(**batch, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                           pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-            answers = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+                generated = model.generate(
+                    **batch,
+                    max_new_tokens=MAX_TOKENS,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                )
+            answers = tokenizer.batch_decode(generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         finally:
             tokenizer.padding_side = side
         model.train()
@@ -144,21 +180,53 @@ def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, see
         def on_step_end(self, _args: object, state: object, control: object, **__: object) -> None:
             train_s = time.perf_counter() - self.started
             score = heldout()
-            per_step.append({"heldout": score, "train_s": train_s, "eval_s": time.perf_counter() - self.started - train_s,
-                             "tokens": tokens[0] - self.tokens})
+            per_step.append(
+                {
+                    "heldout": score,
+                    "train_s": train_s,
+                    "eval_s": time.perf_counter() - self.started - train_s,
+                    "tokens": tokens[0] - self.tokens,
+                }
+            )
             if score >= args.target:
                 control.should_training_stop = True
 
     config = GRPOConfig(
-        output_dir=str(out), max_steps=args.max_steps, learning_rate=LEARNING_RATE, lr_scheduler_type="constant",
-        warmup_steps=0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=0.0,
-        per_device_train_batch_size=GROUP * len(TRAIN_LETTERS), gradient_accumulation_steps=1, num_generations=GROUP,
-        max_completion_length=MAX_TOKENS, temperature=1.0, beta=0.0, scale_rewards="none", loss_type="bnpo",
-        num_iterations=1, use_cpu=True, bf16=False, seed=seed, report_to="none", logging_steps=1000,
-        save_strategy="no", disable_tqdm=True,
+        output_dir=str(out),
+        max_steps=args.max_steps,
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        per_device_train_batch_size=GROUP * len(TRAIN_LETTERS),
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        max_completion_length=MAX_TOKENS,
+        temperature=1.0,
+        beta=0.0,
+        scale_rewards="none",
+        loss_type="bnpo",
+        num_iterations=1,
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        report_to="none",
+        logging_steps=1000,
+        save_strategy="no",
+        disable_tqdm=True,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Measure()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Measure()],
+    )
     trainer.train()
     return {"per_step": per_step, **to_target(per_step, args.target)}
 
@@ -174,11 +242,13 @@ async def bench(args: argparse.Namespace) -> dict:
     results: dict[str, list[dict]] = {f"yieldloop_off_policy_{n}": [] for n in args.off_policy} | {"trl": []}
     for seed in range(args.seeds):
         for n in args.off_policy:
-            results[f"yieldloop_off_policy_{n}"].append(
-                await run_yieldloop(root / f"yl-{n}-{seed}", args, n, seed))
+            results[f"yieldloop_off_policy_{n}"].append(await run_yieldloop(root / f"yl-{n}-{seed}", args, n, seed))
         results["trl"].append(await asyncio.to_thread(run_trl, base, root / f"trl-{seed}", args, seed))
-    summary: dict[str, object] = {"target_heldout_reward": args.target, "seeds": args.seeds,
-                                  "cpu_threads": os.cpu_count()}
+    summary: dict[str, object] = {
+        "target_heldout_reward": args.target,
+        "seeds": args.seeds,
+        "cpu_threads": os.cpu_count(),
+    }
     for name, runs in results.items():
         reached = [r for r in runs if r["reached"]]
         summary[name] = {
@@ -194,7 +264,8 @@ async def bench(args: argparse.Namespace) -> dict:
             steps = [s for r in runs for s in r["per_step"]]
             summary[name]["per_step_split_s"] = {
                 part: round(statistics.median(s[part] for s in steps), 3)
-                for part in ("rollout_s", "forward_backward_s", "optim_s", "reload_s")}
+                for part in ("rollout_s", "forward_backward_s", "optim_s", "reload_s")
+            }
     for n in args.off_policy:
         for key, label in (("median_wall_seconds", "wall_ratio"), ("median_seconds", "training_only_ratio")):
             ours, trl = summary[f"yieldloop_off_policy_{n}"][key], summary["trl"][key]  # type: ignore[index]
@@ -210,9 +281,12 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--off-policy", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
-                        help="the rollout service's torch engine in a process of its own, or in a thread (default: "
-                             "yieldloop up's choice, a thread where the rollout service gets one core)")
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="the rollout service's torch engine in a process of its own, or in a thread (default: "
+        "yieldloop up's choice, a thread where the rollout service gets one core)",
+    )
     parser.add_argument("--out", type=pathlib.Path)
     run_and_report(bench, parser.parse_args())
 

@@ -54,7 +54,8 @@ def moto_endpoint() -> str:
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
     while True:

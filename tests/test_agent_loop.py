@@ -58,7 +58,7 @@ class ScriptedEngine(Engine):
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def count_task(target: int, tag: str = "") -> common_pb.Task:
@@ -87,8 +87,10 @@ async def test_five_turn_episode_stitches_token_ids_exactly(served_engine: Serve
         assert list(turn.prompt_token_ids[: len(prefix)]) == prefix, "each prompt extends the last turn exactly"
         assert len(turn.prompt_token_ids) > len(prefix), "with the tool result appended"
     # What the model saw is what the chat template renders for the whole conversation: no drift.
-    messages = [{"role": "system", "content": "Use the increment tool."},
-                {"role": "user", "content": "Bring the counter to 4."}]
+    messages = [
+        {"role": "system", "content": "Use the increment tool."},
+        {"role": "user", "content": "Bring the counter to 4."},
+    ]
     for i, text in enumerate(turns[:4]):
         messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": str(i + 1)}]
     last = run.turns[-1]
@@ -121,10 +123,16 @@ async def test_malformed_tool_call_is_a_stop_reason(served_engine: ServedEngine,
     assert len(run.turns) == 1
 
 
-@pytest.mark.parametrize("text", [
-    "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": \"x\"}", "<tool_call>[1, 2]</tool_call>",
-    "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>{\"name\": \"x\", \"arguments\": 3}</tool_call>",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"name": "x"}',
+        "<tool_call>[1, 2]</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "x", "arguments": 3}</tool_call>',
+    ],
+)
 def test_malformed_tool_calls_are_recognised(text: str) -> None:
     with pytest.raises(MalformedToolCall):
         parse_tool_calls(text)
@@ -133,11 +141,15 @@ def test_malformed_tool_calls_are_recognised(text: str) -> None:
 def test_tool_calls_parse() -> None:
     text = f"thinking {call('a', x=1)} and {call('b')}"
     assert [(c.name, c.arguments) for c in parse_tool_calls(text)] == [("a", {"x": 1}), ("b", {})]
-    assert parse_tool_calls('<tool_call>{"name": "s", "arguments": "{\\"k\\": 2}"}</tool_call>')[0].arguments == {"k": 2}
+    assert parse_tool_calls('<tool_call>{"name": "s", "arguments": "{\\"k\\": 2}"}</tool_call>')[0].arguments == {
+        "k": 2
+    }
 
 
 async def test_max_steps_and_bad_tool_names(served_engine: ServedEngine, env_client: Client) -> None:
-    engine = ScriptedEngine(served_engine.engine, [call("no_such_tool"), call("increment", by="x"), call("increment", by=1)])
+    engine = ScriptedEngine(
+        served_engine.engine, [call("no_such_tool"), call("increment", by="x"), call("increment", by=1)]
+    )
     run = await run_episode(engine, env_client, count_task(1), "g", SAMPLING, "tiny", AgentConfig(max_steps=3))
     assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_MAX_STEPS and len(run.turns) == 3
     assert run.status == common_pb.RUN_STATUS_GRADED
@@ -148,8 +160,9 @@ async def test_max_steps_and_bad_tool_names(served_engine: ServedEngine, env_cli
 
 async def test_episode_deadline_is_a_stop_reason(served_engine: ServedEngine, env_client: Client) -> None:
     engine = ScriptedEngine(served_engine.engine, [call("sleep", seconds=0.5)] * 5)
-    run = await run_episode(engine, env_client, count_task(1), "g", SAMPLING, "tiny",
-                            AgentConfig(max_steps=8, episode_timeout_s=0.8))
+    run = await run_episode(
+        engine, env_client, count_task(1), "g", SAMPLING, "tiny", AgentConfig(max_steps=8, episode_timeout_s=0.8)
+    )
     assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_DEADLINE
     assert run.status == common_pb.RUN_STATUS_GRADED and 1 <= len(run.turns) <= 3
 
@@ -164,8 +177,12 @@ async def test_infrastructure_failures_are_retried_not_scored(
     assert run.status == common_pb.RUN_STATUS_GRADED and run.reward == 1.0 and run.attempts == 2
     # An engine error: retried too.
     engine = ScriptedEngine(served_engine.engine, ["4"], fail_first=1)
-    runs = [r async for r in stream_rollouts(engine, env_client, [count_task(0)], group_size=1, max_concurrent=1,
-                                             sampling=SAMPLING, model="tiny")]
+    runs = [
+        r
+        async for r in stream_rollouts(
+            engine, env_client, [count_task(0)], group_size=1, max_concurrent=1, sampling=SAMPLING, model="tiny"
+        )
+    ]
     assert [(r.status, r.attempts) for r in runs] == [(common_pb.RUN_STATUS_GRADED, 2)]
     # Failing every attempt: the run says INFRA_ERROR and carries no reward, it is never a 0.
     engine = ScriptedEngine(served_engine.engine, ["4"], fail_first=10)
@@ -197,8 +214,9 @@ async def test_a_seeded_request_repeats_exactly_and_its_group_members_differ(cli
     assert all(len(set(tokens)) > 1 for tokens in first.values()), "a group's members sample differently"
 
 
-async def test_a_raw_text_prompt_is_one_completion_without_the_chat_template(served_engine: ServedEngine,
-                                                                             env_client: Client) -> None:
+async def test_a_raw_text_prompt_is_one_completion_without_the_chat_template(
+    served_engine: ServedEngine, env_client: Client
+) -> None:
     from yieldloop.types import AgentStopReason, PromptFormat, RunStatus
 
     engine = ScriptedEngine(served_engine.engine, ["42"])
@@ -211,8 +229,9 @@ async def test_a_raw_text_prompt_is_one_completion_without_the_chat_template(ser
     assert chat.prompt_format == PromptFormat.CHAT
 
 
-async def test_the_grader_sees_the_stop_reason_and_the_token_ids(served_engine: ServedEngine,
-                                                                 env_client: Client) -> None:
+async def test_the_grader_sees_the_stop_reason_and_the_token_ids(
+    served_engine: ServedEngine, env_client: Client
+) -> None:
     """The agent submits its final turn's stop reason and token ids with the answer; the scenario sees them
     (`ctx.completion`), so "63" cut at the token limit or spelled with other tokens is told apart."""
     task = common_pb.Task(env="sdk", scenario="exact_digits", args_json=json.dumps({"number": "63"}))
@@ -256,8 +275,9 @@ async def test_text_too_long_for_the_context_ends_the_episode_not_the_request(
         assert run.agent_stop_reason == common_pb.AGENT_STOP_REASON_CONTEXT and len(run.turns) == 1
 
 
-async def test_runs_are_recorded_in_batches_before_they_are_streamed(served_engine: ServedEngine,
-                                                                     env_client: Client) -> None:
+async def test_runs_are_recorded_in_batches_before_they_are_streamed(
+    served_engine: ServedEngine, env_client: Client
+) -> None:
     """Group commit: every run that finished while a batch was being recorded goes into the next one, and no
     run is yielded before the batch holding it was recorded."""
     import asyncio
@@ -270,8 +290,16 @@ async def test_runs_are_recorded_in_batches_before_they_are_streamed(served_engi
 
     engine = ScriptedEngine(served_engine.engine, ["2"])
     seen = []
-    async for run in stream_rollouts(engine, env_client, [count_task(0, tag=str(i)) for i in range(6)],
-                                     group_size=4, max_concurrent=0, sampling=SAMPLING, model="tiny", record=record):
+    async for run in stream_rollouts(
+        engine,
+        env_client,
+        [count_task(0, tag=str(i)) for i in range(6)],
+        group_size=4,
+        max_concurrent=0,
+        sampling=SAMPLING,
+        model="tiny",
+        record=record,
+    ):
         assert any(id(run) in batch for batch in recorded), "streamed before it was recorded"
         seen.append(run)
     assert len(seen) == 24 and sum(map(len, recorded)) == 24

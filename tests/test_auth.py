@@ -57,25 +57,38 @@ class Keys:
 async def keys(stack, client: Client) -> Keys:
     assert stack.api_key, "the stack runs with auth on by default"
     made = {}
-    for label, team, role in (("a_train", "team-a", "train"), ("a_sample", "team-a", "sample"),
-                              ("b_train", "team-b", "train"), ("revoked", "team-a", "train")):
+    for label, team, role in (
+        ("a_train", "team-a", "train"),
+        ("a_sample", "team-a", "sample"),
+        ("b_train", "team-b", "train"),
+        ("revoked", "team-a", "train"),
+    ):
         made[label] = await client.create_api_key(team, role, name=label)
     await client.revoke_api_key(made["revoked"].info.key_id)
     await asyncio.sleep(KEY_CACHE_S)  # nothing cached it yet; waiting keeps the test honest for other services
-    return Keys(stack.api_key, made["a_train"].api_key, made["a_sample"].api_key, made["b_train"].api_key,
-                made["revoked"].api_key, made["revoked"].info.key_id)
+    return Keys(
+        stack.api_key,
+        made["a_train"].api_key,
+        made["a_sample"].api_key,
+        made["b_train"].api_key,
+        made["revoked"].api_key,
+        made["revoked"].info.key_id,
+    )
 
 
 async def raw_call(channel: grpc.aio.Channel, path: str, method, metadata: tuple) -> grpc.StatusCode:
     """Calls ``path`` with an empty request (one empty message for client streams); the status code."""
     request = method.input_type._concrete_class()
     response_type = method.output_type._concrete_class
-    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-            (True, False): channel.stream_unary, (True, True): channel.stream_stream}[
-        (method.client_streaming, method.server_streaming)]
-    call = kind(path, request_serializer=lambda m: m.SerializeToString(),
-                response_deserializer=response_type.FromString)(
-        iter([request]) if method.client_streaming else request, metadata=metadata, timeout=3)
+    kind = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, False): channel.stream_unary,
+        (True, True): channel.stream_stream,
+    }[(method.client_streaming, method.server_streaming)]
+    call = kind(
+        path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response_type.FromString
+    )(iter([request]) if method.client_streaming else request, metadata=metadata, timeout=3)
     try:
         if method.server_streaming:
             async for _ in call:
@@ -108,11 +121,17 @@ async def test_auth_matrix_over_every_rpc(stack, keys: Keys) -> None:
     try:
         for address, path, method in every_method():
             channel = channels[address]
-            for metadata in ((), (("authorization", "Bearer yl_000000000000_nope"),),
-                             (("x-api-key", keys.revoked),), (("authorization", "Basic abc"),)):
+            for metadata in (
+                (),
+                (("authorization", "Bearer yl_000000000000_nope"),),
+                (("x-api-key", keys.revoked),),
+                (("authorization", "Basic abc"),),
+            ):
                 for _ in range(3 if method.client_streaming else 1):
-                    assert await raw_call(channel, path, method, metadata) == grpc.StatusCode.UNAUTHENTICATED, \
-                        (path, metadata)
+                    assert await raw_call(channel, path, method, metadata) == grpc.StatusCode.UNAUTHENTICATED, (
+                        path,
+                        metadata,
+                    )
             role = METHOD_ROLES[path]
             for key, level in ((keys.a_sample, 1), (keys.a_train, 2)):
                 code = await raw_call(channel, path, method, (("authorization", f"Bearer {key}"),))
@@ -140,8 +159,10 @@ async def test_health_and_reflection_stay_open(stack) -> None:
 async def test_the_client_library_raises_unauthenticated_on_streams(stack, keys: Keys) -> None:
     """Client streams (ForwardBackward) and bidi (StreamEpisode) refused by the server raise
     UnauthenticatedError every time, never INTERNAL (grpc/grpc#36066)."""
-    async with Client(**stack.addresses, api_key="yl_000000000000_wrong", timeout=30) as wrong, \
-            Client(**stack.addresses, timeout=30) as none:
+    async with (
+        Client(**stack.addresses, api_key="yl_000000000000_wrong", timeout=30) as wrong,
+        Client(**stack.addresses, timeout=30) as none,
+    ):
         for client, reason in ((wrong, "API_KEY_INVALID"), (none, "API_KEY_MISSING")):
             for _ in range(20):
                 with pytest.raises(errors.UnauthenticatedError) as caught:
@@ -160,9 +181,11 @@ async def test_the_client_library_raises_unauthenticated_on_streams(stack, keys:
 async def test_two_teams_on_one_stack(stack, client: Client, keys: Keys) -> None:
     """Team B cannot list, sample, train, fork from, move the head of, or read the runs of team A's fork;
     team A's sample key samples it but cannot train it; the admin can do everything."""
-    async with Client(**stack.addresses, api_key=keys.a_train, timeout=120) as a, \
-            Client(**stack.addresses, api_key=keys.a_sample, timeout=120) as a_sample, \
-            Client(**stack.addresses, api_key=keys.b_train, timeout=120) as b:
+    async with (
+        Client(**stack.addresses, api_key=keys.a_train, timeout=120) as a,
+        Client(**stack.addresses, api_key=keys.a_sample, timeout=120) as a_sample,
+        Client(**stack.addresses, api_key=keys.b_train, timeout=120) as b,
+    ):
         forked = await a.fork_model("tiny", "team-a-private")
         assert forked.model.owner == "team-a" and not forked.model.public
         with pytest.raises(errors.PermissionDeniedError) as caught:
@@ -175,9 +198,16 @@ async def test_two_teams_on_one_stack(stack, client: Client, keys: Keys) -> None
         assert "team-a-private" in {m.slug for m in (await client.list_models()).models}
         # A runs a job on its fork and trains it.
         job = await a.create_job(model="team-a-private", name="a-job")
-        runs = [run async for run in a.stream_rollouts(tasks("ab"), group_size=2, job_id=job.job_id,
-                                                       model="team-a-private",
-                                                       sampling=sampling_params(max_tokens=4, temperature=1.0))]
+        runs = [
+            run
+            async for run in a.stream_rollouts(
+                tasks("ab"),
+                group_size=2,
+                job_id=job.job_id,
+                model="team-a-private",
+                sampling=sampling_params(max_tokens=4, temperature=1.0),
+            )
+        ]
         assert len(runs) == 4
         await a.forward_backward(runs=runs, model="team-a-private", loss_fn="importance_sampling")
         step = await a.optim_step(model="team-a-private", learning_rate=1e-3)
@@ -232,13 +262,17 @@ async def test_http_routes_check_the_key_and_the_model(client: Client, keys: Key
     base = (await client.get_serving_info()).openai_base_url
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
     async with aiohttp.ClientSession() as http:
-        for route, payload in (("/models", None), ("/completions", body),
-                               ("/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}],
-                                                      "max_tokens": 2})):
-            for headers, status, reason in (({}, 401, "API_KEY_MISSING"),
-                                            ({"Authorization": "Bearer yl_000000000000_x"}, 401, "API_KEY_INVALID"),
-                                            ({"x-api-key": keys.revoked}, 401, "API_KEY_INVALID"),
-                                            ({"Authorization": f"Bearer {keys.b_train}"}, 200, "")):
+        for route, payload in (
+            ("/models", None),
+            ("/completions", body),
+            ("/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}),
+        ):
+            for headers, status, reason in (
+                ({}, 401, "API_KEY_MISSING"),
+                ({"Authorization": "Bearer yl_000000000000_x"}, 401, "API_KEY_INVALID"),
+                ({"x-api-key": keys.revoked}, 401, "API_KEY_INVALID"),
+                ({"Authorization": f"Bearer {keys.b_train}"}, 200, ""),
+            ):
                 method = http.get if payload is None else http.post
                 async with method(base + route, json=payload, headers=headers) as response:
                     assert response.status == status, (route, headers, await response.text())
@@ -279,8 +313,9 @@ def test_a_deployments_keys_come_from_its_secrets(tmp_path, monkeypatch) -> None
     from yieldloop_server.store.fs import FsStore
 
     def mint() -> str:
-        return subprocess.run([sys.executable, "-m", "yieldloop.cli", "keys", "mint"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-m", "yieldloop.cli", "keys", "mint"], capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     store = FsStore(tmp_path / "store")
     admin, service = mint(), mint()

@@ -23,91 +23,271 @@ from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer
 
 FD = descriptor.FieldDescriptor
-DATUM = {"inputTokens": [1, 40, 41], "targetTokens": [40, 41, 42], "samplingLogprobs": [-1.0, -1.0, -1.0],
-         "advantages": [0.5, 0.5, 0.5], "weights": [1.0, 1.0, 1.0]}
+DATUM = {
+    "inputTokens": [1, 40, 41],
+    "targetTokens": [40, 41, 42],
+    "samplingLogprobs": [-1.0, -1.0, -1.0],
+    "advantages": [0.5, 0.5, 0.5],
+    "weights": [1.0, 1.0, 1.0],
+}
 TASK = {"env": "letters", "scenario": "repeat", "argsJson": '{"letter": "a"}'}
-RUN = {"runId": "r1", "task": TASK, "groupId": "g1", "prompt": "Say a.", "answer": "a", "reward": 1.0, "status": 1,
-       "infoJson": "{}", "model": "fuzz-trainee", "agentStopReason": 1, "promptFormat": 1,
-       "turns": [{"promptTokenIds": [1, 40], "completionTokenIds": [41, 42], "completionLogprobs": [-1.0, -1.0],
-                  "weightVersion": "base", "completionText": "a", "stopReason": 1}]}
+RUN = {
+    "runId": "r1",
+    "task": TASK,
+    "groupId": "g1",
+    "prompt": "Say a.",
+    "answer": "a",
+    "reward": 1.0,
+    "status": 1,
+    "infoJson": "{}",
+    "model": "fuzz-trainee",
+    "agentStopReason": 1,
+    "promptFormat": 1,
+    "turns": [
+        {
+            "promptTokenIds": [1, 40],
+            "completionTokenIds": [41, 42],
+            "completionLogprobs": [-1.0, -1.0],
+            "weightVersion": "base",
+            "completionText": "a",
+            "stopReason": 1,
+        }
+    ],
+}
 
 # (service, method, request class, baseline(s) as JSON; a list is a client stream).
 CASES: list[tuple[str, str, Any, Any]] = [
     ("checkpoint", "ListModels", ckpt.ListModelsRequest, {}),
     ("checkpoint", "GetModel", ckpt.GetModelRequest, {"model": "tiny"}),
-    ("checkpoint", "ForkModel", ckpt.ForkModelRequest,
-     {"source": "tiny", "name": "fuzz-fork", "owner": "team", "lora": {"rank": 4, "alpha": 8, "targetModules": ["q_proj"]}}),
+    (
+        "checkpoint",
+        "ForkModel",
+        ckpt.ForkModelRequest,
+        {
+            "source": "tiny",
+            "name": "fuzz-fork",
+            "owner": "team",
+            "lora": {"rank": 4, "alpha": 8, "targetModules": ["q_proj"]},
+        },
+    ),
     ("checkpoint", "DeleteModel", ckpt.DeleteModelRequest, {"model": "no-such-model"}),
     ("checkpoint", "ImportModel", ckpt.ImportModelRequest, {"source": "/no/such/folder", "name": "fuzz-import"}),
-    ("checkpoint", "UploadModel", ckpt.UploadModelRequest,
-     [{"header": {"name": "fuzz-upload", "owner": "", "source": "./mine", "files": [
-         {"name": "config.json", "size": 2, "sha256": "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"}]}},
-      {"chunk": "e30="}]),
+    (
+        "checkpoint",
+        "UploadModel",
+        ckpt.UploadModelRequest,
+        [
+            {
+                "header": {
+                    "name": "fuzz-upload",
+                    "owner": "",
+                    "source": "./mine",
+                    "files": [
+                        {
+                            "name": "config.json",
+                            "size": 2,
+                            "sha256": "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
+                        }
+                    ],
+                }
+            },
+            {"chunk": "e30="},
+        ],
+    ),
     ("checkpoint", "ListCheckpoints", ckpt.ListCheckpointsRequest, {"model": "tiny"}),
     ("checkpoint", "GetCheckpoint", ckpt.GetCheckpointRequest, {"model": "tiny", "checkpointId": "base"}),
-    ("checkpoint", "CommitCheckpoint", ckpt.CommitCheckpointRequest,
-     {"manifest": {"model": "tiny", "checkpointId": "fuzz-c", "parentCheckpointId": "base", "step": 1,
-                   "metadataJson": "{}", "objects": [{"name": "a.bin", "size": 1, "sha256": "00",
-                                                      "key": "models/tiny/checkpoints/fuzz-c/a.bin"}]},
-      "setHead": True, "expectedHeadCheckpointId": "base"}),
+    (
+        "checkpoint",
+        "CommitCheckpoint",
+        ckpt.CommitCheckpointRequest,
+        {
+            "manifest": {
+                "model": "tiny",
+                "checkpointId": "fuzz-c",
+                "parentCheckpointId": "base",
+                "step": 1,
+                "metadataJson": "{}",
+                "objects": [
+                    {"name": "a.bin", "size": 1, "sha256": "00", "key": "models/tiny/checkpoints/fuzz-c/a.bin"}
+                ],
+            },
+            "setHead": True,
+            "expectedHeadCheckpointId": "base",
+        },
+    ),
     ("checkpoint", "GetHead", ckpt.GetHeadRequest, {"model": "tiny"}),
-    ("checkpoint", "SetHead", ckpt.SetHeadRequest,
-     {"model": "tiny", "checkpointId": "base", "expectedCheckpointId": "base"}),
-    ("checkpoint", "RecordPromotion", ckpt.RecordPromotionRequest,
-     {"model": "tiny", "checkpointId": "base",
-      "promotion": {"state": "PROMOTION_STATE_REJECTED", "reason": "fuzz", "heldoutReward": 0.5,
-                    "baselineCheckpointId": "base", "baselineReward": 0.4, "decidedTime": 1.0}}),
+    (
+        "checkpoint",
+        "SetHead",
+        ckpt.SetHeadRequest,
+        {"model": "tiny", "checkpointId": "base", "expectedCheckpointId": "base"},
+    ),
+    (
+        "checkpoint",
+        "RecordPromotion",
+        ckpt.RecordPromotionRequest,
+        {
+            "model": "tiny",
+            "checkpointId": "base",
+            "promotion": {
+                "state": "PROMOTION_STATE_REJECTED",
+                "reason": "fuzz",
+                "heldoutReward": 0.5,
+                "baselineCheckpointId": "base",
+                "baselineReward": 0.4,
+                "decidedTime": 1.0,
+            },
+        },
+    ),
     ("checkpoint", "CreateApiKey", ckpt.CreateApiKeyRequest, {"team": "fuzz-team", "role": "sample", "name": "fuzz"}),
     ("checkpoint", "ListApiKeys", ckpt.ListApiKeysRequest, {}),
     ("checkpoint", "RevokeApiKey", ckpt.RevokeApiKeyRequest, {"keyId": "000000000000"}),
     ("env", "ListScenarios", env.ListScenariosRequest, {}),
-    ("env", "StreamEpisode", env.StreamEpisodeRequest,
-     [{"start": {"task": TASK}}, {"submit": {"answer": "a"}}]),
-    ("env", "StreamEpisodes", env.StreamEpisodesRequest,
-     [{"frames": [{"tag": "1", "request": {"start": {"task": TASK}}, "traceContext": {"traceparent": "00-ab-cd-01"}}]},
-      {"frames": [{"tag": "1", "request": {"submit": {"answer": "a"}}, "close": True}, {"tag": "2", "close": True}]}]),
-    ("rollout", "Generate", rollout.GenerateRequest,
-     {"model": "tiny", "promptTokenIds": {"tokenIds": [1, 40, 41]},
-      "sampling": {"maxTokens": 2, "temperature": 1.0, "topP": 0.9, "topK": 5, "seed": 3, "stop": ["x"]}}),
-    ("rollout", "Generate", rollout.GenerateRequest,
-     {"chat": {"messages": [{"role": "user", "content": "Say a."}]}, "sampling": {"maxTokens": 2}}),
-    ("rollout", "StreamRollouts", rollout.StreamRolloutsRequest,
-     {"tasks": [TASK], "groupSize": 1, "maxConcurrent": 1, "sampling": {"maxTokens": 3}, "jobId": "fuzz-job",
-      "maxSteps": 2, "episodeTimeoutS": 30, "maxAttempts": 1}),
+    ("env", "StreamEpisode", env.StreamEpisodeRequest, [{"start": {"task": TASK}}, {"submit": {"answer": "a"}}]),
+    (
+        "env",
+        "StreamEpisodes",
+        env.StreamEpisodesRequest,
+        [
+            {
+                "frames": [
+                    {"tag": "1", "request": {"start": {"task": TASK}}, "traceContext": {"traceparent": "00-ab-cd-01"}}
+                ]
+            },
+            {
+                "frames": [
+                    {"tag": "1", "request": {"submit": {"answer": "a"}}, "close": True},
+                    {"tag": "2", "close": True},
+                ]
+            },
+        ],
+    ),
+    (
+        "rollout",
+        "Generate",
+        rollout.GenerateRequest,
+        {
+            "model": "tiny",
+            "promptTokenIds": {"tokenIds": [1, 40, 41]},
+            "sampling": {"maxTokens": 2, "temperature": 1.0, "topP": 0.9, "topK": 5, "seed": 3, "stop": ["x"]},
+        },
+    ),
+    (
+        "rollout",
+        "Generate",
+        rollout.GenerateRequest,
+        {"chat": {"messages": [{"role": "user", "content": "Say a."}]}, "sampling": {"maxTokens": 2}},
+    ),
+    (
+        "rollout",
+        "StreamRollouts",
+        rollout.StreamRolloutsRequest,
+        {
+            "tasks": [TASK],
+            "groupSize": 1,
+            "maxConcurrent": 1,
+            "sampling": {"maxTokens": 3},
+            "jobId": "fuzz-job",
+            "maxSteps": 2,
+            "episodeTimeoutS": 30,
+            "maxAttempts": 1,
+        },
+    ),
     ("rollout", "GetRuns", rollout.GetRunsRequest, {"traceIds": ["no-such-trace"]}),
     ("rollout", "GetTraceSpans", rollout.GetTraceSpansRequest, {"traceId": "0" * 32}),
     ("rollout", "GetServingInfo", rollout.GetServingInfoRequest, {"model": "tiny"}),
-    ("rollout", "CreateJob", rollout.CreateJobRequest,
-     {"model": "tiny", "name": "fuzz", "groupSize": 2, "metadataJson": "{}"}),
+    (
+        "rollout",
+        "CreateJob",
+        rollout.CreateJobRequest,
+        {"model": "tiny", "name": "fuzz", "groupSize": 2, "metadataJson": "{}"},
+    ),
     ("rollout", "ListJobs", rollout.ListJobsRequest, {}),
     ("rollout", "StreamJobRuns", rollout.StreamJobRunsRequest, {"jobId": "no-such-job"}),
-    ("trainer", "ForwardBackward", trainer.ForwardBackwardRequest,
-     [{"config": {"lossFn": "ppo", "lossFnConfig": {"clip_low_threshold": 0.8}, "rewardScale": 1.0,
-                  "groupSize": 0, "model": "fuzz-trainee"}}, {"datum": DATUM}]),
-    ("trainer", "ForwardBackward", trainer.ForwardBackwardRequest,  # runs inline: their enums, JSON, rewards
-     [{"config": {"lossFn": "importance_sampling", "model": "fuzz-trainee"}}, {"run": RUN},
-      {"run": {**RUN, "reward": 0.0, "runId": "r2"}}]),
+    (
+        "trainer",
+        "ForwardBackward",
+        trainer.ForwardBackwardRequest,
+        [
+            {
+                "config": {
+                    "lossFn": "ppo",
+                    "lossFnConfig": {"clip_low_threshold": 0.8},
+                    "rewardScale": 1.0,
+                    "groupSize": 0,
+                    "model": "fuzz-trainee",
+                }
+            },
+            {"datum": DATUM},
+        ],
+    ),
+    (
+        "trainer",
+        "ForwardBackward",
+        trainer.ForwardBackwardRequest,  # runs inline: their enums, JSON, rewards
+        [
+            {"config": {"lossFn": "importance_sampling", "model": "fuzz-trainee"}},
+            {"run": RUN},
+            {"run": {**RUN, "reward": 0.0, "runId": "r2"}},
+        ],
+    ),
     ("trainer", "Forward", trainer.ForwardRequest, [{"datum": DATUM, "model": "fuzz-trainee"}]),
     ("trainer", "Backward", trainer.BackwardRequest, [{"datum": DATUM, "model": "fuzz-trainee"}]),
-    ("trainer", "OptimStep", trainer.OptimStepRequest,
-     {"adam": {"learningRate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weightDecay": 0.0,
-               "maxGradNorm": 1.0}, "setHead": True, "metadataJson": "{}", "model": "fuzz-trainee",
-      "idempotencyKey": "k"}),
+    (
+        "trainer",
+        "OptimStep",
+        trainer.OptimStepRequest,
+        {
+            "adam": {
+                "learningRate": 1e-4,
+                "beta1": 0.9,
+                "beta2": 0.95,
+                "eps": 1e-8,
+                "weightDecay": 0.0,
+                "maxGradNorm": 1.0,
+            },
+            "setHead": True,
+            "metadataJson": "{}",
+            "model": "fuzz-trainee",
+            "idempotencyKey": "k",
+        },
+    ),
     ("trainer", "ListLosses", trainer.ListLossesRequest, {}),
     ("trainer", "GetTrainerInfo", trainer.GetTrainerInfoRequest, {"model": "fuzz-trainee"}),
     ("trainer", "DiscardGradients", trainer.DiscardGradientsRequest, {"model": "fuzz-trainee"}),
-    ("trainer", "PullWeights", trainer.PullWeightsRequest,
-     {"model": "fuzz-trainee", "checkpoint_id": "base", "host_id": "elsewhere"}),
+    (
+        "trainer",
+        "PullWeights",
+        trainer.PullWeightsRequest,
+        {"model": "fuzz-trainee", "checkpoint_id": "base", "host_id": "elsewhere"},
+    ),
 ]
 
-STRINGS = ["", "x" * 100_000, "evil\n", "../../etc/passwd", "a\x00b", "é☃" * 40, "{[", "/abs",
-           "[" * 100_000 + "]" * 100_000, '{"a": ' * 500 + "1" + "}" * 500]  # JSON nested past any bound
+STRINGS = [
+    "",
+    "x" * 100_000,
+    "evil\n",
+    "../../etc/passwd",
+    "a\x00b",
+    "é☃" * 40,
+    "{[",
+    "/abs",
+    "[" * 100_000 + "]" * 100_000,
+    '{"a": ' * 500 + "1" + "}" * 500,
+]  # JSON nested past any bound
 
 
 def values_for(field: descriptor.FieldDescriptor) -> list[Any]:
     if field.type in (FD.TYPE_DOUBLE, FD.TYPE_FLOAT):
-        return [math.nan, math.inf, -math.inf, 1e300 if field.type == FD.TYPE_DOUBLE else 3e38, -1e300
-                if field.type == FD.TYPE_DOUBLE else -3e38, -1.0, 1e-45]
+        return [
+            math.nan,
+            math.inf,
+            -math.inf,
+            1e300 if field.type == FD.TYPE_DOUBLE else 3e38,
+            -1e300 if field.type == FD.TYPE_DOUBLE else -3e38,
+            -1.0,
+            1e-45,
+        ]
     if field.type in (FD.TYPE_INT32, FD.TYPE_SINT32, FD.TYPE_SFIXED32):
         return [-1, 2**31 - 1, -(2**31)]
     if field.type in (FD.TYPE_INT64, FD.TYPE_SINT64, FD.TYPE_SFIXED64):
@@ -135,8 +315,14 @@ def mutations(message: Any, path: str = "") -> list[tuple[str, Any]]:
             key_type = field.message_type.fields_by_name["key"]
             value_field = field.message_type.fields_by_name["value"]
             for value in values_for(value_field)[:3]:
-                found.append((name, lambda m, f=field.name, k=("x" if key_type.type == FD.TYPE_STRING else 1),
-                              v=value: getattr(m, f).__setitem__(k, v)))
+                found.append(
+                    (
+                        name,
+                        lambda m, f=field.name, k=("x" if key_type.type == FD.TYPE_STRING else 1), v=value: getattr(
+                            m, f
+                        ).__setitem__(k, v),
+                    )
+                )
             continue
         if field.type == FD.TYPE_MESSAGE:
             if field.is_repeated:
@@ -144,11 +330,16 @@ def mutations(message: Any, path: str = "") -> list[tuple[str, Any]]:
                 if items:
                     found.append((name + "[]", lambda m, f=field.name: m.ClearField(f)))
                     found += [(n, _in_item(field.name, 0, fn)) for n, fn in mutations(items[0], name + "[0].")]
-                    found.append((name + "[x10000]", lambda m, f=field.name: [
-                        getattr(m, f).add().CopyFrom(getattr(m, f)[0]) for _ in range(2000)]))
+                    found.append(
+                        (
+                            name + "[x10000]",
+                            lambda m, f=field.name: [
+                                getattr(m, f).add().CopyFrom(getattr(m, f)[0]) for _ in range(2000)
+                            ],
+                        )
+                    )
             elif message.HasField(field.name):
-                found += [(n, _in_sub(field.name, fn)) for n, fn in mutations(getattr(message, field.name),
-                                                                               name + ".")]
+                found += [(n, _in_sub(field.name, fn)) for n, fn in mutations(getattr(message, field.name), name + ".")]
             continue
         for value in values_for(field):
             if field.is_repeated:
@@ -202,8 +393,14 @@ async def fuzz_client(tmp_path_factory):
 async def _call(client: Client, service: str, method: str, messages: list[Any]) -> None:
     stub = getattr(client, f"{service}_stub")
     rpc = getattr(stub, method)
-    streaming_request = method in ("StreamEpisode", "StreamEpisodes", "ForwardBackward", "Forward", "Backward",
-                                   "UploadModel")
+    streaming_request = method in (
+        "StreamEpisode",
+        "StreamEpisodes",
+        "ForwardBackward",
+        "Forward",
+        "Backward",
+        "UploadModel",
+    )
     request = iter(messages) if streaming_request else messages[0]
     call = rpc(request, timeout=60)
     if hasattr(call, "__aiter__"):
@@ -221,10 +418,19 @@ def _raise_in_band(response: env.StreamEpisodesResponse) -> None:
 
     for frame in response.frames:
         if frame.HasField("error"):
-            status = to_rpc_status(error_from_wire({"code": frame.error.code, "message": frame.error.message,
-                                                    "reason": frame.error.reason, "field": frame.error.field}))
-            raise grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
-                                       status.details)
+            status = to_rpc_status(
+                error_from_wire(
+                    {
+                        "code": frame.error.code,
+                        "message": frame.error.message,
+                        "reason": frame.error.reason,
+                        "field": frame.error.field,
+                    }
+                )
+            )
+            raise grpc.aio.AioRpcError(
+                status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata), status.details
+            )
 
 
 async def test_every_rpc_answers_bad_input_with_a_typed_status(fuzz_client: Client) -> None:
@@ -262,15 +468,50 @@ def test_the_generator_covers_every_rpc() -> None:
 
 
 HTTP_BASELINES = {
-    "/completions": {"model": "tiny", "prompt": [1, 40, 41], "max_tokens": 2, "temperature": 1.0, "top_p": 0.9,
-                     "top_k": 5, "seed": 3, "stop": ["x"], "n": 1, "stream": False, "ignore_eos": False},
-    "/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Say a."}],
-                          "max_completion_tokens": 2, "temperature": 1.0, "seed": 3, "n": 1, "stream": False,
-                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    "/completions": {
+        "model": "tiny",
+        "prompt": [1, 40, 41],
+        "max_tokens": 2,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 5,
+        "seed": 3,
+        "stop": ["x"],
+        "n": 1,
+        "stream": False,
+        "ignore_eos": False,
+    },
+    "/chat/completions": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say a."}],
+        "max_completion_tokens": 2,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 1,
+        "stream": False,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    },
 }
-HTTP_VALUES = ["NaN", "Infinity", "1e300", "-1", "0", "18446744073709551616", '"abc"', "true", "null", "[]", "{}",
-               "[1]", '[true]', '{"a": 1}', "5", '"' + "x" * 100_000 + '"', "[" * 5000 + "]" * 5000,
-               "[" * 100_000 + "]" * 100_000]
+HTTP_VALUES = [
+    "NaN",
+    "Infinity",
+    "1e300",
+    "-1",
+    "0",
+    "18446744073709551616",
+    '"abc"',
+    "true",
+    "null",
+    "[]",
+    "{}",
+    "[1]",
+    "[true]",
+    '{"a": 1}',
+    "5",
+    '"' + "x" * 100_000 + '"',
+    "[" * 5000 + "]" * 5000,
+    "[" * 100_000 + "]" * 100_000,
+]
 
 
 def _mutations(baseline: dict, raw: tuple[str, ...] = ("", "not json", "[1, 2]", "{", "\x00")) -> list[tuple[str, str]]:
@@ -285,13 +526,17 @@ def _mutations(baseline: dict, raw: tuple[str, ...] = ("", "not json", "[1, 2]",
     return bodies
 
 
-async def _send_all(http, method: str, url: str, bodies: list[tuple[str, str]], statuses: collections.Counter) -> list[str]:
+async def _send_all(
+    http, method: str, url: str, bodies: list[tuple[str, str]], statuses: collections.Counter
+) -> list[str]:
     """Sends each body; returns what was answered wrong: a 5xx, or a 4xx that is not a typed (OpenAI-shaped) error."""
     import json
 
     bad = []
     for what, body in bodies:
-        async with http.request(method, url, data=body.encode(), headers={"content-type": "application/json"}) as response:
+        async with http.request(
+            method, url, data=body.encode(), headers={"content-type": "application/json"}
+        ) as response:
             statuses[response.status] += 1
             text = await response.text()
             if response.status >= 500:
@@ -312,11 +557,16 @@ async def test_every_http_route_answers_bad_input_with_an_openai_error(fuzz_clie
         for route, baseline in HTTP_BASELINES.items():
             bodies = _mutations(baseline)
             if route == "/chat/completions":  # inside a message
-                for message in ('{"role": "user", "content": 5}', '{"role": 5, "content": "a"}',
-                                '{"role": "user", "content": [5]}', '{"role": "assistant", "tool_calls": 5}',
-                                '{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}',
-                                '{"role": "assistant", "tool_calls": [{"function": 5}]}', "5"):
-                    bodies.append((f"messages=[{message[:30]}]", '{"model": "tiny", "messages": [%s]}' % message))
+                for message in (
+                    '{"role": "user", "content": 5}',
+                    '{"role": 5, "content": "a"}',
+                    '{"role": "user", "content": [5]}',
+                    '{"role": "assistant", "tool_calls": 5}',
+                    '{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}',
+                    '{"role": "assistant", "tool_calls": [{"function": 5}]}',
+                    "5",
+                ):
+                    bodies.append((f"messages=[{message[:30]}]", f'{{"model": "tiny", "messages": [{message}]}}'))
             bad += await _send_all(http, "POST", base_url + route, bodies, statuses)
         async with http.get(base_url + "/models") as response:
             assert response.status == 200
@@ -324,27 +574,53 @@ async def test_every_http_route_answers_bad_input_with_an_openai_error(fuzz_clie
     assert not bad, f"{len(bad)} bad answers:\n" + "\n".join(bad[:40])
 
 
-_TRAJECTORY = {"samples": [{"prompt_token_ids": [1, 40, 41], "output_token_ids": [42], "output_logprobs": [-1.0]}],
-               "reward": 1.0}
+_TRAJECTORY = {
+    "samples": [{"prompt_token_ids": [1, 40, 41], "output_token_ids": [42], "output_logprobs": [-1.0]}],
+    "reward": 1.0,
+}
 _TRAIN = "/v1/models/fuzz-trainee/train"
 HUD_BASELINES = {
-    ("POST", f"{_TRAIN}/forward-backward"): {"inputs": [_TRAJECTORY, {**_TRAJECTORY, "reward": 0.0}],
-                                           "loss_fn": "importance_sampling", "loss_fn_config": {"clip_low_threshold": 0.8},
-                                           "group_size": 2, "reward_scale": 1.0, "num_substeps": 1},
+    ("POST", f"{_TRAIN}/forward-backward"): {
+        "inputs": [_TRAJECTORY, {**_TRAJECTORY, "reward": 0.0}],
+        "loss_fn": "importance_sampling",
+        "loss_fn_config": {"clip_low_threshold": 0.8},
+        "group_size": 2,
+        "reward_scale": 1.0,
+        "num_substeps": 1,
+    },
     ("POST", f"{_TRAIN}/forward"): {"inputs": [_TRAJECTORY], "group_size": 1, "reward_scale": 1.0},
     ("POST", f"{_TRAIN}/backward"): {"forward_id": "f" * 32, "weights": [[0.0, 0.0, 1.0]], "metrics": {"m": 1.0}},
-    ("POST", f"{_TRAIN}/optim-step"): {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
-                                      "weight_decay": 0.0},
+    ("POST", f"{_TRAIN}/optim-step"): {
+        "learning_rate": 1e-3,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+    },
     ("PUT", "/v2/models/fuzz-trainee/head"): {"checkpoint_id": "base"},
     ("POST", "/v2/models/fork"): {"source_model_id": "tiny", "name": "fuzz-fork"},
     ("POST", "/v2/trace/job/fuzz-job/enter"): {"name": "j", "group": 2, "taskset_id": "t"},
-    ("POST", "/v2/trace/" + "e" * 32 + "/enter"): {"job_id": "fuzz-job", "group_id": "g", "task_slug": "t",
-                                                   "model": "tiny"},
-    ("POST", "/v2/trace/" + "e" * 32 + "/exit"): {"status": "completed", "reward": 1.0, "error": "",
-                                                  "evaluation_result": {}, "metadata": {}},
+    ("POST", "/v2/trace/" + "e" * 32 + "/enter"): {
+        "job_id": "fuzz-job",
+        "group_id": "g",
+        "task_slug": "t",
+        "model": "tiny",
+    },
+    ("POST", "/v2/trace/" + "e" * 32 + "/exit"): {
+        "status": "completed",
+        "reward": 1.0,
+        "error": "",
+        "evaluation_result": {},
+        "metadata": {},
+    },
     ("POST", "/v3/api/trace/" + "e" * 32 + "/telemetry-upload"): {"telemetry": []},
-    ("POST", "/v1/chat/completions"): {"model": "tiny", "messages": [{"role": "user", "content": "Say a."}],
-                                       "max_tokens": 2, "prompt_token_ids": [1, 2], "continuation_from": 1},
+    ("POST", "/v1/chat/completions"): {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say a."}],
+        "max_tokens": 2,
+        "prompt_token_ids": [1, 2],
+        "continuation_from": 1,
+    },
 }
 
 
@@ -367,11 +643,13 @@ async def test_undecodable_messages_are_invalid_argument(fuzz_client: Client, ca
 
     addresses = {**fuzz_client._addresses, "env": fuzz_client._env_addresses[0]}
     garbage = b"\xff\xff\xff\x01"
-    calls = [("checkpoint", "/yieldloop.checkpoint.v1.CheckpointService/GetHead", "unary_unary"),
-             ("rollout", "/yieldloop.rollout.v1.RolloutService/Generate", "unary_stream"),
-             ("trainer", "/yieldloop.trainer.v1.TrainerService/Forward", "stream_unary"),
-             ("env", "/yieldloop.env.v1.EnvService/StreamEpisode", "stream_stream"),
-             ("env", "/yieldloop.env.v1.EnvService/StreamEpisodes", "stream_stream")]
+    calls = [
+        ("checkpoint", "/yieldloop.checkpoint.v1.CheckpointService/GetHead", "unary_unary"),
+        ("rollout", "/yieldloop.rollout.v1.RolloutService/Generate", "unary_stream"),
+        ("trainer", "/yieldloop.trainer.v1.TrainerService/Forward", "stream_unary"),
+        ("env", "/yieldloop.env.v1.EnvService/StreamEpisode", "stream_stream"),
+        ("env", "/yieldloop.env.v1.EnvService/StreamEpisodes", "stream_stream"),
+    ]
     with caplog.at_level(logging.WARNING):
         for service, method, kind in calls:
             async with grpc.aio.insecure_channel(addresses[service]) as channel:

@@ -78,7 +78,9 @@ def test_commit_protocol_and_heads(any_store) -> None:
     # An object missing or of another size than declared is refused, and nothing moves. (Checksums are computed
     # once, by the producer, and verified by every reader: test_download_verifies_checksums.)
     registry.store.put_bytes("models/m/checkpoints/bad/model.safetensors", b"xx")
-    bad = Manifest("m", "bad", [ObjectInfo("model.safetensors", 3, "0" * 64, "models/m/checkpoints/bad/model.safetensors")])
+    bad = Manifest(
+        "m", "bad", [ObjectInfo("model.safetensors", 3, "0" * 64, "models/m/checkpoints/bad/model.safetensors")]
+    )
     with pytest.raises(errors.FailedPreconditionError) as err:
         registry.commit(bad, set_head=True)
     assert err.value.reason == "CHECKPOINT_CORRUPT"
@@ -101,8 +103,9 @@ def test_a_pending_checkpoint_becomes_durable_only_by_gaining_its_objects(any_st
     _commit(registry, "m", "c1", b"weights-1")
     key = "models/m/checkpoints/c2/model.safetensors"
     weights = ObjectInfo("model.safetensors", 9, hashlib.sha256(b"weights-2").hexdigest(), key)
-    pending = Manifest("m", "c2", [weights], parent_checkpoint_id="c1", step=1, pending=True,
-                       weights_source="127.0.0.1:1")
+    pending = Manifest(
+        "m", "c2", [weights], parent_checkpoint_id="c1", step=1, pending=True, weights_source="127.0.0.1:1"
+    )
     # Committed (and HEAD moved) before its objects are in the store; it says so, and cannot be forked or read.
     _, head = registry.commit(pending, set_head=True, expected_head="c1")
     assert head.checkpoint_id == "c2" and registry.get_manifest("m", "c2").pending
@@ -216,14 +219,50 @@ def test_retention_keeps_recent_ever_head_and_shared_objects(any_store) -> None:
         _commit(registry, "m", f"c{i}", f"weights-{i}".encode())  # each commit moves HEAD ...
     registry.set_head("m", "c2")  # ... then a rollback: c2 is head again
     registry.store.put_bytes("models/m/checkpoints/n6/model.safetensors", b"never-head")
-    registry.commit(Manifest("m", "n6", [ObjectInfo("model.safetensors", 10, hashlib.sha256(b"never-head").hexdigest(),
-                                                    "models/m/checkpoints/n6/model.safetensors")]))
+    registry.commit(
+        Manifest(
+            "m",
+            "n6",
+            [
+                ObjectInfo(
+                    "model.safetensors",
+                    10,
+                    hashlib.sha256(b"never-head").hexdigest(),
+                    "models/m/checkpoints/n6/model.safetensors",
+                )
+            ],
+        )
+    )
     registry.store.put_bytes("models/m/checkpoints/n7/model.safetensors", b"never-head-7")
-    registry.commit(Manifest("m", "n7", [ObjectInfo("model.safetensors", 12, hashlib.sha256(b"never-head-7").hexdigest(),
-                                                    "models/m/checkpoints/n7/model.safetensors")]))
+    registry.commit(
+        Manifest(
+            "m",
+            "n7",
+            [
+                ObjectInfo(
+                    "model.safetensors",
+                    12,
+                    hashlib.sha256(b"never-head-7").hexdigest(),
+                    "models/m/checkpoints/n7/model.safetensors",
+                )
+            ],
+        )
+    )
     registry.store.put_bytes("models/m/checkpoints/n8/model.safetensors", b"never-head-8")
-    registry.commit(Manifest("m", "n8", [ObjectInfo("model.safetensors", 12, hashlib.sha256(b"never-head-8").hexdigest(),
-                                                    "models/m/checkpoints/n8/model.safetensors")]))
+    registry.commit(
+        Manifest(
+            "m",
+            "n8",
+            [
+                ObjectInfo(
+                    "model.safetensors",
+                    12,
+                    hashlib.sha256(b"never-head-8").hexdigest(),
+                    "models/m/checkpoints/n8/model.safetensors",
+                )
+            ],
+        )
+    )
     registry.fork_model("m", "m-fork")  # shares c2's objects
     deleted = registry.apply_retention("m", keep_last=1)
     assert deleted == ["n6", "n7"]  # never head and not among the last 1; every c* was head once
@@ -240,8 +279,18 @@ def test_retention_never_deletes_objects_a_fork_references(any_store) -> None:
     registry.fork_model("p", "child")  # child's checkpoint "a" points at p's objects
     registry.store.delete("models/p/head-history/a")  # pretend "a" was never head of p, so p may drop it
     registry.store.put_bytes("models/p/checkpoints/b/model.safetensors", b"B")
-    registry.commit(Manifest("p", "b", [ObjectInfo("model.safetensors", 1, hashlib.sha256(b"B").hexdigest(),
-                                                   "models/p/checkpoints/b/model.safetensors")]), set_head=True)
+    registry.commit(
+        Manifest(
+            "p",
+            "b",
+            [
+                ObjectInfo(
+                    "model.safetensors", 1, hashlib.sha256(b"B").hexdigest(), "models/p/checkpoints/b/model.safetensors"
+                )
+            ],
+        ),
+        set_head=True,
+    )
     assert registry.apply_retention("p", keep_last=1) == ["a"]
     assert registry.store.get_bytes("models/p/checkpoints/a/model.safetensors")[0] == b"A", "the fork still uses it"
     assert registry.get_manifest("child", "a").objects[0].key == "models/p/checkpoints/a/model.safetensors"
@@ -253,7 +302,10 @@ from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.store import open_store
 from yieldloop_server.store.s3 import S3Store
 url, endpoint, folder = sys.argv[1:4]
-store = S3Store(url[5:].split("/", 1)[0], url[5:].split("/", 1)[1], endpoint_url=endpoint) if url.startswith("s3://") else open_store(url)
+if url.startswith("s3://"):
+    store = S3Store(url[5:].split("/", 1)[0], url[5:].split("/", 1)[1], endpoint_url=endpoint)
+else:
+    store = open_store(url)
 print("uploading", flush=True)
 upload_folder(store, "m", "killed", pathlib.Path(folder))  # the parent kills us part-way
 print("finished", flush=True)
@@ -275,10 +327,15 @@ def test_trainer_killed_during_upload_leaves_everything_intact(any_store, tmp_pa
     for i in range(400):
         (folder / f"shard-{i:03d}.bin").write_bytes(bytes([i % 256]) * (256 << 10))
     if hasattr(any_store, "bucket"):
-        url, endpoint = f"s3://{any_store.bucket}/{any_store.prefix.rstrip('/')}", request.getfixturevalue("moto_endpoint")
+        url, endpoint = (
+            f"s3://{any_store.bucket}/{any_store.prefix.rstrip('/')}",
+            request.getfixturevalue("moto_endpoint"),
+        )
     else:
         url, endpoint = str(any_store.root), ""
-    uploader = subprocess.Popen([sys.executable, "-c", UPLOADER, url, endpoint, str(folder)], stdout=subprocess.PIPE, text=True)
+    uploader = subprocess.Popen(
+        [sys.executable, "-c", UPLOADER, url, endpoint, str(folder)], stdout=subprocess.PIPE, text=True
+    )
     assert uploader.stdout.readline().strip() == "uploading"
     prefix = "models/m/checkpoints/killed/"
     deadline = time.monotonic() + 60

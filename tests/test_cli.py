@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-
 from up_harness import YIELDLOOP, start_up, stop_up
 
 
@@ -23,7 +22,10 @@ def test_demo_learns_and_writes_a_report(tmp_path: pathlib.Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
     result = subprocess.run(
         [sys.executable, "-m", "yieldloop.cli", "demo", "--data-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -67,8 +69,9 @@ def test_up_serves_the_hud_front_over_tls(up: pathlib.Path) -> None:
     settings = dict(re.findall(r"^export (\w+)=(.*)$", (up / "run" / "hud.env").read_text(), re.M))
     assert settings["HUD_API_URL"].startswith("https://") and settings["SSL_CERT_FILE"] == str(up / "tls" / "ca.pem")
     context = ssl.create_default_context(cafile=settings["SSL_CERT_FILE"])
-    request = urllib.request.Request(settings["HUD_API_URL"] + "/v2/models",
-                                     headers={"Authorization": f"Bearer {settings['HUD_API_KEY']}"})
+    request = urllib.request.Request(
+        settings["HUD_API_URL"] + "/v2/models", headers={"Authorization": f"Bearer {settings['HUD_API_KEY']}"}
+    )
     with urllib.request.urlopen(request, context=context, timeout=30) as response:
         assert "tiny" in {item["id"] for item in json.loads(response.read())["items"]}
 
@@ -106,8 +109,9 @@ def test_up_serves_tls_and_auth(up: pathlib.Path) -> None:
 
     async def refused_without_ca_or_key() -> None:
         addresses = stack_addresses(up)
-        async with Client(**addresses, api_key=(up / "api_key").read_text().strip(), timeout=5,
-                          retry_within_s=0) as plaintext:  # no CA: a plaintext client to TLS servers
+        async with Client(
+            **addresses, api_key=(up / "api_key").read_text().strip(), timeout=5, retry_within_s=0
+        ) as plaintext:  # no CA: a plaintext client to TLS servers
             with pytest.raises(errors.UnavailableError):
                 await plaintext.list_models()
         async with connect(up, timeout=30) as client:
@@ -121,8 +125,18 @@ def test_up_serves_tls_and_auth(up: pathlib.Path) -> None:
 
 
 def test_eval_jobs_export_and_trace(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    evaluated = run(up, "eval", "yieldloop.envs.letters:heldout_tasks", "tiny", "--group", "3", "--max-concurrent", "8",
-                    "--max-tokens", "8")
+    evaluated = run(
+        up,
+        "eval",
+        "yieldloop.envs.letters:heldout_tasks",
+        "tiny",
+        "--group",
+        "3",
+        "--max-concurrent",
+        "8",
+        "--max-tokens",
+        "8",
+    )
     assert evaluated.returncode == 0, evaluated.stderr
     job_id = re.search(r"job (job-\S+): 30 runs, mean reward ([\d.]+)", evaluated.stdout).group(1)
     assert 'letters/repeat {"letter": "z"}' in evaluated.stdout
@@ -197,9 +211,9 @@ def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> No
     # Bad config files: clear messages, nothing started.
     for text, message in [
         ("steps = ", "not valid toml"),
-        ('stepz = 3\n', "unknown key(s) stepz"),
+        ("stepz = 3\n", "unknown key(s) stepz"),
         ('steps = "many"\n', "steps must be int"),
-        ('steps = 0\n', "steps = 0 is out of range"),
+        ("steps = 0\n", "steps = 0 is out of range"),
         ('train_tasks = "no_such_module:tasks"\n', "cannot load tasks"),
     ]:
         config.write_text(text)
@@ -207,7 +221,11 @@ def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> No
         assert bad.returncode == 1 and message in bad.stderr and "BAD_CONFIG" in bad.stderr, (text, bad.stderr)
     # A malformed tasks file: one line on stderr with the reason, exit 1 (no traceback).
     for name, text, message in [
-        ("tasks.jsonl", '{"scenario": "repeat", "args": {"letter": "a"}}\n{not json\n', "tasks.jsonl:2: not valid JSON"),
+        (
+            "tasks.jsonl",
+            '{"scenario": "repeat", "args": {"letter": "a"}}\n{not json\n',
+            "tasks.jsonl:2: not valid JSON",
+        ),
         ("tasks.json", '{"scenario": "letters"}', "a .json taskset is a list"),
         ("tasks.py", "tasks = [1 +\n", "SyntaxError"),
         ("tasks.py", "raise RuntimeError('boom')\n", "RuntimeError: boom"),
@@ -242,8 +260,12 @@ def test_models_import_and_list(up: pathlib.Path, tmp_path: pathlib.Path) -> Non
 
 
 def test_up_refuses_a_model_that_does_not_exist(tmp_path: pathlib.Path) -> None:
-    refused = subprocess.run([YIELDLOOP, "up", "--data-dir", str(tmp_path), "--model", "no-such-model"],
-                             capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [YIELDLOOP, "up", "--data-dir", str(tmp_path), "--model", "no-such-model"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 1 and "MODEL_NOT_FOUND" in refused.stderr and "it has: none" in refused.stderr
     assert not any((tmp_path / "store").rglob("model.json"))
 
@@ -262,8 +284,8 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
     import asyncio
 
     import aiohttp
-
     from test_import import build_llama
+
     from yieldloop.client import sampling_params
     from yieldloop.training import connect
 
@@ -276,8 +298,10 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
         evaluated = run(up, "eval", "yieldloop.envs.letters:heldout_tasks", fork, "--group", "2")
         assert evaluated.returncode == 0 and "mean reward" in evaluated.stdout, evaluated.stdout + evaluated.stderr
         config = tmp_path / f"{fork}.toml"
-        config.write_text(f'model = "{fork}"\nsteps = 3\ngroup_size = 2\ntasks_per_step = 4\nheldout_tasks = ""\n'
-                          f'name = "train {fork}"\n')
+        config.write_text(
+            f'model = "{fork}"\nsteps = 3\ngroup_size = 2\ntasks_per_step = 4\nheldout_tasks = ""\n'
+            f'name = "train {fork}"\n'
+        )
         trained = run(up, "train", str(config))
         assert trained.returncode == 0, trained.stdout + trained.stderr
         tree = run(up, "models", "checkpoints", fork)
@@ -300,8 +324,10 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
                 base_url = (await client.get_serving_info(model=fork)).openai_base_url
                 assert base_url.startswith("https://")
                 tls = ssl.create_default_context(cafile=client.transport.tls_ca)
-                async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"},
-                                                 connector=aiohttp.TCPConnector(ssl=tls)) as http:
+                async with aiohttp.ClientSession(
+                    headers={"Authorization": f"Bearer {client.transport.api_key}"},
+                    connector=aiohttp.TCPConnector(ssl=tls),
+                ) as http:
                     body = {"model": fork, "prompt": [1, 40, 41], "max_tokens": 3}
                     async with http.post(f"{base_url}/completions", json=body) as response:
                         assert (await response.json())["choices"][0]["weight_version"] == head

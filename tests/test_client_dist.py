@@ -31,10 +31,14 @@ def test_client_distribution_installs_and_imports_without_the_ml_stack(tmp_path:
     venv.EnvBuilder(with_pip=True, system_site_packages=False).create(env_dir)
     python = env_dir / "bin" / "python"
     # A copy: a non-editable install builds in the source folder (build/, egg-info).
-    source = shutil.copytree(REPO / "clients" / "python", tmp_path / "src",
-                             ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    install = subprocess.run([python, "-m", "pip", "install", "-q", str(source)],
-                             capture_output=True, text=True, timeout=600)
+    source = shutil.copytree(
+        REPO / "clients" / "python",
+        tmp_path / "src",
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+    )
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", str(source)], capture_output=True, text=True, timeout=600
+    )
     assert install.returncode == 0, install.stdout + install.stderr
 
     checked = subprocess.run([python, "-c", CHECK], capture_output=True, text=True, cwd=tmp_path, timeout=120)

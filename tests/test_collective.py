@@ -46,8 +46,10 @@ def test_files_reach_every_member_with_their_digests(backend: str, tmp_path: pat
     source.mkdir()
     for name, length in SIZES.items():
         (source / name).write_bytes(os.urandom(length))
-    objects = [ObjectInfo(name, length, hashlib.sha256((source / name).read_bytes()).hexdigest(), "")
-               for name, length in SIZES.items()]
+    objects = [
+        ObjectInfo(name, length, hashlib.sha256((source / name).read_bytes()).hexdigest(), "")
+        for name, length in SIZES.items()
+    ]
     members = 2 if backend == "gloo" else 1
     chunk = 1 << 20  # the big file in 11 pieces, the last one short
     store = open_store("0.0.0.0", 0, 60, master=True)
@@ -56,8 +58,9 @@ def test_files_reach_every_member_with_their_digests(backend: str, tmp_path: pat
     processes = []
     for rank in range(1, members + 1):
         (tmp_path / f"m{rank}").mkdir()
-        process = context.Process(target=_member, args=(store.port, rank, members + 1, backend,
-                                                        str(tmp_path / f"m{rank}"), chunk, out))
+        process = context.Process(
+            target=_member, args=(store.port, rank, members + 1, backend, str(tmp_path / f"m{rank}"), chunk, out)
+        )
         process.start()
         processes.append(process)
     group = make_group(store, "test/1/", 0, members + 1, backend, 60)

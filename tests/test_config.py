@@ -27,14 +27,25 @@ def _parser() -> argparse.ArgumentParser:
 
 def test_serve_flags_round_trip_every_option() -> None:
     options = ServeOptions(
-        service="trainer", data_dir=pathlib.Path("/tmp/yl"), store="s3://b/p", model="m", device="cuda:1",
+        service="trainer",
+        data_dir=pathlib.Path("/tmp/yl"),
+        store="s3://b/p",
+        model="m",
+        device="cuda:1",
         checkpoint=CheckpointOptions(keep_last=3),
         env=EnvOptions(specs=("a:b", "c.py:env"), workers=0, processes=3, share_port=True),
         trainer=TrainerOptions(dtype="bfloat16", nproc=2, state_every=5),
         rollout=RolloutOptions(engine="vllm", http_port=-1, max_batch=64, weights_from="group"),
-        transport=TransportConfig(max_message_bytes=1 << 20, env_connections=4), port=7000, checkpoint_address="h:1",
-        env_address="h:2", ready_file=pathlib.Path("/tmp/ready.json"), grace_s=2.5, torch_threads=2,
-        auth=False, tls=True, metrics_port=9464,
+        transport=TransportConfig(max_message_bytes=1 << 20, env_connections=4),
+        port=7000,
+        checkpoint_address="h:1",
+        env_address="h:2",
+        ready_file=pathlib.Path("/tmp/ready.json"),
+        grace_s=2.5,
+        torch_threads=2,
+        auth=False,
+        tls=True,
+        metrics_port=9464,
     )
     assert from_arguments(_parser().parse_args(options.to_args()), ServeOptions) == options
 
@@ -48,8 +59,12 @@ def test_defaults_and_help_come_from_the_dataclasses(capsys) -> None:
     except SystemExit:
         pass
     help_text = " ".join(capsys.readouterr().out.split())
-    for doc in ("EnvService worker processes running environment code", "Checkpoint retention",
-                "Largest gRPC message sent or accepted", "Which service to run"):
+    for doc in (
+        "EnvService worker processes running environment code",
+        "Checkpoint retention",
+        "Largest gRPC message sent or accepted",
+        "Which service to run",
+    ):
         assert doc in help_text
     assert TrainerOptions(dtype="auto").resolved_dtype("cuda:0") == "bfloat16"
     assert TrainerOptions(dtype="auto").resolved_dtype("cpu") == "float32"
@@ -57,8 +72,13 @@ def test_defaults_and_help_come_from_the_dataclasses(capsys) -> None:
 
 def test_the_stack_splits_the_cores_between_trainer_and_rollout(monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for service, cores, expected in (("trainer", 8, 4), ("rollout", 2, 1), ("rollout", 1, 1), ("env", 8, 0),
-                                     ("checkpoint", 8, 0)):
+    for service, cores, expected in (
+        ("trainer", 8, 4),
+        ("rollout", 2, 1),
+        ("rollout", 1, 1),
+        ("env", 8, 0),
+        ("checkpoint", 8, 0),
+    ):
         options = ServeOptions(service=service).sharing_cores(cores)
         assert options.torch_threads == expected, (service, cores)
     # The rollout's engine decodes in a process of its own unless its share is one core (the trainer's other).

@@ -25,6 +25,7 @@ import uuid
 
 import pytest
 import pytest_asyncio
+from test_training_safety import fingerprint, good_batch
 
 from yieldloop import errors
 from yieldloop.client import Client
@@ -34,8 +35,6 @@ from yieldloop_server.config import ServeOptions, StackConfig
 from yieldloop_server.serve import build_service
 from yieldloop_server.stack import ServiceProcess, ensure_model, ensure_stack_keys
 from yieldloop_server.store import open_store
-
-from test_training_safety import fingerprint, good_batch
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -100,8 +99,9 @@ class Reader:
                     if not await self._served(manifest) and not any(k >= asked for k in self.killer.kills):
                         self.violations.append(f"{head.checkpoint_id}: pending and not served by its trainer")
                 else:
-                    missing = [o.key for o in manifest.objects
-                               if await asyncio.to_thread(self.store.size, o.key) != o.size]
+                    missing = [
+                        o.key for o in manifest.objects if await asyncio.to_thread(self.store.size, o.key) != o.size
+                    ]
                     if missing:
                         self.violations.append(f"{head.checkpoint_id}: durable with {missing} missing")
                 self.reads += 1
@@ -121,8 +121,7 @@ class Reader:
 @contextlib.asynccontextmanager
 async def crashing_stack(data_dir, store_url: str):
     killer = KillTrainer()
-    config = StackConfig(data_dir=data_dir, store=store_url,
-                         transport=TransportConfig(server_interceptors=(killer,)))
+    config = StackConfig(data_dir=data_dir, store=store_url, transport=TransportConfig(server_interceptors=(killer,)))
     store = open_store(config.store_url)
     await asyncio.to_thread(ensure_model, store, "tiny")
     admin_key, service_key = ensure_stack_keys(store, data_dir)
@@ -189,8 +188,14 @@ async def trainer_back(client: Client, trainer: ServiceProcess, restarts: int) -
     raise AssertionError("the trainer did not come back")
 
 
-async def killed_step(client: Client, killer: KillTrainer, trainer: ServiceProcess, kill: tuple[int, str] | float,
-                      seed: int, acknowledged: list[str]) -> str:
+async def killed_step(
+    client: Client,
+    killer: KillTrainer,
+    trainer: ServiceProcess,
+    kill: tuple[int, str] | float,
+    seed: int,
+    acknowledged: list[str],
+) -> str:
     """One step whose trainer is killed at ``kill`` (before/after its n-th commit, or seconds into the call).
     Returns what the caller heard ("ok" or the error's reason)."""
     await client.forward_backward(datums=good_batch(seed), model="tiny")
@@ -263,12 +268,20 @@ async def test_kill_9_anywhere_in_a_step_loses_no_acknowledged_step(crashing) ->
     assert await fingerprint(client, "tiny") != before
     # Nothing orphaned: no manifest pending, every object under checkpoints/ belongs to a manifest, and the
     # final head downloads and verifies.
-    manifests = {m.checkpoint_id: m for m in [await client.get_checkpoint("tiny", s.checkpoint_id)
-                                              for s in (await client.list_checkpoints("tiny")).checkpoints]}
+    manifests = {
+        m.checkpoint_id: m
+        for m in [
+            await client.get_checkpoint("tiny", s.checkpoint_id)
+            for s in (await client.list_checkpoints("tiny")).checkpoints
+        ]
+    }
     assert not [cid for cid, m in manifests.items() if m.pending]
     referenced = {o.key for m in manifests.values() for o in m.objects}
-    stray = [key for key in await asyncio.to_thread(lambda: list(store.list("models/tiny/checkpoints/")))
-             if not key.endswith("/manifest.json") and key not in referenced]
+    stray = [
+        key
+        for key in await asyncio.to_thread(lambda: list(store.list("models/tiny/checkpoints/")))
+        if not key.endswith("/manifest.json") and key not in referenced
+    ]
     assert not stray, stray
     assert all(cid in manifests for cid in acknowledged)
     final = manifests[step.checkpoint.checkpoint_id]

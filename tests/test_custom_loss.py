@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from yieldloop.client import Client
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.training import forward_backward_custom
 from yieldloop.types import Datum
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop_server.checkpoint import server as checkpoint_server
 from yieldloop_server.stack import ensure_base_model
 from yieldloop_server.store import open_store
@@ -55,7 +55,9 @@ async def ppo_datums(client: Client) -> list[common_pb.Datum]:
     for datum, lps in zip(datums, current, strict=True):
         ratios = [RATIOS[i % len(RATIOS)] for i in range(len(lps))]
         datum.sampling_logprobs.extend(lp - math.log(r) for lp, r in zip(lps, ratios, strict=True))
-        datum.advantages.extend(0.0 if i < 2 else rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5) for i in range(len(lps)))
+        datum.advantages.extend(
+            0.0 if i < 2 else rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5) for i in range(len(lps))
+        )
     return datums
 
 
@@ -81,7 +83,9 @@ async def test_ppo_as_a_custom_loss_gives_the_builtin_update(two_trainers) -> No
     # eps=1 keeps AdamW's first step linear in the gradient, so equal gradients mean equal weights.
     steps = [await c.optim_step(1e-2, set_head=False, eps=1.0, wait_durable=True) for c in (builtin, custom)]
     weights = [
-        load_file(str(store.root / "models" / "tiny" / "checkpoints" / s.checkpoint.checkpoint_id / "model.safetensors"))
+        load_file(
+            str(store.root / "models" / "tiny" / "checkpoints" / s.checkpoint.checkpoint_id / "model.safetensors")
+        )
         for s in steps
     ]
     base = load_file(str(store.root / "models" / "tiny" / "checkpoints" / "base" / "model.safetensors"))

@@ -29,15 +29,20 @@ def tool(name: str) -> str:
 
 
 def render(kustomization: str) -> list[dict]:
-    done = subprocess.run([tool("kubectl"), "kustomize", str(REPO / "deploy" / "k8s" / kustomization)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [tool("kubectl"), "kustomize", str(REPO / "deploy" / "k8s" / kustomization)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def test_dockerfile_is_lint_clean() -> None:
-    linted = subprocess.run([tool("hadolint"), str(REPO / "deploy" / "docker" / "Dockerfile")], capture_output=True,
-                            text=True, timeout=120)
+    linted = subprocess.run(
+        [tool("hadolint"), str(REPO / "deploy" / "docker" / "Dockerfile")], capture_output=True, text=True, timeout=120
+    )
     assert linted.returncode == 0, linted.stdout + linted.stderr
     text = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
     assert {"AS cpu", "AS cuda"} <= set(re.findall(r"AS \w+", text)) and "USER 10001:10001" in text
@@ -51,8 +56,12 @@ def test_dockerfile_is_lint_clean() -> None:
 def test_manifests_validate_strictly(kustomization: str, tmp_path: pathlib.Path) -> None:
     rendered = tmp_path / "rendered.yaml"
     rendered.write_text(yaml.safe_dump_all(render(kustomization)))
-    checked = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", "1.33.0", str(rendered)],
-                             capture_output=True, text=True, timeout=300)
+    checked = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "-k", "1.33.0", str(rendered)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
@@ -64,8 +73,12 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def containers(docs: list[dict]) -> list[tuple[dict, dict]]:
     """(workload, container) of every Deployment and StatefulSet."""
-    return [(doc, c) for doc in docs if doc["kind"] in ("Deployment", "StatefulSet")
-            for c in doc["spec"]["template"]["spec"]["containers"]]
+    return [
+        (doc, c)
+        for doc in docs
+        if doc["kind"] in ("Deployment", "StatefulSet")
+        for c in doc["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
@@ -73,7 +86,9 @@ def test_every_service_container_starts_with_arguments_the_command_takes(kustomi
     """$(VAR)s filled from the stack's ConfigMap (and the container's own env), parsed by `yieldloop serve`'s
     parser into ServeOptions; the ports it binds are the container's, the probes hit its health port."""
     docs = render(kustomization)
-    config = next(doc["data"] for doc in docs if doc["kind"] == "ConfigMap" and "yieldloop-config" in doc["metadata"]["name"])
+    config = next(
+        doc["data"] for doc in docs if doc["kind"] == "ConfigMap" and "yieldloop-config" in doc["metadata"]["name"]
+    )
     services = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "Service"}
     seen = {}
     for workload, container in containers(docs):
@@ -81,7 +96,7 @@ def test_every_service_container_starts_with_arguments_the_command_takes(kustomi
         launcher = []
         if container.get("command") == ["torchrun"]:  # torchrun's options, then -m yieldloop.cli and its arguments
             split = args.index("yieldloop.cli")
-            launcher, args = args[:split - 1], args[split + 1:]
+            launcher, args = args[: split - 1], args[split + 1 :]
         if args[:1] != ["serve"]:
             continue
         # $(VAR): the ConfigMap's, the container's own; a value from the pod's fields stands as "0" here.
@@ -108,7 +123,11 @@ def test_every_service_container_starts_with_arguments_the_command_takes(kustomi
         assert targets <= {p["name"] for p in container["ports"]}
     assert set(seen) == {"checkpoint", "env", "trainer", "rollout", "hud", "torchrun"}
     if kustomization == "overlays/local":
-        assert (seen["rollout"].device, seen["rollout"].rollout.engine, seen["trainer"].device) == ("cpu", "torch", "cpu")
+        assert (seen["rollout"].device, seen["rollout"].rollout.engine, seen["trainer"].device) == (
+            "cpu",
+            "torch",
+            "cpu",
+        )
         assert seen["rollout"].store_url.startswith("s3://")
     if kustomization == "overlays/production":
         assert (seen["torchrun"]["--nnodes"], seen["torchrun"]["--nproc-per-node"]) == ("2", "8")

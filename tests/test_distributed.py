@@ -5,10 +5,10 @@ from __future__ import annotations
 import pathlib
 
 import torch
+from test_trainer import batch
 
 from yieldloop_server.trainer.distributed import DistributedTrainer
 from yieldloop_server.trainer.trainer import AdamConfig, Trainer, TrainerConfig
-from test_trainer import batch
 
 
 def test_world_size_2_equals_single_process(tiny_model_dir: pathlib.Path) -> None:
@@ -48,15 +48,22 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
     start_checkpoint, stop_checkpoint = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
     checkpoint = await start_checkpoint()
     start_trainer, stop_trainer = await build_service(
-        ServeOptions(service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint,
-                     trainer=TrainerOptions(nproc=2))
+        ServeOptions(
+            service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint, trainer=TrainerOptions(nproc=2)
+        )
     )
     trainer = await start_trainer()
     try:
         async with Client(trainer=trainer, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
-            datums = [common_pb.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
-                                      sampling_logprobs=d.sampling_logprobs, advantages=d.advantages)
-                      for d in batch(3, 384)]
+            datums = [
+                common_pb.Datum(
+                    input_tokens=d.input_tokens,
+                    target_tokens=d.target_tokens,
+                    sampling_logprobs=d.sampling_logprobs,
+                    advantages=d.advantages,
+                )
+                for d in batch(3, 384)
+            ]
             result = await client.forward_backward(datums=datums, loss_fn="importance_sampling")
             assert result.num_datums == 3 and result.num_action_tokens > 0
             step = await client.optim_step(1e-3)
@@ -102,15 +109,45 @@ async def test_torchrun_ranks_on_two_nodes_train_like_one_process(tmp_path: path
     nodes = []
     for node in (0, 1):
         (tmp_path / f"node{node}").mkdir()
-        nodes.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
-             "-m", "yieldloop.cli", "serve", "trainer", "--data-dir", str(tmp_path / f"node{node}"),
-             "--store", str(store_dir), "--checkpoint-address", checkpoint, "--ready-file", str(ready),
-             "--torch-threads", "1", "--health-port", str(health_ports[node])],
-            env={**os.environ, "YIELDLOOP_SERVICE_KEY": service_key, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
+        nodes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(node),
+                    "--nproc-per-node",
+                    "1",
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    str(master_port),
+                    "-m",
+                    "yieldloop.cli",
+                    "serve",
+                    "trainer",
+                    "--data-dir",
+                    str(tmp_path / f"node{node}"),
+                    "--store",
+                    str(store_dir),
+                    "--checkpoint-address",
+                    checkpoint,
+                    "--ready-file",
+                    str(ready),
+                    "--torch-threads",
+                    "1",
+                    "--health-port",
+                    str(health_ports[node]),
+                ],
+                env={**os.environ, "YIELDLOOP_SERVICE_KEY": service_key, "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         for _ in range(600):
             if ready.exists() or any(n.poll() is not None for n in nodes):
@@ -129,8 +166,15 @@ async def test_torchrun_ranks_on_two_nodes_train_like_one_process(tmp_path: path
         adam = AdamConfig(learning_rate=1e-3)
         async with Client(trainer=trainer, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
             for _ in range(2):
-                wire = [common_pb.Datum(input_tokens=d.input_tokens, target_tokens=d.target_tokens,
-                                        sampling_logprobs=d.sampling_logprobs, advantages=d.advantages) for d in datums]
+                wire = [
+                    common_pb.Datum(
+                        input_tokens=d.input_tokens,
+                        target_tokens=d.target_tokens,
+                        sampling_logprobs=d.sampling_logprobs,
+                        advantages=d.advantages,
+                    )
+                    for d in datums
+                ]
                 got = await client.forward_backward(datums=wire, loss_fn="importance_sampling")
                 expected = reference.forward_backward(datums, "importance_sampling", {})
                 assert got.num_datums == len(datums)
@@ -147,6 +191,6 @@ async def test_torchrun_ranks_on_two_nodes_train_like_one_process(tmp_path: path
         for child in psutil.Process(nodes[0].pid).children():
             child.send_signal(signal.SIGTERM)
         outputs = [(await asyncio.to_thread(n.communicate, timeout=120))[0] for n in nodes]  # the loop keeps
-        await stop_checkpoint(1.0)                                                            # serving commits
+        await stop_checkpoint(1.0)  # serving commits
     assert [n.returncode for n in nodes] == [0, 0], outputs
     assert "rank 1 of 2 following rank 0" in outputs[1]

@@ -76,12 +76,21 @@ async def test_seeded_requests_whose_prompts_fill_more_than_one_step(served_engi
     the engine core died) all complete, and the engine keeps serving."""
     engine = served_engine.engine
     prompts = [[1] + [40 + (i + j) % 50 for j in range(99)] for i in range(30)]  # 3000 prompt tokens
-    completions = await asyncio.gather(*(
-        collect(engine, prompt, SamplingConfig(max_tokens=4, temperature=1.0, seed=500 + i, ignore_eos=True))
-        for i, prompt in enumerate(prompts)))
+    completions = await asyncio.gather(
+        *(
+            collect(engine, prompt, SamplingConfig(max_tokens=4, temperature=1.0, seed=500 + i, ignore_eos=True))
+            for i, prompt in enumerate(prompts)
+        )
+    )
     assert [len(flat(deltas)[0]) for deltas in completions] == [4] * len(prompts)
-    assert len(flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=3, temperature=1.0, seed=1,
-                                                                 ignore_eos=True)))[0]) == 3
+    assert (
+        len(
+            flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=3, temperature=1.0, seed=1, ignore_eos=True)))[
+                0
+            ]
+        )
+        == 3
+    )
 
 
 async def test_stop_string_ends_the_completion(served_engine: ServedEngine) -> None:
@@ -128,7 +137,7 @@ async def test_logprobs_match_the_trainer_recomputation(served_engine: ServedEng
     learner = await asyncio.to_thread(trainer.logprobs, datums)
     worst = 0.0
     for (tokens, logprobs, _), recomputed in zip(completions, learner, strict=True):
-        part = recomputed[len(PROMPT) - 1:]
+        part = recomputed[len(PROMPT) - 1 :]
         assert len(part) == len(logprobs) == len(tokens)
         worst = max(worst, max(abs(a - b) for a, b in zip(part, logprobs, strict=True)))
     print(f"{served_engine.kind}: max |sampler - trainer| logprob = {worst:.2e}")
@@ -151,15 +160,17 @@ async def batched_logprob_gap(engine, folder) -> float:
             await after.wait()
         tokens: list[int] = []
         logprobs: list[float] = []
-        async for delta in engine.generate(prompt, SamplingConfig(max_tokens=10, temperature=1.0, seed=seed,
-                                                                  ignore_eos=True)):
+        async for delta in engine.generate(
+            prompt, SamplingConfig(max_tokens=10, temperature=1.0, seed=seed, ignore_eos=True)
+        ):
             tokens += delta.token_ids
             logprobs += delta.logprobs
             started.set()
         return tokens, logprobs
 
-    completions = await asyncio.gather(*(one(p, 10 + i) for i, p in enumerate(prompts)),
-                                       *(one(p, 20 + i, started) for i, p in enumerate(prompts)))
+    completions = await asyncio.gather(
+        *(one(p, 10 + i) for i, p in enumerate(prompts)), *(one(p, 20 + i, started) for i, p in enumerate(prompts))
+    )
     trainer = await asyncio.to_thread(Trainer, folder)
     datums = []
     for prompt, (tokens, _) in zip(prompts * 2, completions, strict=True):
@@ -170,7 +181,7 @@ async def batched_logprob_gap(engine, folder) -> float:
     worst = 0.0
     for prompt, (tokens, logprobs), recomputed in zip(prompts * 2, completions, learner, strict=True):
         assert len(tokens) == 10
-        worst = max(worst, max(abs(a - b) for a, b in zip(recomputed[len(prompt) - 1:], logprobs, strict=True)))
+        worst = max(worst, max(abs(a - b) for a, b in zip(recomputed[len(prompt) - 1 :], logprobs, strict=True)))
     return worst
 
 
@@ -195,12 +206,16 @@ async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch
 
     try:
         await engine.load_weights(engine_folders["v1"], "v1")
-        alone = flat(await collect(engine, PROMPT, SamplingConfig(max_tokens=6, temperature=1.0, seed=3,
-                                                                  ignore_eos=True)))
+        alone = flat(
+            await collect(engine, PROMPT, SamplingConfig(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+        )
         monkeypatch.setattr(_Batch, "_forward", counting)
-        group = await asyncio.gather(*(
-            collect(engine, prompt, SamplingConfig(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True))
-            for prompt, seed in [*((PROMPT, 3 + i) for i in range(8)), ([1, 60, 61], 99)]))
+        group = await asyncio.gather(
+            *(
+                collect(engine, prompt, SamplingConfig(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True))
+                for prompt, seed in [*((PROMPT, 3 + i) for i in range(8)), ([1, 60, 61], 99)]
+            )
+        )
     finally:
         await engine.close()
     assert rows_prefilled == [2]  # nine requests, two distinct prompts, one prefill
@@ -250,8 +265,12 @@ async def test_torch_sliding_window_model_matches_the_trainer(engine_folders, tm
 
     folder = shutil.copytree(engine_folders["v1"], tmp_path / "sliding")
     config = json.loads((folder / "config.json").read_text())
-    config.update(use_sliding_window=True, sliding_window=4, max_window_layers=1,
-                  layer_types=["sliding_attention", "full_attention"])
+    config.update(
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     (folder / "config.json").write_text(json.dumps(config))
     engine = TorchEngine()
     try:
@@ -269,7 +288,8 @@ async def test_torch_sliding_window_model_matches_the_trainer(engine_folders, tm
 
 
 async def test_a_reload_that_keeps_the_tokenizer_files_keeps_the_tokenizer_and_its_renderings(
-        served_engine: ServedEngine) -> None:
+    served_engine: ServedEngine,
+) -> None:
     """A training step changes the weights only: the reload keeps the tokenizer object, and with it the chat
     renderings the engine remembers (the torch engine's two alternating weight sets each loaded a tokenizer of
     their own, vLLM loaded one per reload: every step rendered every prompt again)."""
@@ -358,22 +378,53 @@ async def test_cancellation_frees_the_request(served_engine: ServedEngine) -> No
 @pytest.mark.parametrize(
     ("kwargs", "error", "reason"),
     [
-        ({"prompt_token_ids": [1] * 2100, "sampling": sampling_params(max_tokens=2)},
-         errors.InvalidArgumentError, "PROMPT_TOO_LONG"),
-        ({"prompt_token_ids": [1, 10**6], "sampling": sampling_params(max_tokens=2)},
-         errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),
-        ({"prompt_token_ids": [1, -3], "sampling": sampling_params(max_tokens=2)},
-         errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),
-        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=0)}, errors.InvalidArgumentError, "INVALID_FIELD"),
-        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=-4)}, errors.InvalidArgumentError, "INVALID_FIELD"),
-        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=2, temperature=-0.5)},
-         errors.InvalidArgumentError, "INVALID_FIELD"),
-        ({"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=2, top_p=1.5)},
-         errors.InvalidArgumentError, "INVALID_FIELD"),
+        (
+            {"prompt_token_ids": [1] * 2100, "sampling": sampling_params(max_tokens=2)},
+            errors.InvalidArgumentError,
+            "PROMPT_TOO_LONG",
+        ),
+        (
+            {"prompt_token_ids": [1, 10**6], "sampling": sampling_params(max_tokens=2)},
+            errors.InvalidArgumentError,
+            "TOKEN_OUT_OF_VOCAB",
+        ),
+        (
+            {"prompt_token_ids": [1, -3], "sampling": sampling_params(max_tokens=2)},
+            errors.InvalidArgumentError,
+            "TOKEN_OUT_OF_VOCAB",
+        ),
+        (
+            {"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=0)},
+            errors.InvalidArgumentError,
+            "INVALID_FIELD",
+        ),
+        (
+            {"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=-4)},
+            errors.InvalidArgumentError,
+            "INVALID_FIELD",
+        ),
+        (
+            {"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=2, temperature=-0.5)},
+            errors.InvalidArgumentError,
+            "INVALID_FIELD",
+        ),
+        (
+            {"prompt_token_ids": [1, 2], "sampling": sampling_params(max_tokens=2, top_p=1.5)},
+            errors.InvalidArgumentError,
+            "INVALID_FIELD",
+        ),
         ({"prompt_token_ids": [1, 2], "model": "some-other-model"}, errors.NotFoundError, "MODEL_NOT_FOUND"),
     ],
-    ids=["prompt-too-long", "token-out-of-vocab", "negative-token", "max-tokens-zero", "max-tokens-negative",
-         "negative-temperature", "top-p-above-one", "unknown-model"],
+    ids=[
+        "prompt-too-long",
+        "token-out-of-vocab",
+        "negative-token",
+        "max-tokens-zero",
+        "max-tokens-negative",
+        "negative-temperature",
+        "top-p-above-one",
+        "unknown-model",
+    ],
 )
 async def test_bad_input_is_typed_and_the_engine_keeps_serving(
     served_engine: ServedEngine, kwargs: dict, error: type, reason: str
@@ -472,8 +523,11 @@ async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folde
     save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
     assert reload_in_place(spare, partial, "x") is None, "a tensor missing from the file: not in place"
     extra = shutil.copytree(v3, tmp_path / "v3-extra")
-    save_file({**load_file(v3 / "model.safetensors"), "stray.weight": tensors["model.embed_tokens.weight"]},
-              extra / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {**load_file(v3 / "model.safetensors"), "stray.weight": tensors["model.embed_tokens.weight"]},
+        extra / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     assert reload_in_place(spare, extra, "x") is None, "a tensor the model does not have: not in place"
     other = shutil.copytree(v3, tmp_path / "v3-bin")
     (other / "pytorch_model.bin").write_bytes(b"weights in another format")
@@ -553,7 +607,8 @@ async def test_a_service_whose_engine_process_dies_serves_again(engine_folders, 
         greedy = sampling_params(max_tokens=8, temperature=0.0)
         before = await served.client.generate(PROMPT, sampling=greedy)
         stream = served.client.generate_stream(
-            PROMPT, sampling=sampling_params(max_tokens=2000, temperature=1.0, seed=5, ignore_eos=True))
+            PROMPT, sampling=sampling_params(max_tokens=2000, temperature=1.0, seed=5, ignore_eos=True)
+        )
         await anext(stream)
         os.kill(_engine_process(served.engine), signal.SIGKILL)
         with pytest.raises(errors.UnavailableError) as failed:
@@ -586,12 +641,15 @@ def test_vllm_sockets_go_to_a_folder_of_the_process_removed_at_exit(tmp_path) ->
     gone.mkdir()
     (gone / "3bc5e0a0-91d8-4ab7-9cdd-25185b44ae26").touch()
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"} | {"TMPDIR": str(tmp_path)}
-    script = ("import os\nfrom yieldloop_server.rollout.engines.vllm_engine import rpc_dir\nfolder = rpc_dir()\n"
-              "print(folder, os.environ['VLLM_RPC_BASE_PATH'], folder and oct(folder.stat().st_mode & 0o777))")
+    script = (
+        "import os\nfrom yieldloop_server.rollout.engines.vllm_engine import rpc_dir\nfolder = rpc_dir()\n"
+        "print(folder, os.environ['VLLM_RPC_BASE_PATH'], folder and oct(folder.stat().st_mode & 0o777))"
+    )
 
     def run(**extra: str) -> list[str]:
-        return subprocess.run([sys.executable, "-c", script], env=environ | extra, capture_output=True, text=True,
-                              check=True).stdout.split()
+        return subprocess.run(
+            [sys.executable, "-c", script], env=environ | extra, capture_output=True, text=True, check=True
+        ).stdout.split()
 
     folder, told, mode = run()
     assert pathlib.Path(folder).parent == tmp_path and told == folder and mode == "0o700"
@@ -599,8 +657,9 @@ def test_vllm_sockets_go_to_a_folder_of_the_process_removed_at_exit(tmp_path) ->
     assert run(VLLM_RPC_BASE_PATH=str(tmp_path)) == ["None", str(tmp_path), "None"]  # the environment's choice
 
 
-async def test_a_dead_engine_is_started_again_with_no_call_and_health_says_while_it_cannot(engine_folders,
-                                                                                             tmp_path) -> None:
+async def test_a_dead_engine_is_started_again_with_no_call_and_health_says_while_it_cannot(
+    engine_folders, tmp_path
+) -> None:
     """The torch engine's child killed with no call waiting: the server starts a new one by itself. While it cannot
     (its weights folder gone), the server's health, overall (what probes ask) and RolloutService/engine, is
     NOT_SERVING; SERVING again once a new child took the weights."""
@@ -620,8 +679,10 @@ async def test_a_dead_engine_is_started_again_with_no_call_and_health_says_while
     health = health_pb2_grpc.HealthStub(channel)
 
     async def statuses() -> set[int]:
-        return {(await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
-                for name in ("", ENGINE_HEALTH)}
+        return {
+            (await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+            for name in ("", ENGINE_HEALTH)
+        }
 
     async def until(check, what: str) -> None:
         deadline = time.monotonic() + 60
@@ -644,7 +705,7 @@ async def test_a_dead_engine_is_started_again_with_no_call_and_health_says_while
         engine._revive_after = 0.0  # the backoff over
         await until(lambda: serving(health_pb2.HealthCheckResponse.SERVING), "health not back to SERVING")
         assert engine.revivals == 2 and not engine.is_down()
-        assert (await Client(rollout=server.address).generate(PROMPT, sampling=sampling_params(max_tokens=3)))
+        assert await Client(rollout=server.address).generate(PROMPT, sampling=sampling_params(max_tokens=3))
     finally:
         await channel.close()
         await server.stop(1.0)
@@ -669,7 +730,8 @@ def test_torch_process_engine_exits_with_its_server(engine_folders, tmp_path) ->
         "    print(engine._process.pid, flush=True)\n"
         "    await asyncio.sleep(600)\n"
         "if __name__ == '__main__':\n"
-        "    asyncio.run(main())\n")
+        "    asyncio.run(main())\n"
+    )
     server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(server.stdout.readline())

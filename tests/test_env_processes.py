@@ -31,8 +31,9 @@ CONNECTIONS = 16  # the kernel places each connection: all 16 on one of 2 proces
 
 async def _pids(address: str, episodes: int = 2 * CONNECTIONS, multiplex: bool = False) -> set[int]:
     """The processes that ran ``episodes`` episodes, each through the client's next connection."""
-    async with Client(env=address, multiplex_episodes=multiplex,
-                      transport=TransportConfig(env_connections=CONNECTIONS)) as client:
+    async with Client(
+        env=address, multiplex_episodes=multiplex, transport=TransportConfig(env_connections=CONNECTIONS)
+    ) as client:
 
         async def one() -> int:
             async with client.episode(Task(env="pids", scenario="which", args={})) as episode:
@@ -71,8 +72,13 @@ async def _until(condition, timeout_s: float = 60.0, what: str = "") -> None:
 
 @pytest.fixture
 async def env_processes(tmp_path: pathlib.Path):
-    options = ServeOptions(service="env", data_dir=tmp_path, auth=False, ready_file=tmp_path / "env.json",
-                           env=EnvOptions(specs=(PID_ENV,), workers=0, processes=2))
+    options = ServeOptions(
+        service="env",
+        data_dir=tmp_path,
+        auth=False,
+        ready_file=tmp_path / "env.json",
+        env=EnvOptions(specs=(PID_ENV,), workers=0, processes=2),
+    )
     service = ServiceProcess(options, tmp_path / "logs", ready_timeout_s=120)
     await service.start()
     try:
@@ -88,7 +94,9 @@ async def test_episodes_spread_over_the_processes_of_one_port(env_processes: Ser
 
     # One that dies comes back on the same port, and serves again.
     os.kill(replica, signal.SIGKILL)
-    await _until(lambda: _replica_pid(tmp_path) not in (0, replica) and not _alive(replica), what="the restarted process")
+    await _until(
+        lambda: _replica_pid(tmp_path) not in (0, replica) and not _alive(replica), what="the restarted process"
+    )
     restarted = _replica_pid(tmp_path)
     assert await _pids(env_processes.address) == {parent, restarted}
 

@@ -17,10 +17,10 @@ import pytest_asyncio
 
 from yieldloop import errors
 from yieldloop.client import Client
-from yieldloop.transport import TransportConfig
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
 from yieldloop.proto.env.v1 import env_service_pb2_grpc as env_grpc
+from yieldloop.transport import TransportConfig
 from yieldloop_server.env.hosts import HostConfig, create_host
 from yieldloop_server.env.server import build
 
@@ -124,8 +124,9 @@ async def raw_tagged_episode(stub: env_grpc.EnvServiceStub, requests) -> list[en
                 (responses if frame.tag == 7 else other).append(frame)
             if any(frame.closed for frame in responses):
                 break
-        await call.write(env_pb.StreamEpisodesRequest(frames=[env_pb.EpisodeRequestFrame(tag=8, request=submit("b"),
-                                                                                          close=True)]))
+        await call.write(
+            env_pb.StreamEpisodesRequest(frames=[env_pb.EpisodeRequestFrame(tag=8, request=submit("b"), close=True)])
+        )
         while not any(frame.closed for frame in other):
             other += (await call.read()).frames
         await call.done_writing()
@@ -155,26 +156,62 @@ def submit(answer: str) -> env_pb.StreamEpisodeRequest:
 
 BAD_INPUT = {
     "unknown-scenario": ((start(task("nope")),), errors.NotFoundError, "SCENARIO_NOT_FOUND", "has no scenario 'nope'"),
-    "unknown-env": ((start(common_pb.Task(env="other", scenario="echo")),), errors.NotFoundError,
-                    "ENVIRONMENT_NOT_FOUND", "no environment 'other'"),
-    "args-not-matching": ((start(task(target="three")),), errors.InvalidArgumentError, "SCENARIO_ARGS_INVALID",
-                          "argument 'target'='three' does not match"),
+    "unknown-env": (
+        (start(common_pb.Task(env="other", scenario="echo")),),
+        errors.NotFoundError,
+        "ENVIRONMENT_NOT_FOUND",
+        "no environment 'other'",
+    ),
+    "args-not-matching": (
+        (start(task(target="three")),),
+        errors.InvalidArgumentError,
+        "SCENARIO_ARGS_INVALID",
+        "argument 'target'='three' does not match",
+    ),
     "missing-arg": ((start(task()),), errors.InvalidArgumentError, "SCENARIO_ARGS_INVALID", "missing required"),
-    "args-not-json": ((start(common_pb.Task(env="sdk", scenario="echo", args_json="{oops")),),
-                      errors.InvalidArgumentError, "SCENARIO_ARGS_INVALID", "not valid JSON"),
-    "unknown-tool": ((start(task(target=1)), call("teleport")), errors.InvalidArgumentError, "TOOL_NOT_FOUND",
-                     "has no tool 'teleport'"),
-    "tool-args-not-matching": ((start(task(target=1)), call("increment", '{"by": "x"}')), errors.InvalidArgumentError,
-                               "TOOL_ARGS_INVALID", "argument 'by'='x' does not match"),
-    "tool-call-before-start": ((call("increment", '{"by": 1}'),), errors.InvalidArgumentError, "EPISODE_PROTOCOL",
-                               "call_tool before start"),
+    "args-not-json": (
+        (start(common_pb.Task(env="sdk", scenario="echo", args_json="{oops")),),
+        errors.InvalidArgumentError,
+        "SCENARIO_ARGS_INVALID",
+        "not valid JSON",
+    ),
+    "unknown-tool": (
+        (start(task(target=1)), call("teleport")),
+        errors.InvalidArgumentError,
+        "TOOL_NOT_FOUND",
+        "has no tool 'teleport'",
+    ),
+    "tool-args-not-matching": (
+        (start(task(target=1)), call("increment", '{"by": "x"}')),
+        errors.InvalidArgumentError,
+        "TOOL_ARGS_INVALID",
+        "argument 'by'='x' does not match",
+    ),
+    "tool-call-before-start": (
+        (call("increment", '{"by": 1}'),),
+        errors.InvalidArgumentError,
+        "EPISODE_PROTOCOL",
+        "call_tool before start",
+    ),
     "submit-before-start": ((submit("x"),), errors.InvalidArgumentError, "EPISODE_PROTOCOL", "submit before start"),
-    "two-starts": ((start(task(target=1)), start(task(target=1))), errors.InvalidArgumentError, "EPISODE_PROTOCOL",
-                   "already started"),
-    "two-submits": ((start(task("echo", word="a")), submit("a"), submit("a")), errors.InvalidArgumentError,
-                    "EPISODE_PROTOCOL", "already submitted"),
-    "empty-message": ((env_pb.StreamEpisodeRequest(),), errors.InvalidArgumentError, "EPISODE_PROTOCOL",
-                      "an empty message before start"),
+    "two-starts": (
+        (start(task(target=1)), start(task(target=1))),
+        errors.InvalidArgumentError,
+        "EPISODE_PROTOCOL",
+        "already started",
+    ),
+    "two-submits": (
+        (start(task("echo", word="a")), submit("a"), submit("a")),
+        errors.InvalidArgumentError,
+        "EPISODE_PROTOCOL",
+        "already submitted",
+    ),
+    "empty-message": (
+        (env_pb.StreamEpisodeRequest(),),
+        errors.InvalidArgumentError,
+        "EPISODE_PROTOCOL",
+        "an empty message before start",
+    ),
 }
 
 
@@ -315,6 +352,7 @@ async def test_multiplexed_episodes_share_one_stream_and_fail_alone(tmp_path) ->
     served = await serve("inprocess", tmp_path, multiplex=True)
     client = served.client
     try:
+
         async def echo(i: int) -> float:
             async with client.episode(task("echo", word=f"m{i}", tag=f"m{i}")) as episode:
                 return (await episode.submit(f"m{i}" if i % 2 else "wrong")).reward
@@ -385,7 +423,9 @@ def test_load_harness_small_run(tmp_path) -> None:
     harness = pathlib.Path(__file__).parents[1] / "loadtest" / "envbench.py"
     result = subprocess.run(
         [sys.executable, str(harness), "--episodes", "128", "--calls", "8", "--out", str(out), "--timeout", "120"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     figures = json.loads(out.read_text())

@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
-from yieldloop.episode import Episode
 from yieldloop.environment import Environment, EpisodeContext, Grade, Task
+from yieldloop.episode import Episode
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from yieldloop.taskset import Taskset
 

@@ -9,8 +9,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import repeat
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 
 
 async def assert_still_serving(client: Client) -> None:
@@ -70,23 +70,75 @@ async def test_set_head_to_missing_checkpoint_is_not_found(client: Client) -> No
 @pytest.mark.parametrize(
     ("call", "error", "reason"),
     [
-        (lambda c: c.generate([10**6], sampling=sampling_params(max_tokens=2)), errors.InvalidArgumentError, "TOKEN_OUT_OF_VOCAB"),
-        (lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=0)), errors.InvalidArgumentError, "INVALID_FIELD"),
-        (lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=2, temperature=-1)), errors.InvalidArgumentError, "INVALID_FIELD"),
-        (lambda c: c.generate([1] * 2100, sampling=sampling_params(max_tokens=2)), errors.InvalidArgumentError, "PROMPT_TOO_LONG"),
+        (
+            lambda c: c.generate([10**6], sampling=sampling_params(max_tokens=2)),
+            errors.InvalidArgumentError,
+            "TOKEN_OUT_OF_VOCAB",
+        ),
+        (
+            lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=0)),
+            errors.InvalidArgumentError,
+            "INVALID_FIELD",
+        ),
+        (
+            lambda c: c.generate([1, 2], sampling=sampling_params(max_tokens=2, temperature=-1)),
+            errors.InvalidArgumentError,
+            "INVALID_FIELD",
+        ),
+        (
+            lambda c: c.generate([1] * 2100, sampling=sampling_params(max_tokens=2)),
+            errors.InvalidArgumentError,
+            "PROMPT_TOO_LONG",
+        ),
         (lambda c: c.generate([1, 2], model="other-model"), errors.NotFoundError, "MODEL_NOT_FOUND"),
-        (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2])], loss_fn="nope"), errors.InvalidArgumentError, "LOSS_UNKNOWN"),
+        (
+            lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2])], loss_fn="nope"),
+            errors.InvalidArgumentError,
+            "LOSS_UNKNOWN",
+        ),
         (lambda c: c.forward_backward(datums=[]), errors.InvalidArgumentError, "INVALID_FIELD"),
-        (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2], advantages=[float("nan")])]), errors.InvalidArgumentError, "DATUM_INVALID"),
+        (
+            lambda c: c.forward_backward(
+                datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2], advantages=[float("nan")])]
+            ),
+            errors.InvalidArgumentError,
+            "DATUM_INVALID",
+        ),
         (lambda c: c.optim_step(1e-3), errors.FailedPreconditionError, "NO_GRADIENTS"),
-        (lambda c: c.forward_backward(datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2])], loss_fn="ppo",
-                                      loss_fn_config={"beta": 0.1}), errors.InvalidArgumentError, "INVALID_FIELD"),
-        (lambda c: c.forward_backward(runs=[common_pb.Run(group_id="g", reward=1.0, turns=[common_pb.Turn(
-            prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-1.0])])], group_size=4),
-         errors.InvalidArgumentError, "GROUP_INCOMPLETE"),
+        (
+            lambda c: c.forward_backward(
+                datums=[common_pb.Datum(input_tokens=[1], target_tokens=[2])],
+                loss_fn="ppo",
+                loss_fn_config={"beta": 0.1},
+            ),
+            errors.InvalidArgumentError,
+            "INVALID_FIELD",
+        ),
+        (
+            lambda c: c.forward_backward(
+                runs=[
+                    common_pb.Run(
+                        group_id="g",
+                        reward=1.0,
+                        turns=[
+                            common_pb.Turn(
+                                prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-1.0]
+                            )
+                        ],
+                    )
+                ],
+                group_size=4,
+            ),
+            errors.InvalidArgumentError,
+            "GROUP_INCOMPLETE",
+        ),
         (lambda c: c.get_head("../etc"), errors.InvalidArgumentError, "INVALID_FIELD"),
         (lambda c: c.get_head("missing-model"), errors.NotFoundError, "MODEL_NOT_FOUND"),
-        (lambda c: c.set_head("tiny", "base", expected_checkpoint_id="not-the-head"), errors.AbortedError, "HEAD_CONFLICT"),
+        (
+            lambda c: c.set_head("tiny", "base", expected_checkpoint_id="not-the-head"),
+            errors.AbortedError,
+            "HEAD_CONFLICT",
+        ),
         (lambda c: c.fork_model("tiny", ""), errors.InvalidArgumentError, "INVALID_FIELD"),
         (lambda c: c.fork_model("tiny", "a/b"), errors.InvalidArgumentError, "INVALID_FIELD"),
         (lambda c: c.fork_model("tiny", "x" * 129), errors.InvalidArgumentError, "INVALID_FIELD"),
@@ -97,11 +149,28 @@ async def test_set_head_to_missing_checkpoint_is_not_found(client: Client) -> No
         (lambda c: c.list_checkpoints(""), errors.InvalidArgumentError, "INVALID_FIELD"),
     ],
     ids=[
-        "token-out-of-vocab", "max-tokens-zero", "negative-temperature", "prompt-too-long", "unknown-model",
-        "unknown-loss", "empty-batch", "nan-advantage", "step-without-gradients", "unknown-knob", "incomplete-group",
+        "token-out-of-vocab",
+        "max-tokens-zero",
+        "negative-temperature",
+        "prompt-too-long",
+        "unknown-model",
+        "unknown-loss",
+        "empty-batch",
+        "nan-advantage",
+        "step-without-gradients",
+        "unknown-knob",
+        "incomplete-group",
         "slug-with-dots",
-        "missing-model", "lost-head-race", "empty-fork-name", "fork-name-with-slash", "oversized-fork-name",
-        "fork-missing-model", "checkpoint-id-dotdot", "checkpoint-id-with-dots", "head-id-with-slash", "empty-slug",
+        "missing-model",
+        "lost-head-race",
+        "empty-fork-name",
+        "fork-name-with-slash",
+        "oversized-fork-name",
+        "fork-missing-model",
+        "checkpoint-id-dotdot",
+        "checkpoint-id-with-dots",
+        "head-id-with-slash",
+        "empty-slug",
     ],
 )
 async def test_bad_input_is_typed(client: Client, call, error, reason) -> None:
@@ -137,8 +206,12 @@ async def test_rollout_server_for_unknown_model_fails_fast(stack, tmp_path) -> N
     from yieldloop_server.store import open_store
 
     server = RolloutServer(
-        "no-such-model", open_store(stack.config.store_url), stack.addresses["checkpoint"],
-        stack.addresses["env"], tmp_path, transport=TransportConfig(api_key=stack.api_key),
+        "no-such-model",
+        open_store(stack.config.store_url),
+        stack.addresses["checkpoint"],
+        stack.addresses["env"],
+        tmp_path,
+        transport=TransportConfig(api_key=stack.api_key),
     )
     with pytest.raises(errors.NotFoundError) as err:
         await server.start()

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.gpu
 @pytest_asyncio.fixture(scope="module")
 async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
     # fp32 trainer on CUDA so the sampler/trainer check holds to 1e-4 (bf16 is tested on its own below).
-    config = StackConfig(data_dir=tmp_path_factory.mktemp("cuda-stack"), device="cuda",
-                         trainer=TrainerOptions(dtype="float32"))
+    config = StackConfig(
+        data_dir=tmp_path_factory.mktemp("cuda-stack"), device="cuda", trainer=TrainerOptions(dtype="float32")
+    )
     stack = InProcessStack(config)
     await stack.start()
     async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
@@ -48,7 +49,7 @@ async def test_cuda_sampler_matches_cuda_trainer(cuda_client: Client) -> None:
     assert len(completion.token_ids) == 32
     tokens = prompt + completion.token_ids
     [learner] = await cuda_client.forward(datums=[common_pb.Datum(input_tokens=tokens[:-1], target_tokens=tokens[1:])])
-    worst = max(abs(a - b) for a, b in zip(learner[len(prompt) - 1:], completion.logprobs, strict=True))
+    worst = max(abs(a - b) for a, b in zip(learner[len(prompt) - 1 :], completion.logprobs, strict=True))
     assert worst < 1e-4, worst
 
 

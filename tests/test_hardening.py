@@ -8,14 +8,13 @@ import errno
 
 import aiohttp
 import pytest
+from test_training_safety import good_batch
 
 from yieldloop import errors
 from yieldloop.client import Client
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.transport import MAX_MESSAGE_BYTES
 from yieldloop.types import Run, RunStatus, TaskRef
-
-from test_training_safety import good_batch
 
 
 async def test_unknown_enum_values_are_invalid_arguments(client: Client) -> None:
@@ -51,9 +50,14 @@ async def test_bodies_past_the_limit_answer_413_with_the_limit(stack, client: Cl
             async with http.post(url, data=body) as response:
                 answer = await response.json(content_type=None)
                 assert response.status == 413, (url, answer)
-                assert answer["error"]["code"] == "request_too_large" and str(MAX_MESSAGE_BYTES) in answer["error"]["message"]
-        async with http.post(info.openai_base_url + "/completions",  # and the endpoint serves on
-                             json={"model": "tiny", "prompt": [1, 40, 41], "max_tokens": 2}) as response:
+                assert (
+                    answer["error"]["code"] == "request_too_large"
+                    and str(MAX_MESSAGE_BYTES) in answer["error"]["message"]
+                )
+        async with http.post(
+            info.openai_base_url + "/completions",  # and the endpoint serves on
+            json={"model": "tiny", "prompt": [1, 40, 41], "max_tokens": 2},
+        ) as response:
             assert response.status == 200
 
 
@@ -70,8 +74,9 @@ async def test_a_full_disk_is_resource_exhausted_and_retryable(tmp_path, monkeyp
     write_atomic = fs.FsStore._write_atomic
 
     def guarded(self, path, write):
-        refused = full["on"] == "all" or (full["on"] == "objects" and "checkpoints" in path.parts
-                                          and path.name != "manifest.json")
+        refused = full["on"] == "all" or (
+            full["on"] == "objects" and "checkpoints" in path.parts and path.name != "manifest.json"
+        )
         if refused and "store" in path.parts:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return write_atomic(self, path, write)

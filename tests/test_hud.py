@@ -20,7 +20,6 @@ import sys
 import time
 
 import pytest
-
 from up_harness import YIELDLOOP, start_up, stop_up
 
 from yieldloop.training import connect
@@ -35,8 +34,9 @@ TOOL_CALL = '<tool_call>\n{"name": "count", "arguments": {"letter": "a"}}\n</too
 def _has_hud(python: pathlib.Path) -> bool:
     if not python.exists():
         return False
-    probe = subprocess.run([str(python), "-c", f"import hud, yieldloop; assert hud.__version__ == {HUD_VERSION!r}"],
-                           capture_output=True)
+    probe = subprocess.run(
+        [str(python), "-c", f"import hud, yieldloop; assert hud.__version__ == {HUD_VERSION!r}"], capture_output=True
+    )
     return probe.returncode == 0
 
 
@@ -50,8 +50,12 @@ def hud_python() -> str:
     python = venv / "bin" / "python"
     if not _has_hud(python):
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        installed = subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", f"{REPO / 'clients' / 'python'}[hud]"],
-                                   capture_output=True, text=True, timeout=1200)
+        installed = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "-e", f"{REPO / 'clients' / 'python'}[hud]"],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         assert installed.returncode == 0, installed.stdout + installed.stderr
     return str(python)
 
@@ -61,8 +65,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, hud_python: str):
     """`yieldloop up` serving the letters environment and the HUD environment (through EnvService), with auth."""
     data_dir = tmp_path_factory.mktemp("hud-stack")
     spec = f"hud:{HUD_DIR / 'letters_env.py'}?python={hud_python}"
-    process = start_up(data_dir, "--env-spec", "yieldloop.envs.letters:env", "--env-spec", spec,
-                       ready=lambda d: (d / "run" / "hud.env").exists())
+    process = start_up(
+        data_dir,
+        "--env-spec",
+        "yieldloop.envs.letters:env",
+        "--env-spec",
+        spec,
+        ready=lambda d: (d / "run" / "hud.env").exists(),
+    )
     yield data_dir
     output = stop_up(process)
     assert "hud.env" in output and "HUD SDK scripts run here" in output
@@ -80,8 +90,9 @@ def run_hud(data_dir: pathlib.Path, python: str, script: str, *args: str, tmp_pa
     home.mkdir(exist_ok=True)
     out = tmp_path / f"{pathlib.Path(script).stem}-{time.monotonic_ns()}.json"
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": "C.UTF-8", **hud_settings(data_dir)}
-    done = subprocess.run([python, str(HUD_DIR / script), *args, str(out)], env=env, cwd=home,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [python, str(HUD_DIR / script), *args, str(out)], env=env, cwd=home, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -122,8 +133,12 @@ def test_hud_sdk_samples_and_trains(stack: pathlib.Path, hud_python: str, tmp_pa
     assert out["last_step"]["step"] == 3
 
     checkpoints = {c["id"]: c for c in out["checkpoints"]}
-    assert set(checkpoints) == {"base", step["checkpoint_id"], out["custom_step"]["checkpoint_id"],
-                                out["last_step"]["checkpoint_id"]}
+    assert set(checkpoints) == {
+        "base",
+        step["checkpoint_id"],
+        out["custom_step"]["checkpoint_id"],
+        out["last_step"]["checkpoint_id"],
+    }
     first = checkpoints[step["checkpoint_id"]]
     assert first["prev_model_checkpoint_id"] == "base" and first["num_traces"] == 16
     assert first["loss_fn"] == "importance_sampling" and first["learning_rate"] == pytest.approx(1e-3)
@@ -156,19 +171,26 @@ def test_hud_sdk_samples_and_trains(stack: pathlib.Path, hud_python: str, tmp_pa
     env = {**os.environ, "COLUMNS": "250", "YIELDLOOP_DATA_DIR": str(stack)}
     jobs = subprocess.run([YIELDLOOP, "jobs"], capture_output=True, text=True, env=env, timeout=120)
     assert jobs.returncode == 0 and out["job_id"] in jobs.stdout, jobs.stdout + jobs.stderr
-    shown = subprocess.run([YIELDLOOP, "trace", runs[0]["trace_id"], "--json"], capture_output=True, text=True,
-                           env=env, timeout=120)
+    shown = subprocess.run(
+        [YIELDLOOP, "trace", runs[0]["trace_id"], "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert shown.returncode == 0 and runs[0]["trace_id"] in shown.stdout, shown.stderr
     exported = tmp_path / "hud.tokens.jsonl"
-    made = subprocess.run([YIELDLOOP, "export", out["job_id"], "--kind", "tokens", "--out", str(exported)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    made = subprocess.run(
+        [YIELDLOOP, "export", out["job_id"], "--kind", "tokens", "--out", str(exported)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert made.returncode == 0 and len(exported.read_text().splitlines()) == 16, made.stderr
     uploads = stack / "store" / "hud" / "telemetry"
     assert {path.name for path in uploads.iterdir()} & {run["trace_id"] for run in runs}
 
 
-def test_hud_agent_tool_turns_are_the_tokens_the_engine_saw(stack: pathlib.Path, hud_python: str,
-                                                           tmp_path: pathlib.Path) -> None:
+def test_hud_agent_tool_turns_are_the_tokens_the_engine_saw(
+    stack: pathlib.Path, hud_python: str, tmp_path: pathlib.Path
+) -> None:
     """A HUD agent calls the environment's MCP tool and answers on a later turn (the model was first taught to
     call it, on the exact prompt the agent sends): each turn's prompt is the previous prompt and answer plus the
     tool result's tokens (the gateway honours prompt_token_ids + continuation_from), and the samples the agent
@@ -176,8 +198,11 @@ def test_hud_agent_tool_turns_are_the_tokens_the_engine_saw(stack: pathlib.Path,
 
     async def teach(prompt: list[int], target: list[int]) -> None:
         async with connect(stack) as client:
-            datum = Datum(input_tokens=(prompt + target)[:-1], target_tokens=(prompt + target)[1:],
-                          weights=[0.0] * (len(prompt) - 1) + [1.0] * len(target))
+            datum = Datum(
+                input_tokens=(prompt + target)[:-1],
+                target_tokens=(prompt + target)[1:],
+                weights=[0.0] * (len(prompt) - 1) + [1.0] * len(target),
+            )
             for _ in range(100):  # cross_entropy on one sequence: ~75 steps learn it
                 await client.forward_backward(datums=[datum], loss_fn="cross_entropy", model="hud-tools")
                 step = await client.optim_step(1e-2, model="hud-tools")
@@ -203,7 +228,7 @@ def test_hud_agent_tool_turns_are_the_tokens_the_engine_saw(stack: pathlib.Path,
         assert len(samples) >= 2, run  # a tool call, then a turn after its result
         for before, after in zip(samples, samples[1:]):
             context = before["prompt_token_ids"] + before["output_token_ids"]
-            assert after["prompt_token_ids"][:len(context)] == context
+            assert after["prompt_token_ids"][: len(context)] == context
             assert len(after["prompt_token_ids"]) > len(context)  # the tool result's tokens
 
     async def check() -> None:
@@ -226,11 +251,17 @@ def test_yieldloop_train_trains_the_hud_environment(stack: pathlib.Path, tmp_pat
     `yieldloop train`."""
     asyncio.run(_fork(stack, "hud-env-model"))
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"env": "hud-letters", "scenario": "repeat", "args": {"letter": letter}}) + "\n"
-                             for letter in "abcd"))
+    tasks.write_text(
+        "".join(
+            json.dumps({"env": "hud-letters", "scenario": "repeat", "args": {"letter": letter}}) + "\n"
+            for letter in "abcd"
+        )
+    )
     config = tmp_path / "train.toml"
-    config.write_text(f'model = "hud-env-model"\ntrain_tasks = "{tasks}"\nheldout_tasks = ""\nsteps = 2\n'
-                      'group_size = 4\nmax_tokens = 8\nname = "hud-env-train"\n')
+    config.write_text(
+        f'model = "hud-env-model"\ntrain_tasks = "{tasks}"\nheldout_tasks = ""\nsteps = 2\n'
+        'group_size = 4\nmax_tokens = 8\nname = "hud-env-train"\n'
+    )
     env = {**os.environ, "COLUMNS": "250", "YIELDLOOP_DATA_DIR": str(stack)}
     trained = subprocess.run([YIELDLOOP, "train", str(config)], capture_output=True, text=True, env=env, timeout=600)
     assert trained.returncode == 0, trained.stdout + trained.stderr
@@ -296,8 +327,9 @@ def test_hud_environment_beside_the_hud_sdk(hud_python: str) -> None:
     """`pip install 'yieldloop[hud]'`: yieldloop's client and the HUD SDK in one environment (its mcp 1.x): the
     HUD environment played as a yieldloop environment, each episode in a process of its own (the module state of
     one episode does not leak into the next), its tool called through MCP over the control port's tunnel."""
-    done = subprocess.run([hud_python, "-c", PLAY_EPISODES, str(HUD_DIR / "letters_env.py")],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [hud_python, "-c", PLAY_EPISODES, str(HUD_DIR / "letters_env.py")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["name"] == "hud-letters" and out["scenarios"] == ["repeat", "tool_calls"] and out["tools"] == ["count"]

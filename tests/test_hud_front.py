@@ -8,8 +8,10 @@ import pytest
 
 from yieldloop.client import Client
 
-TRAJECTORY = {"samples": [{"prompt_token_ids": [1, 40, 41], "output_token_ids": [42, 43],
-                           "output_logprobs": [-1.0, -2.0]}], "reward": 1.0}
+TRAJECTORY = {
+    "samples": [{"prompt_token_ids": [1, 40, 41], "output_token_ids": [42, 43], "output_logprobs": [-1.0, -2.0]}],
+    "reward": 1.0,
+}
 
 
 async def request(stack, method: str, path: str, key: str | None, body: object = None) -> tuple[int, object]:
@@ -23,8 +25,15 @@ async def test_catalog_lists_what_the_key_may_see(stack, client: Client) -> None
     status, page = await request(stack, "GET", "/v2/models?limit=100&offset=0", stack.api_key)
     assert status == 200 and page["total"] == len(page["items"]) >= 1
     tiny = next(item for item in page["items"] if item["id"] == "tiny")
-    assert tiny == {"id": "tiny", "name": "tiny", "model_name": "tiny", "sdk_agent_type": "openai_compatible",
-                    "is_trainable": True, "provider": {"name": "yieldloop"}, "created_at": tiny["created_at"]}
+    assert tiny == {
+        "id": "tiny",
+        "name": "tiny",
+        "model_name": "tiny",
+        "sdk_agent_type": "openai_compatible",
+        "is_trainable": True,
+        "provider": {"name": "yieldloop"},
+        "created_at": tiny["created_at"],
+    }
     status, one = await request(stack, "GET", "/v2/models/resolve?model=TINY", stack.api_key)
     assert status == 200 and one["id"] == "tiny"
     status, page = await request(stack, "GET", "/v2/models?limit=1&offset=0", stack.api_key)
@@ -46,8 +55,17 @@ async def test_training_routes_validate_strictly_and_answer_typed(stack, client:
     for body, field in [
         ({"inputs": inputs, "group_size": 2, "lr": 1}, "lr"),  # the SDK's models forbid unknown fields; so do we
         ({"inputs": inputs, "group_size": 3}, "group_size"),
-        ({"inputs": [{**TRAJECTORY, "samples": [{"prompt_token_ids": [1], "output_token_ids": [2, 3],
-                                                  "output_logprobs": [-1.0]}]}]}, "inputs[0].samples[0].output_logprobs"),
+        (
+            {
+                "inputs": [
+                    {
+                        **TRAJECTORY,
+                        "samples": [{"prompt_token_ids": [1], "output_token_ids": [2, 3], "output_logprobs": [-1.0]}],
+                    }
+                ]
+            },
+            "inputs[0].samples[0].output_logprobs",
+        ),
         ({"inputs": [{**TRAJECTORY, "reward": "high"}]}, "inputs[0].reward"),
         ({"inputs": []}, "inputs"),
         ({"inputs": inputs, "loss_fn_config": {"clip": "x"}}, "loss_fn_config.clip"),
@@ -65,15 +83,18 @@ async def test_training_routes_validate_strictly_and_answer_typed(stack, client:
     assert set(datum) == {"reward", "traj_idx", "group_idx", "logprobs", "sampling_logprobs", "mask"}
     assert len(datum["logprobs"]) == len(datum["mask"]) == 4 and datum["mask"][-2:] == [1.0, 1.0]
     weights = [[0.0] * 4, [0.0] * 3]
-    status, error = await request(stack, "POST", f"{base}/backward", key, {"forward_id": forward["forward_id"],
-                                                                          "weights": weights})
+    status, error = await request(
+        stack, "POST", f"{base}/backward", key, {"forward_id": forward["forward_id"], "weights": weights}
+    )
     assert status == 400 and error["error"]["param"] == "weights[1]"
     weights[1] = [0.0, 0.0, 0.5, 0.5]
-    status, done = await request(stack, "POST", f"{base}/backward", key, {"forward_id": forward["forward_id"],
-                                                                         "weights": weights})
+    status, done = await request(
+        stack, "POST", f"{base}/backward", key, {"forward_id": forward["forward_id"], "weights": weights}
+    )
     assert status == 200 and done["num_datums"] == 2
-    status, error = await request(stack, "POST", f"{base}/backward", key, {"forward_id": forward["forward_id"],
-                                                                          "weights": weights})
+    status, error = await request(
+        stack, "POST", f"{base}/backward", key, {"forward_id": forward["forward_id"], "weights": weights}
+    )
     assert status == 404 and error["error"]["code"] == "forward_not_found"  # each forward pass is used once
 
     status, error = await request(stack, "POST", f"{base}/optim-step", key, {"learning_rate": 0})
@@ -91,8 +112,9 @@ async def test_training_routes_validate_strictly_and_answer_typed(stack, client:
     assert status == 200 and (await client.get_head("hud-front-model")).checkpoint_id == "base"
     status, error = await request(stack, "PUT", "/v2/models/hud-front-model/head", key, {"checkpoint_id": "nope"})
     assert status == 404 and error["error"]["code"] == "checkpoint_not_found"
-    status, error = await request(stack, "POST", "/v2/models/fork", key,
-                                  {"source_model_id": "tiny", "name": "hud-front-model"})
+    status, error = await request(
+        stack, "POST", "/v2/models/fork", key, {"source_model_id": "tiny", "name": "hud-front-model"}
+    )
     assert status == 409 and error["error"]["code"] == "model_already_exists"
 
 
@@ -118,13 +140,20 @@ async def test_keys_roles_and_teams(stack, client: Client) -> None:
     assert status == 403 and error["error"]["code"] == "model_not_owned"
     status, forward = await request(stack, "POST", "/v1/models/hud-a/train/forward", a, body)
     assert status == 200
-    status, error = await request(stack, "POST", "/v1/models/hud-a/train/backward", b,
-                                  {"forward_id": forward["forward_id"], "weights": [[0.0] * 4] * 2})
+    status, error = await request(
+        stack,
+        "POST",
+        "/v1/models/hud-a/train/backward",
+        b,
+        {"forward_id": forward["forward_id"], "weights": [[0.0] * 4] * 2},
+    )
     assert status in (403, 404)
 
     # A trace belongs to the team that opened it; its exit records a run only that team reads back.
     trace_id = "ab" * 16
-    assert (await request(stack, "POST", f"/v2/trace/{trace_id}/enter", a, {"task_slug": "t", "model": "hud-a"}))[0] == 200
+    assert (await request(stack, "POST", f"/v2/trace/{trace_id}/enter", a, {"task_slug": "t", "model": "hud-a"}))[
+        0
+    ] == 200
     status, error = await request(stack, "POST", f"/v2/trace/{trace_id}/exit", b, {"reward": 1.0})
     assert status == 403 and error["error"]["code"] == "run_not_owned"
     status, done = await request(stack, "POST", f"/v2/trace/{trace_id}/exit", a, {"reward": 0.5, "status": "completed"})
@@ -147,25 +176,43 @@ async def test_gateway_records_samples_under_the_trace_id(stack, client: Client)
     key = stack.api_key
     messages = [{"role": "user", "content": [{"type": "text", "text": "Say a."}]}]
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}", "Trace-Id": trace_id}) as http:
-        async with http.post(stack.hud_url + "/v1/chat/completions", json={
-                "model": "tiny", "messages": messages, "max_tokens": 3, "logprobs": True,
-                "return_token_ids": True}) as response:
+        async with http.post(
+            stack.hud_url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, "max_tokens": 3, "logprobs": True, "return_token_ids": True},
+        ) as response:
             assert response.status == 200
             first = (await response.json())["choices"][0]
         assert first["prompt_token_ids"] and first["token_ids"]
         assert len(first["logprobs"]["content"]) == len(first["token_ids"])
-        messages += [{"role": "assistant", "content": first["message"]["content"] or ""},
-                     {"role": "user", "content": "Again."}]
+        messages += [
+            {"role": "assistant", "content": first["message"]["content"] or ""},
+            {"role": "user", "content": "Again."},
+        ]
         previous = first["prompt_token_ids"] + first["token_ids"]
-        async with http.post(stack.hud_url + "/v1/chat/completions", json={
-                "model": "tiny", "messages": messages, "max_tokens": 3, "logprobs": True,
-                "prompt_token_ids": previous, "continuation_from": 2}) as response:
+        async with http.post(
+            stack.hud_url + "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": messages,
+                "max_tokens": 3,
+                "logprobs": True,
+                "prompt_token_ids": previous,
+                "continuation_from": 2,
+            },
+        ) as response:
             assert response.status == 200
             second = (await response.json())["choices"][0]
-        assert second["prompt_token_ids"][:len(previous)] == previous
-        async with http.post(stack.hud_url + "/v1/chat/completions", json={
-                "model": "tiny", "messages": messages, "max_tokens": 3, "prompt_token_ids": previous,
-                "continuation_from": 1}) as response:
+        assert second["prompt_token_ids"][: len(previous)] == previous
+        async with http.post(
+            stack.hud_url + "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": messages,
+                "max_tokens": 3,
+                "prompt_token_ids": previous,
+                "continuation_from": 1,
+            },
+        ) as response:
             assert response.status == 400
             assert (await response.json())["error"]["param"] == "continuation_from"
     status, done = await request(stack, "POST", f"/v2/trace/{trace_id}/exit", key, {"reward": 1.0})
@@ -195,10 +242,12 @@ async def test_trace_ids_are_owned_like_runs(stack, client: Client) -> None:
     async with Client(**stack.addresses, api_key=a, timeout=60) as a_client:
         [run] = [r async for r in a_client.stream_rollouts(tasks("a"), group_size=1)]
     before = (await client.get_runs([run.trace_id]))[0]
-    for method, path, body in [("POST", f"/v2/trace/{run.trace_id}/exit", {"reward": 0.0}),
-                               ("POST", f"/v2/trace/{run.trace_id}/enter", {"task_slug": "ghost"}),
-                               ("POST", f"/v3/api/trace/{run.trace_id}/telemetry-upload", {"telemetry": [{"x": 1}]}),
-                               ("POST", f"/v3/api/trace/{exited}/telemetry-upload", {"telemetry": [{"x": 1}]})]:
+    for method, path, body in [
+        ("POST", f"/v2/trace/{run.trace_id}/exit", {"reward": 0.0}),
+        ("POST", f"/v2/trace/{run.trace_id}/enter", {"task_slug": "ghost"}),
+        ("POST", f"/v3/api/trace/{run.trace_id}/telemetry-upload", {"telemetry": [{"x": 1}]}),
+        ("POST", f"/v3/api/trace/{exited}/telemetry-upload", {"telemetry": [{"x": 1}]}),
+    ]:
         status, error = await request(stack, method, path, b, body)
         assert status == 403 and error["error"]["code"] == "run_not_owned", (path, error)
     assert (await client.get_runs([run.trace_id]))[0] == before, "nothing recorded over the rollout's run"

@@ -7,6 +7,7 @@ import hashlib
 import pathlib
 
 import pytest
+from test_training_safety import good_batch
 
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
@@ -15,11 +16,10 @@ from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig
 from yieldloop_server.stack import InProcessStack
 from yieldloop_server.store import open_store
 
-from test_training_safety import good_batch
 
-
-def build_llama(folder: pathlib.Path, *, chat_template: bool = True, safetensors: bool = True,
-                num_hidden_layers: int = 2) -> pathlib.Path:
+def build_llama(
+    folder: pathlib.Path, *, chat_template: bool = True, safetensors: bool = True, num_hidden_layers: int = 2
+) -> pathlib.Path:
     """A small Llama (not the built-in Qwen2) in Hugging Face format, made offline: head size 32."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -30,9 +30,17 @@ def build_llama(folder: pathlib.Path, *, chat_template: bool = True, safetensors
     if not chat_template:
         tokenizer.chat_template = None
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(1)
     model = LlamaForCausalLM(config)
@@ -60,7 +68,12 @@ def _keys(stack, slug: str) -> list[str]:
 async def test_import_records_the_model_and_stores_safetensors_as_they_are(stack, client: Client, llama) -> None:
     done = await client.import_model(str(llama), "imported-llama", owner="team-a")
     model = done.model
-    assert (model.slug, model.base, model.owner, model.source) == ("imported-llama", "imported-llama", "team-a", str(llama))
+    assert (model.slug, model.base, model.owner, model.source) == (
+        "imported-llama",
+        "imported-llama",
+        "team-a",
+        str(llama),
+    )
     assert model.architecture == "LlamaForCausalLM" and model.dtype == "float32" and model.has_chat_template
     assert model.num_parameters == sum(p.numel() for p in _load(llama).parameters())
     assert done.head.checkpoint_id == "base" and done.head.sequence == 1
@@ -104,10 +117,12 @@ async def test_import_without_chat_template_from_pytorch_weights_and_from_the_hu
     assert done.model.source == "acme/tiny-llama" and done.model.architecture == "LlamaForCausalLM"
 
 
-@pytest.mark.parametrize("case", ["no-weights", "no-tokenizer", "no-config", "wrong-shape", "unknown-hub-id",
-                                  "slug-exists", "invalid-slug"])
-async def test_bad_imports_fail_typed_and_write_nothing(stack, client: Client, llama, tmp_path: pathlib.Path,
-                                                        case: str) -> None:
+@pytest.mark.parametrize(
+    "case", ["no-weights", "no-tokenizer", "no-config", "wrong-shape", "unknown-hub-id", "slug-exists", "invalid-slug"]
+)
+async def test_bad_imports_fail_typed_and_write_nothing(
+    stack, client: Client, llama, tmp_path: pathlib.Path, case: str
+) -> None:
     import shutil
 
     source, name = tmp_path / "bad", f"bad-{case}"
@@ -182,8 +197,9 @@ async def test_a_model_without_chat_template_rolls_out_raw_text(tmp_path_factory
     from yieldloop.types import PromptFormat, RunStatus
 
     folder = build_llama(tmp_path_factory.mktemp("src") / "plain-base", chat_template=False)
-    stack = InProcessStack(StackConfig(data_dir=tmp_path_factory.mktemp("plain-stack"), model=str(folder),
-                                       env=EnvOptions(workers=0)))
+    stack = InProcessStack(
+        StackConfig(data_dir=tmp_path_factory.mktemp("plain-stack"), model=str(folder), env=EnvOptions(workers=0))
+    )
     await stack.start()
     try:
         async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
@@ -201,8 +217,9 @@ async def test_a_model_without_chat_template_rolls_out_raw_text(tmp_path_factory
             async with http.post(f"{base_url}/chat/completions", json=body) as response:
                 assert response.status == 400
                 assert (await response.json())["error"]["code"] == "no_chat_template"
-            async with http.post(f"{base_url}/completions",
-                                 json={"model": "plain-base", "prompt": "40 + 2 =", "max_tokens": 4}) as response:
+            async with http.post(
+                f"{base_url}/completions", json={"model": "plain-base", "prompt": "40 + 2 =", "max_tokens": 4}
+            ) as response:
                 assert response.status == 200
     finally:
         await stack.stop()
@@ -221,8 +238,9 @@ async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too
     finally:
         await stack.stop()
     # Room for one tiny-sized model's weights (and at most four engines by count).
-    budget = StackConfig(data_dir=data_dir, env=EnvOptions(workers=0),
-                         rollout=RolloutOptions(max_models=4, memory_budget_mb=1))
+    budget = StackConfig(
+        data_dir=data_dir, env=EnvOptions(workers=0), rollout=RolloutOptions(max_models=4, memory_budget_mb=1)
+    )
     assert tiny.size_bytes < 1_000_000 < 2 * tiny.size_bytes
     stack = InProcessStack(budget)
     await stack.start()
@@ -239,7 +257,10 @@ async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too
             base_url = (await client.get_serving_info()).openai_base_url
         import aiohttp
 
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"}) as http, http.get(f"{base_url}/models") as response:
+        async with (
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"}) as http,
+            http.get(f"{base_url}/models") as response,
+        ):
             loaded = {card["id"] for card in (await response.json())["data"] if card["weight_version"]}
         assert loaded == {"tiny"}  # budget-fork was unloaded to make room
     finally:
@@ -269,8 +290,13 @@ async def test_nobody_imports_what_is_not_theirs(tmp_path_factory, llama) -> Non
     shutil.copytree(llama, roots / "allowed")
     from yieldloop_server.config import CheckpointOptions
 
-    stack = InProcessStack(StackConfig(data_dir=data_dir, env=EnvOptions(workers=0),
-                                       checkpoint=CheckpointOptions(import_roots=(str(roots), str(data_dir)))))
+    stack = InProcessStack(
+        StackConfig(
+            data_dir=data_dir,
+            env=EnvOptions(workers=0),
+            checkpoint=CheckpointOptions(import_roots=(str(roots), str(data_dir))),
+        )
+    )
     await stack.start()
     try:
         async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as admin:
@@ -293,8 +319,12 @@ async def test_nobody_imports_what_is_not_theirs(tmp_path_factory, llama) -> Non
                 assert mine.model.owner == "thief" and mine.model.source == str(llama)
             # Admin keys: only under a root, never the stack's own folders, symlinks resolved first.
             os.symlink(downloaded, roots / "link-into-data")
-            for path, reason in ((downloaded, "IMPORT_PATH_REFUSED"), (roots / "link-into-data", "IMPORT_PATH_REFUSED"),
-                                 (roots / ".." / "elsewhere", "IMPORT_PATH_REFUSED"), (llama, "IMPORT_PATH_REFUSED")):
+            for path, reason in (
+                (downloaded, "IMPORT_PATH_REFUSED"),
+                (roots / "link-into-data", "IMPORT_PATH_REFUSED"),
+                (roots / ".." / "elsewhere", "IMPORT_PATH_REFUSED"),
+                (llama, "IMPORT_PATH_REFUSED"),
+            ):
                 err = await _import_on_server(admin, str(path), "by-path")
                 assert isinstance(err, errors.PermissionDeniedError) and err.reason == reason, (path, err)
             assert await _import_on_server(admin, str(roots / "allowed"), "by-path") is None
@@ -316,7 +346,7 @@ async def test_an_upload_is_checked_file_by_file(stack, client: Client, llama) -
     async def send(requests) -> errors.YieldloopError:
         try:
             await client.checkpoint_stub.UploadModel(iter(list(requests)), timeout=60)
-        except Exception as err:  # noqa: BLE001  (the grpc error, typed below)
+        except Exception as err:
             return error_from_rpc(err)
         raise AssertionError("accepted")
 

@@ -6,13 +6,27 @@ import ast
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ROOTS = {"yieldloop": REPO / "clients" / "python" / "yieldloop", "yieldloop_server": REPO / "services" / "yieldloop_server"}
+ROOTS = {
+    "yieldloop": REPO / "clients" / "python" / "yieldloop",
+    "yieldloop_server": REPO / "services" / "yieldloop_server",
+}
 DOMAIN_MODULES = [
-    "yieldloop_server.trainer.trainer", "yieldloop_server.trainer.losses", "yieldloop_server.trainer.session",
-    "yieldloop_server.checkpoint.registry", "yieldloop_server.checkpoint.files", "yieldloop_server.rollout.rollouts",
-    "yieldloop_server.rollout.agent", "yieldloop_server.rollout.weights", "yieldloop_server.store.base",
-    "yieldloop_server.store.fs", "yieldloop_server.store.s3", "yieldloop_server.store.traces",
-    "yieldloop.groups", "yieldloop.types", "yieldloop.environment", "yieldloop.episode",
+    "yieldloop_server.trainer.trainer",
+    "yieldloop_server.trainer.losses",
+    "yieldloop_server.trainer.session",
+    "yieldloop_server.checkpoint.registry",
+    "yieldloop_server.checkpoint.files",
+    "yieldloop_server.rollout.rollouts",
+    "yieldloop_server.rollout.agent",
+    "yieldloop_server.rollout.weights",
+    "yieldloop_server.store.base",
+    "yieldloop_server.store.fs",
+    "yieldloop_server.store.s3",
+    "yieldloop_server.store.traces",
+    "yieldloop.groups",
+    "yieldloop.types",
+    "yieldloop.environment",
+    "yieldloop.episode",
 ]
 
 
@@ -87,8 +101,11 @@ def test_no_import_cycles() -> None:
 
 def test_imports_go_one_way() -> None:
     graph = _graph()
-    client_to_server = {m: sorted(i for i in deps if i.startswith("yieldloop_server"))
-                        for m, deps in graph.items() if m.startswith("yieldloop.")}
+    client_to_server = {
+        m: sorted(i for i in deps if i.startswith("yieldloop_server"))
+        for m, deps in graph.items()
+        if m.startswith("yieldloop.")
+    }
     assert not {m: d for m, d in client_to_server.items() if d}, "the client distribution imports the server"
     servicers = {m for m in graph if m.endswith(".servicer")}
     for module, deps in graph.items():
@@ -105,8 +122,21 @@ def test_domain_modules_import_neither_grpc_nor_generated_code() -> None:
         tree = ast.parse(modules[name].read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-        wire = sorted(m for m in imported if m.split(".")[0] in ("grpc", "grpc_status", "google")
-                      or m.startswith("yieldloop.proto") or m in ("yieldloop.convert", "yieldloop.client"))
-        allowed = {"yieldloop.client"} if name in ("yieldloop_server.rollout.rollouts", "yieldloop_server.rollout.weights",
-                                                   "yieldloop_server.trainer.session") else set()
+        wire = sorted(
+            m
+            for m in imported
+            if m.split(".")[0] in ("grpc", "grpc_status", "google")
+            or m.startswith("yieldloop.proto")
+            or m in ("yieldloop.convert", "yieldloop.client")
+        )
+        allowed = (
+            {"yieldloop.client"}
+            if name
+            in (
+                "yieldloop_server.rollout.rollouts",
+                "yieldloop_server.rollout.weights",
+                "yieldloop_server.trainer.session",
+            )
+            else set()
+        )
         assert not set(wire) - allowed, f"{name} imports the wire: {wire}"

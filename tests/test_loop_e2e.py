@@ -8,9 +8,9 @@ import json
 import pytest
 
 from yieldloop.client import Client, sampling_params
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.envs.letters import letter_reward, tasks
 from yieldloop.loop import LoopConfig, closed_loop
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 
 MODEL = "tiny"
 PROMPT = [1, 40, 41, 42, 43]
@@ -110,7 +110,9 @@ async def weights_health(stack) -> str:
     from yieldloop_server.rollout.server import WEIGHTS_HEALTH
 
     async with grpc.aio.insecure_channel(stack.addresses["rollout"]) as channel:
-        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=WEIGHTS_HEALTH))
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=WEIGHTS_HEALTH)
+        )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 

@@ -62,8 +62,9 @@ async def test_no_stall_on_a_huge_prompt(lag_stack) -> None:
             # 4 MB: refused by its length alone; 120 KB: tokenized (in a worker thread), then refused.
             for text in ["letters " * 500_000, "letters " * 15_000] * 2:
                 with pytest.raises(errors.InvalidArgumentError) as err:
-                    await client.generate(messages=[{"role": "user", "content": text}],
-                                          sampling=sampling_params(max_tokens=2))
+                    await client.generate(
+                        messages=[{"role": "user", "content": text}], sampling=sampling_params(max_tokens=2)
+                    )
                 assert err.value.reason == "PROMPT_TOO_LONG"
         lags.append(probe.worst)
         if probe.worst < MAX_LAG_S:
@@ -86,9 +87,15 @@ async def test_no_stall_listing_300_checkpoints_over_s3(lag_stack) -> None:
             key = f"models/deep/checkpoints/c{i:03d}/model.safetensors"
             data = str(i).encode()
             store.put_bytes(key, data)
-            manifests.append(Manifest("deep", f"c{i:03d}", [ObjectInfo("model.safetensors", len(data),
-                                                                       hashlib.sha256(data).hexdigest(), key)],
-                                      parent_checkpoint_id=f"c{i - 1:03d}" if i else "base", step=i + 1))
+            manifests.append(
+                Manifest(
+                    "deep",
+                    f"c{i:03d}",
+                    [ObjectInfo("model.safetensors", len(data), hashlib.sha256(data).hexdigest(), key)],
+                    parent_checkpoint_id=f"c{i - 1:03d}" if i else "base",
+                    step=i + 1,
+                )
+            )
         return manifests
 
     for manifest in await asyncio.to_thread(commit_many):
@@ -98,13 +105,16 @@ async def test_no_stall_listing_300_checkpoints_over_s3(lag_stack) -> None:
         probe = LagProbe()
         async with probe.measuring():
             start = time.perf_counter()
-            listed = await asyncio.gather(*(client.list_checkpoints("deep") for _ in range(3)),
-                                          client.get_head("tiny"), client.list_models())
+            listed = await asyncio.gather(
+                *(client.list_checkpoints("deep") for _ in range(3)), client.get_head("tiny"), client.list_models()
+            )
             took = time.perf_counter() - start
         assert len(listed[0].checkpoints) == 301
         lags.append(probe.worst)
         if probe.worst < MAX_LAG_S:
             break
-    print(f"3 x ListCheckpoints of 301 over S3 in {took:.2f} s: worst loop lag per attempt "
-          f"{[round(lag * 1000, 1) for lag in lags]} ms")
+    print(
+        f"3 x ListCheckpoints of 301 over S3 in {took:.2f} s: worst loop lag per attempt "
+        f"{[round(lag * 1000, 1) for lag in lags]} ms"
+    )
     assert min(lags) < MAX_LAG_S

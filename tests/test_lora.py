@@ -21,22 +21,27 @@ PROMPT = [1, 40, 41, 42, 43, 44]
 
 async def sample(client: Client, model: str, seeds=(1, 2, 3), max_tokens: int = 16):
     return [
-        await client.generate(PROMPT, model=model, sampling=sampling_params(
-            max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True))
+        await client.generate(
+            PROMPT,
+            model=model,
+            sampling=sampling_params(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True),
+        )
         for seed in seeds
     ]
 
 
 def as_datums(completions) -> list[common_pb.Datum]:
-    return [common_pb.Datum(input_tokens=(PROMPT + c.token_ids)[:-1], target_tokens=(PROMPT + c.token_ids)[1:])
-            for c in completions]
+    return [
+        common_pb.Datum(input_tokens=(PROMPT + c.token_ids)[:-1], target_tokens=(PROMPT + c.token_ids)[1:])
+        for c in completions
+    ]
 
 
 async def worst_gap(client: Client, model: str, completions) -> float:
     learner = await client.forward(datums=as_datums(completions), model=model)
     worst = 0.0
     for completion, logprobs in zip(completions, learner, strict=True):
-        part = logprobs[len(PROMPT) - 1:]
+        part = logprobs[len(PROMPT) - 1 :]
         assert len(part) == len(completion.logprobs)
         worst = max(worst, max(abs(a - b) for a, b in zip(part, completion.logprobs, strict=True)))
     return worst
@@ -47,8 +52,12 @@ async def test_lora_fork_trains_its_adapter_and_is_served_by_its_base_engine(sta
     forked = await client.fork_model("tiny", "lora-a", lora=LoraConfig(8))
     assert forked.head.checkpoint_id == "adapter-init"
     info = await client.get_model("lora-a")
-    assert (info.kind, info.lora.alpha, info.adapter_base_model, info.adapter_base_checkpoint_id) == \
-        ("lora r=8", 16.0, "tiny", base_head)
+    assert (info.kind, info.lora.alpha, info.adapter_base_model, info.adapter_base_checkpoint_id) == (
+        "lora r=8",
+        16.0,
+        "tiny",
+        base_head,
+    )
 
     # A fresh adapter (B = 0) samples exactly like its base.
     base = await sample(client, "tiny", seeds=(1,))
@@ -69,21 +78,24 @@ async def test_lora_fork_trains_its_adapter_and_is_served_by_its_base_engine(sta
     objects = {o.name: o.size for o in (await client.get_checkpoint("lora-a", head)).objects}
     assert set(objects) == {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"}
     weights = {o.name: o.size for o in (await client.get_checkpoint("tiny", base_head)).objects}["model.safetensors"]
-    print(f"LoRA r=8 checkpoint {sum(objects.values()):,} bytes (adapter {objects['adapter_model.safetensors']:,}) "
-          f"vs the full model's weights {weights:,}")
+    print(
+        f"LoRA r=8 checkpoint {sum(objects.values()):,} bytes (adapter {objects['adapter_model.safetensors']:,}) "
+        f"vs the full model's weights {weights:,}"
+    )
     assert objects["adapter_model.safetensors"] < weights / 4
     assert (await client.get_model("lora-a")).size_bytes == objects["adapter_model.safetensors"]
 
     # Served by the base's engine, loaded once: the adapter's reloads never reloaded the base.
     serving = await client.get_serving_info(wait_for_checkpoint_id=head, model="lora-a")
-    assert (serving.weight_version, serving.adapter_base, serving.engine_weight_loads) == \
-        (head, f"tiny@{base_head}", 1)
+    assert (serving.weight_version, serving.adapter_base, serving.engine_weight_loads) == (head, f"tiny@{base_head}", 1)
 
     # The sampler's logprobs of the trained adapter equal the trainer's on the same tokens.
     trained = await sample(client, "lora-a")
     assert {c.weight_version for c in trained} == {head}
     worst = await worst_gap(client, "lora-a", trained)
-    print(f"LoRA fork: max |rollout - trainer| logprob {worst:.2e} over {sum(len(c.token_ids) for c in trained)} tokens")
+    print(
+        f"LoRA fork: max |rollout - trainer| logprob {worst:.2e} over {sum(len(c.token_ids) for c in trained)} tokens"
+    )
     assert worst < TOLERANCE
     # ... and the adapter matters: the base scores those tokens differently.
     base_scores = await client.forward(datums=as_datums(trained), model="tiny")
@@ -91,8 +103,9 @@ async def test_lora_fork_trains_its_adapter_and_is_served_by_its_base_engine(sta
     assert max(abs(a - b) for x, y in zip(base_scores, lora_scores) for a, b in zip(x, y)) > 1e-2
 
     # A candidate checkpoint of the fork is sampled on the same base engine, beside its head.
-    candidates = [run async for run in client.stream_rollouts(tasks("ab"), model="lora-a",
-                                                              checkpoint_id="adapter-init")]
+    candidates = [
+        run async for run in client.stream_rollouts(tasks("ab"), model="lora-a", checkpoint_id="adapter-init")
+    ]
     assert {turn.weight_version for run in candidates for turn in run.turns} == {"adapter-init"}
     assert (await client.get_serving_info(model="lora-a")).engine_weight_loads == 1
 
@@ -127,14 +140,17 @@ async def test_two_forks_trained_concurrently_from_two_clients(stack, client: Cl
     assert "model.safetensors" not in names and "adapter_model.safetensors" in names
 
 
-@pytest.mark.parametrize("source, name, lora, reason", [
-    ("tiny", "bad-rank", LoraConfig(0), "INVALID_FIELD"),
-    ("tiny", "bad-alpha", LoraConfig(8, float("nan")), "INVALID_FIELD"),
-    ("tiny", "bad-target", LoraConfig(8, 16.0, ("q_proj; rm",)), "INVALID_FIELD"),
-    ("tiny@no-such-checkpoint", "bad-ckpt", LoraConfig(8), "CHECKPOINT_NOT_FOUND"),
-    ("no-such-model", "bad-src", LoraConfig(8), "MODEL_NOT_FOUND"),
-    ("tiny", "bad/slug", LoraConfig(8), "INVALID_FIELD"),
-])
+@pytest.mark.parametrize(
+    "source, name, lora, reason",
+    [
+        ("tiny", "bad-rank", LoraConfig(0), "INVALID_FIELD"),
+        ("tiny", "bad-alpha", LoraConfig(8, float("nan")), "INVALID_FIELD"),
+        ("tiny", "bad-target", LoraConfig(8, 16.0, ("q_proj; rm",)), "INVALID_FIELD"),
+        ("tiny@no-such-checkpoint", "bad-ckpt", LoraConfig(8), "CHECKPOINT_NOT_FOUND"),
+        ("no-such-model", "bad-src", LoraConfig(8), "MODEL_NOT_FOUND"),
+        ("tiny", "bad/slug", LoraConfig(8), "INVALID_FIELD"),
+    ],
+)
 async def test_bad_lora_forks_are_refused_and_write_nothing(client: Client, source, name, lora, reason) -> None:
     before = {m.slug for m in (await client.list_models()).models}
     with pytest.raises(errors.YieldloopError) as err:
@@ -157,12 +173,15 @@ async def test_forks_of_a_lora_fork_keep_its_adapter(client: Client) -> None:
 def make_adapter(base: pathlib.Path, out: pathlib.Path, seed: int, targets="all-linear", rank: int = 8) -> pathlib.Path:
     """A trained-looking peft adapter of the tiny model (B drawn at random, not zero)."""
     import torch
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           PeftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        PeftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0),
+    )
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.1)
@@ -207,10 +226,17 @@ async def test_engines_apply_adapters_per_request(kind: str, tiny_model_dir: pat
         await engine.load_adapter("b", folders["b"], "b-1")
 
         async def run(adapter: str, seed: int):
-            deltas = [d async for d in engine.generate(
-                PROMPT, SamplingConfig(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True), adapter=adapter)]
-            return [t for d in deltas for t in d.token_ids], [x for d in deltas for x in d.logprobs], \
-                {d.weight_version for d in deltas}
+            deltas = [
+                d
+                async for d in engine.generate(
+                    PROMPT, SamplingConfig(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True), adapter=adapter
+                )
+            ]
+            return (
+                [t for d in deltas for t in d.token_ids],
+                [x for d in deltas for x in d.logprobs],
+                {d.weight_version for d in deltas},
+            )
 
         jobs = [("", 1), ("a", 2), ("b", 3), ("a", 4), ("", 5)]
         results = await asyncio.gather(*(run(adapter, seed) for adapter, seed in jobs))
@@ -243,6 +269,7 @@ def test_a_lora_fork_in_the_registry(any_store) -> None:
     import json
 
     from test_checkpoints import _commit
+
     from yieldloop.types import Manifest, ModelInfo, ObjectInfo
     from yieldloop_server.checkpoint.registry import CheckpointRegistry
 
@@ -258,11 +285,19 @@ def test_a_lora_fork_in_the_registry(any_store) -> None:
     info, head = registry.fork_model("src@c2", "ad", owner="team", lora=LoraConfig(8, 0.0, ("q_proj", "v_proj")))
     assert head.checkpoint_id == "adapter-init"
     assert registry.get_model("ad") == info
-    assert (info.lora, info.adapter_base_model, info.adapter_base_checkpoint_id, info.kind) == \
-        (LoraConfig(8, 16.0, ("q_proj", "v_proj")), "src", "c2", "lora r=8")
+    assert (info.lora, info.adapter_base_model, info.adapter_base_checkpoint_id, info.kind) == (
+        LoraConfig(8, 16.0, ("q_proj", "v_proj")),
+        "src",
+        "c2",
+        "lora r=8",
+    )
     [config] = registry.get_manifest("ad", "adapter-init").objects
     written = json.loads(any_store.get_bytes(config.key)[0])
-    assert (written["peft_type"], written["r"], written["lora_alpha"], written["target_modules"]) == \
-        ("LORA", 8, 16.0, ["q_proj", "v_proj"])
+    assert (written["peft_type"], written["r"], written["lora_alpha"], written["target_modules"]) == (
+        "LORA",
+        8,
+        16.0,
+        ["q_proj", "v_proj"],
+    )
     assert registry.apply_retention("src", keep_last=1) == []  # c1 was head, c3 is last, c2 holds "ad"'s base
     assert registry.get_manifest("src", "c2").objects == [obj]

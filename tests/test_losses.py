@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from yieldloop.client import Client
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
-from yieldloop_server.common.hf import load_causal_lm
 from yieldloop.groups import group_advantages, runs_to_datums
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.types import Datum, Run, Turn
+from yieldloop_server.common.hf import load_causal_lm
 from yieldloop_server.trainer.trainer import Trainer
 
 
@@ -59,7 +59,6 @@ def reference_loss(model: torch.nn.Module, datums: list[Datum], name: str = "imp
     return total
 
 
-
 @pytest.mark.parametrize("loss", ["importance_sampling", "cross_entropy", "ppo", "cispo", "dro"])
 def test_loss_value_and_gradient_through_the_model(tiny_model_dir: pathlib.Path, loss: str) -> None:
     trainer = Trainer(tiny_model_dir)
@@ -70,7 +69,9 @@ def test_loss_value_and_gradient_through_the_model(tiny_model_dir: pathlib.Path,
     expected = reference_loss(reference, datums, loss)
     expected.backward()
 
-    torch.testing.assert_close(torch.tensor(metrics["loss_sum"], dtype=torch.float64), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(metrics["loss_sum"], dtype=torch.float64), expected.detach(), rtol=1e-5, atol=1e-6
+    )
     ours = dict(trainer.model.named_parameters())
     checked = 0
     for name, param in reference.named_parameters():
@@ -81,7 +82,11 @@ def test_loss_value_and_gradient_through_the_model(tiny_model_dir: pathlib.Path,
         torch.testing.assert_close(ours[name].grad.to(torch.float64), param.grad, rtol=1e-4, atol=1e-5 * scale + 1e-9)
         checked += 1
     assert checked > 10
-    counted = (lambda d: sum(1 for w in d.weights if w)) if loss == "cross_entropy" else (lambda d: sum(1 for a in d.advantages if a))
+    counted = (
+        (lambda d: sum(1 for w in d.weights if w))
+        if loss == "cross_entropy"
+        else (lambda d: sum(1 for a in d.advantages if a))
+    )
     assert metrics["num_action_tokens"] == sum(counted(d) for d in datums)
 
 
@@ -105,12 +110,18 @@ def test_only_action_tokens_are_computed(tiny_model_dir: pathlib.Path, monkeypat
 
     trainer = Trainer(tiny_model_dir)
     datums = random_datums(trainer.vocab_size, seed=2)  # 12, 20 and 7 tokens; actions from 5, 3 and 6
-    idle = Datum(input_tokens=datums[0].input_tokens, target_tokens=datums[0].target_tokens,
-                 sampling_logprobs=datums[0].sampling_logprobs, advantages=[0.0] * 12, weights=[1.0] * 12)
+    idle = Datum(
+        input_tokens=datums[0].input_tokens,
+        target_tokens=datums[0].target_tokens,
+        sampling_logprobs=datums[0].sampling_logprobs,
+        advantages=[0.0] * 12,
+        weights=[1.0] * 12,
+    )
     batches: list[torch.Size] = []
     rows: list[int] = []
-    trainer.model.register_forward_pre_hook(lambda _m, _a, kwargs: batches.append(kwargs["input_ids"].shape),
-                                            with_kwargs=True)
+    trainer.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: batches.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     trainer.model.lm_head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[:-1].numel()))
     metrics = trainer.forward_backward([idle, *datums], "importance_sampling", {})
     assert batches == [torch.Size([3, 20])]  # the idle datum left out

@@ -17,7 +17,9 @@ PROMPT = [1, 40, 41, 42, 43, 44]
 async def oai(client: Client):
     info = await client.get_serving_info()
     assert info.openai_base_url.startswith("http://127.0.0.1:") and info.openai_base_url.endswith("/v1")
-    async with openai.AsyncOpenAI(base_url=info.openai_base_url, api_key=client.transport.api_key, max_retries=0) as oai:
+    async with openai.AsyncOpenAI(
+        base_url=info.openai_base_url, api_key=client.transport.api_key, max_retries=0
+    ) as oai:
         yield oai
 
 
@@ -30,8 +32,15 @@ async def test_models(oai: openai.AsyncOpenAI, client: Client) -> None:
 
 
 async def test_completion_returns_the_sampled_token_ids_and_logprobs(oai: openai.AsyncOpenAI, client: Client) -> None:
-    completion = await oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11,
-                                              logprobs=0, extra_body={"return_token_ids": True})
+    completion = await oai.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        logprobs=0,
+        extra_body={"return_token_ids": True},
+    )
     choice = completion.choices[0]
     token_ids = choice.model_extra["token_ids"]
     assert 1 <= len(token_ids) <= 8 and choice.model_extra["prompt_token_ids"] == PROMPT
@@ -42,10 +51,16 @@ async def test_completion_returns_the_sampled_token_ids_and_logprobs(oai: openai
     assert choice.logprobs.token_logprobs == pytest.approx(same.logprobs, abs=1e-5)
     assert choice.model_extra["weight_version"] == same.weight_version
     # ignore_eos (vLLM's extension): the whole budget, whatever the model would have ended with.
-    full = await oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    full = await oai.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert full.usage.completion_tokens == 8 and full.choices[0].finish_reason == "length"
-    assert full.choices[0].model_extra["token_ids"][:len(token_ids)] == token_ids
+    assert full.choices[0].model_extra["token_ids"][: len(token_ids)] == token_ids
     text = await oai.completions.create(model="tiny", prompt="the a of", max_tokens=4, temperature=0)
     assert text.choices[0].finish_reason in ("stop", "length") and text.model_extra["prompt_token_ids"]
 
@@ -55,25 +70,42 @@ async def test_chat_with_tools_renders_the_template_and_streams(oai: openai.Asyn
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # the stack's base model is made the same way
     messages = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "Write a."}]
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "Looks a word up.",
-                                               "parameters": {"type": "object", "properties": {"w": {"type": "string"}}}}}]
-    chat = await oai.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=6, seed=3,
-                                             logprobs=True)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Looks a word up.",
+                "parameters": {"type": "object", "properties": {"w": {"type": "string"}}},
+            },
+        }
+    ]
+    chat = await oai.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=6, seed=3, logprobs=True
+    )
     rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=False)
     assert chat.model_extra["prompt_token_ids"] == list(rendered)
     choice = chat.choices[0]
     assert len(choice.logprobs.content) == len(choice.model_extra["token_ids"]) == chat.usage.completion_tokens
     # Streaming gives the same tokens (same seed), chunk by chunk, ending with a finish reason.
-    stream = await oai.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=6, seed=3,
-                                               stream=True)
+    stream = await oai.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=6, seed=3, stream=True
+    )
     chunks = [chunk async for chunk in stream]
     assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == choice.model_extra["token_ids"]
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(
+        choice.model_extra["token_ids"], skip_special_tokens=True
+    )
     # An assistant turn with tool calls and the tool result render into the next prompt.
     follow = messages + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"w": "a"})}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"w": "a"})}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "a is a letter"},
     ]
     again = await oai.chat.completions.create(model="tiny", messages=follow, tools=tools, max_tokens=2)
@@ -91,10 +123,20 @@ async def test_chat_with_tools_renders_the_template_and_streams(oai: openai.Asyn
         ({"model": "tiny", "prompt": [1] * 2100, "max_tokens": 2}, openai.BadRequestError),
         ({"model": "tiny", "prompt": [1, 10**6], "max_tokens": 2}, openai.BadRequestError),
         ({"model": "tiny", "prompt": [], "max_tokens": 2}, openai.BadRequestError),
-        ({"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "extra_body": {"ignore_eos": "yes"}}, openai.BadRequestError),
+        (
+            {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "extra_body": {"ignore_eos": "yes"}},
+            openai.BadRequestError,
+        ),
     ],
-    ids=["unknown-model", "max-tokens-zero", "negative-temperature", "prompt-too-long", "token-out-of-vocab",
-         "empty-prompt", "ignore-eos-not-bool"],
+    ids=[
+        "unknown-model",
+        "max-tokens-zero",
+        "negative-temperature",
+        "prompt-too-long",
+        "token-out-of-vocab",
+        "empty-prompt",
+        "ignore-eos-not-bool",
+    ],
 )
 async def test_bad_input_is_an_openai_error(oai: openai.AsyncOpenAI, kwargs: dict, error: type) -> None:
     with pytest.raises(error) as err:
@@ -126,8 +168,10 @@ async def test_slow_clients_hold_nothing() -> None:
         writer.close()
 
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": '
+        )
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head

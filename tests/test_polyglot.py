@@ -68,12 +68,18 @@ def test_a_removed_field_fails_the_breaking_check(tmp_path: pathlib.Path) -> Non
 def test_typescript_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
     require(BUF, "npm install --prefix clients/typescript", "typescript")
     fresh = tmp_path / "gen"
-    made = subprocess.run([str(TS / "generate.sh"), str(fresh)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHON": sys.executable})
+    made = subprocess.run(
+        [str(TS / "generate.sh"), str(fresh)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert made.returncode == 0, made.stderr
     checked_in = {p.relative_to(TS / "gen"): p.read_text() for p in (TS / "gen").rglob("*.ts")}
-    assert checked_in == {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*.ts")}, \
+    assert checked_in == {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*.ts")}, (
         "clients/typescript/gen is stale: run clients/typescript/generate.sh"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +98,11 @@ def stack() -> pathlib.Path:
 
 def _on(stack: pathlib.Path) -> dict[str, str]:
     """The environment of a client that attaches to ``stack`` (and finds `yieldloop` on PATH)."""
-    return {**os.environ, "YIELDLOOP_DATA_DIR": str(stack),
-            "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return {
+        **os.environ,
+        "YIELDLOOP_DATA_DIR": str(stack),
+        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
 
 
 async def _head(stack: pathlib.Path, model: str) -> str:
@@ -109,16 +118,19 @@ def test_typescript_client_against_a_live_stack(stack: pathlib.Path) -> None:
     import asyncio
 
     require(TS / "node_modules" / ".bin" / "tsc", "npm install --prefix clients/typescript", "typescript")
-    done = subprocess.run(["npm", "test", "--silent"], cwd=TS, capture_output=True, text=True, timeout=900,
-                          env=_on(stack))
+    done = subprocess.run(
+        ["npm", "test", "--silent"], cwd=TS, capture_output=True, text=True, timeout=900, env=_on(stack)
+    )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert "# fail 0" in done.stdout, done.stdout[-3000:]
     assert asyncio.run(_head(stack, "ts-fork")).startswith("step-000001-")
 
 
 GO = REPO / "clients" / "go"
-GO_PACKAGES = ("apt-get install golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev "
-               "golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev")
+GO_PACKAGES = (
+    "apt-get install golang-go protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev "
+    "golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev"
+)
 
 
 def test_go_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
@@ -127,8 +139,9 @@ def test_go_code_is_generated_from_the_protos(tmp_path: pathlib.Path) -> None:
     made = subprocess.run([str(GO / "generate.sh"), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     checked_in = {p.relative_to(GO / "gen"): p.read_text() for p in (GO / "gen").rglob("*.go")}
-    assert checked_in == {p.relative_to(tmp_path / "gen"): p.read_text() for p in (tmp_path / "gen").rglob("*.go")}, \
+    assert checked_in == {p.relative_to(tmp_path / "gen"): p.read_text() for p in (tmp_path / "gen").rglob("*.go")}, (
         "clients/go/gen is stale: run clients/go/generate.sh"
+    )
 
 
 def test_go_client_against_a_live_stack(stack: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -140,13 +153,31 @@ def test_go_client_against_a_live_stack(stack: pathlib.Path, tmp_path: pathlib.P
     gopath = tmp_path / "gopath"
     (gopath / "src" / "yieldloop.dev").mkdir(parents=True)
     (gopath / "src" / "yieldloop.dev" / "client").symlink_to(GO)
-    env = {**_on(stack), "GOPATH": f"{gopath}{os.pathsep}/usr/share/gocode", "GO111MODULE": "off", "GOPROXY": "off",
-           "GOFLAGS": "", "GOCACHE": str(tmp_path / "gocache")}
-    vetted = subprocess.run(["go", "vet", "yieldloop.dev/client/yieldloop"], cwd=tmp_path, capture_output=True, text=True, env=env,
-                            timeout=600)
+    env = {
+        **_on(stack),
+        "GOPATH": f"{gopath}{os.pathsep}/usr/share/gocode",
+        "GO111MODULE": "off",
+        "GOPROXY": "off",
+        "GOFLAGS": "",
+        "GOCACHE": str(tmp_path / "gocache"),
+    }
+    vetted = subprocess.run(
+        ["go", "vet", "yieldloop.dev/client/yieldloop"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert vetted.returncode == 0, vetted.stdout + vetted.stderr
-    tested = subprocess.run(["go", "test", "-count=1", "yieldloop.dev/client/yieldloop"], cwd=tmp_path, capture_output=True, text=True,
-                            env=env, timeout=900)
+    tested = subprocess.run(
+        ["go", "test", "-count=1", "yieldloop.dev/client/yieldloop"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert tested.returncode == 0, tested.stdout[-6000:] + tested.stderr[-3000:]
     assert "ok  \tyieldloop.dev/client/yieldloop" in tested.stdout
     assert asyncio.run(_head(stack, "go-fork")).startswith("step-000001-")

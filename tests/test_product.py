@@ -11,15 +11,15 @@ import pathlib
 import pytest
 
 from yieldloop import errors
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client, sampling_params
 from yieldloop.envs.letters import heldout_tasks, tasks, train_tasks
 from yieldloop.export import export_runs, read_export
-from yieldloop.loop import Baseline, LoopConfig, closed_loop
 from yieldloop.groups import stitch_turns
+from yieldloop.loop import Baseline, LoopConfig, closed_loop
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.taskset import Taskset
-from yieldloop.types import Run, RunStatus
 from yieldloop.training import Job, TrainingClient, create_agent
+from yieldloop.types import Run, RunStatus
 
 MODEL = "tiny"
 
@@ -35,8 +35,9 @@ async def test_job_taskset_run_and_training_client(client: Client, caplog: pytes
     job = await Job.start(MODEL, group=4, name="api-test", client=client)
     batch = await Taskset(tasks("abc")).run(agent, job=job, max_concurrent=6)
     assert len(batch) == len(job.runs) == 12
-    assert {run.group_id for run in batch} and all(len({r.group_id for r in batch if r.task == run.task}) == 1
-                                                   for run in batch)
+    assert {run.group_id for run in batch} and all(
+        len({r.group_id for r in batch if r.task == run.task}) == 1 for run in batch
+    )
     run = batch[0]
     assert run.prompt and run.trace_id and run.turns[0].completion_token_ids and run.turns[0].completion_logprobs
 
@@ -45,10 +46,11 @@ async def test_job_taskset_run_and_training_client(client: Client, caplog: pytes
     # Runs and trace ids interchangeably; a group without reward spread is reported before training.
     mixed = [*batch[:4], *[r.trace_id for r in batch[4:8]], *batch[8:]]
     caplog.set_level(logging.WARNING, logger="yieldloop")
-    same = [Run(group_id="g-flat", reward=0.5, status=RunStatus.GRADED, turns=r.turns, task=r.task)
-            for r in batch[:2]]
+    same = [Run(group_id="g-flat", reward=0.5, status=RunStatus.GRADED, turns=r.turns, task=r.task) for r in batch[:2]]
     value, _ = await trainer.forward_backward_custom(  # trace ids work for custom losses too
-        [r.trace_id for r in batch if r.group_id == batch[0].group_id], lambda datums, logprobs: sum(lp.sum() for lp in logprobs) * 0.0, group_size=4
+        [r.trace_id for r in batch if r.group_id == batch[0].group_id],
+        lambda datums, logprobs: sum(lp.sum() for lp in logprobs) * 0.0,
+        group_size=4,
     )
     assert value == 0.0
     with pytest.raises(errors.InvalidArgumentError):
@@ -90,8 +92,9 @@ async def test_the_readme_loop_samples_each_batch_with_the_weights_of_the_last_s
         assert {turn.weight_version for run in batch for turn in run.turns} == {previous}
         result = await trainer.step(batch, learning_rate=1e-3, group_size=4)
         assert result.parent_checkpoint_id == previous and result.off_policy_runs == 0
-        assert {"forward_backward_s", "optim_step_s", "optimizer_s", "save_s", "commit_s",
-                "weights_served_s"} <= set(result.timings)
+        assert {"forward_backward_s", "optim_step_s", "optimizer_s", "save_s", "commit_s", "weights_served_s"} <= set(
+            result.timings
+        )
         assert all(value >= 0 for value in result.timings.values())
         previous = result.checkpoint_id
     # Not waiting is allowed, and then said: the batch after it counts what older weights sampled.
@@ -170,15 +173,18 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
     assert kept.promotion.reason == bad.reason and kept.promotion.baseline_checkpoint_id == head.checkpoint_id
     # It can still be evaluated explicitly (pinned), without moving HEAD.
     job = await Job.start(MODEL, group=1, client=client)
-    pinned = await Taskset(heldout_tasks()[:2]).run(create_agent(max_tokens=4), job=job, checkpoint_id=bad.checkpoint_id)
+    pinned = await Taskset(heldout_tasks()[:2]).run(
+        create_agent(max_tokens=4), job=job, checkpoint_id=bad.checkpoint_id
+    )
     assert {r.turns[0].weight_version for r in pinned} == {bad.checkpoint_id}
     with pytest.raises(errors.NotFoundError) as err:
         await Taskset(train_tasks()[:1]).run(create_agent(), job=job, checkpoint_id="step-000000-missing")
     assert err.value.reason == "CHECKPOINT_NOT_FOUND"
 
     # The next step trains from HEAD again, not from the rejected candidate.
-    step, _ = await client.train_step([r async for r in client.stream_rollouts(tasks("ab"), group_size=2)], 1e-4,
-                                   set_head=False)
+    step, _ = await client.train_step(
+        [r async for r in client.stream_rollouts(tasks("ab"), group_size=2)], 1e-4, set_head=False
+    )
     manifest = await client.get_checkpoint(MODEL, step.checkpoint.checkpoint_id)
     assert manifest.parent_checkpoint_id == head.checkpoint_id
 
@@ -200,7 +206,7 @@ def test_loop_config_errors(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "c.json"
     path.write_text('{"steps": 3, "learning_rate": 1}')
     assert LoopConfig.from_file(path).learning_rate == 1.0
-    for text in ['[1]', '{"steps": true}', '{"nope": 1}', '{"group_size": 0}', "{"]:
+    for text in ["[1]", '{"steps": true}', '{"nope": 1}', '{"group_size": 0}', "{"]:
         path.write_text(text)
         with pytest.raises(errors.InvalidArgumentError) as err:
             LoopConfig.from_file(path)

@@ -24,7 +24,8 @@ def test_generated_code_is_up_to_date(tmp_path: pathlib.Path) -> None:
     generated = _load_generator().generate(tmp_path)
     assert len(generated) >= 5 * 4
     stale = [
-        str(rel) for rel in generated
+        str(rel)
+        for rel in generated
         if (tmp_path / rel).read_bytes() != (REPO / "clients" / "python" / rel).read_bytes()
     ]
     assert not stale, f"run `python protos/generate.py`: stale generated files {stale}"
@@ -56,35 +57,60 @@ def test_enums_start_unspecified(proto: pathlib.Path) -> None:
 def test_cli_and_import_stay_light() -> None:
     import subprocess
 
-    code = "import sys, yieldloop, yieldloop.cli; print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    code = (
+        "import sys, yieldloop, yieldloop.cli; "
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    help_text = subprocess.run([sys.executable, "-m", "yieldloop.cli", "--help"], capture_output=True, text=True, check=True)
+    help_text = subprocess.run(
+        [sys.executable, "-m", "yieldloop.cli", "--help"], capture_output=True, text=True, check=True
+    )
     assert "demo" in help_text.stdout and "serve" in help_text.stdout
 
 
-@pytest.mark.parametrize("root,source,package", [
-    (REPO / "clients" / "python", REPO / "clients" / "python" / "yieldloop", "yieldloop"),
-    (REPO, REPO / "services" / "yieldloop_server", "yieldloop_server"),
-], ids=["client", "server"])
+@pytest.mark.parametrize(
+    "root,source,package",
+    [
+        (REPO / "clients" / "python", REPO / "clients" / "python" / "yieldloop", "yieldloop"),
+        (REPO, REPO / "services" / "yieldloop_server", "yieldloop_server"),
+    ],
+    ids=["client", "server"],
+)
 def test_every_package_is_in_the_distribution(tmp_path: pathlib.Path, root, source, package) -> None:
     """Packages are discovered, never listed: every folder with an __init__.py lands in the built wheel."""
+    import shutil
     import subprocess
     import zipfile
 
-    import shutil
-
     had_build = (root / "build").exists()
     try:
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(tmp_path), str(root)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--no-build-isolation",
+                "-q",
+                "-w",
+                str(tmp_path),
+                str(root),
+            ],
+            check=True,
+            capture_output=True,
+        )
     finally:
         if not had_build:  # setuptools stages the wheel in the source tree
             shutil.rmtree(root / "build", ignore_errors=True)
     [wheel] = tmp_path.glob("*.whl")
     shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
-    expected = {"/".join((package, *init.relative_to(source).parts))
-                for init in source.rglob("*.py") if "__pycache__" not in init.parts}
+    expected = {
+        "/".join((package, *init.relative_to(source).parts))
+        for init in source.rglob("*.py")
+        if "__pycache__" not in init.parts
+    }
     assert expected <= shipped, f"left out of the wheel: {sorted(expected - shipped)}"
 
 
@@ -94,7 +120,10 @@ def test_every_error_reason_is_on_the_wire_contract() -> None:
 
     known = set(common_pb2.ErrorReason.keys())
     used = set()
-    for source in [*(REPO / "clients" / "python" / "yieldloop").rglob("*.py"), *(REPO / "services" / "yieldloop_server").rglob("*.py")]:
+    for source in [
+        *(REPO / "clients" / "python" / "yieldloop").rglob("*.py"),
+        *(REPO / "services" / "yieldloop_server").rglob("*.py"),
+    ]:
         if "proto" in source.relative_to(REPO).parts[:4]:
             continue
         text = source.read_text()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-
 from test_checkpoints import _commit
+
 from yieldloop import errors
 from yieldloop.client import Client
 from yieldloop.types import LoraConfig, Manifest, ModelInfo, ObjectInfo
@@ -19,10 +19,18 @@ def _object(registry: CheckpointRegistry, key: str, data: bytes, name: str = "mo
     return ObjectInfo(name, len(data), hashlib.sha256(data).hexdigest(), key)
 
 
-@pytest.mark.parametrize("key", [
-    "models/victim/model.json", "models/victim/HEAD", "models/m/checkpoints/c1/manifest.json",
-    "models/victim/checkpoints/v1/model.safetensors", "../../etc/passwd", "/abs/key", "models/m/checkpoints/../x/y",
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "models/victim/model.json",
+        "models/victim/HEAD",
+        "models/m/checkpoints/c1/manifest.json",
+        "models/victim/checkpoints/v1/model.safetensors",
+        "../../etc/passwd",
+        "/abs/key",
+        "models/m/checkpoints/../x/y",
+    ],
+)
 def test_a_checkpoint_references_only_its_own_lineage(any_store, key: str) -> None:
     """Keys of another model's metadata, of a model outside the lineage, manifests and paths are refused, even
     when size and sha256 match; retention then never deletes another model's files."""
@@ -36,7 +44,9 @@ def test_a_checkpoint_references_only_its_own_lineage(any_store, key: str) -> No
         data = any_store.get_bytes(key)[0]
     obj = ObjectInfo("model.safetensors", len(data), hashlib.sha256(data).hexdigest(), key)
     with pytest.raises(errors.InvalidArgumentError) as err:
-        registry.commit(Manifest(model="m", checkpoint_id="c2", objects=[obj], parent_checkpoint_id="c1"), set_head=True)
+        registry.commit(
+            Manifest(model="m", checkpoint_id="c2", objects=[obj], parent_checkpoint_id="c1"), set_head=True
+        )
     assert err.value.field.startswith("manifest.objects")
     assert registry.get_head("m").checkpoint_id == "c1"
     assert registry.get_model("victim") and registry.get_head("victim").checkpoint_id == "v1"
@@ -48,8 +58,9 @@ def test_a_fork_may_reference_its_sources_objects_and_retention_keeps_metadata(a
     shared = _commit(registry, "src", "s1", b"shared").objects[0]
     registry.fork_model("src", "fork")
     own = _object(registry, "models/fork/checkpoints/f2/extra.bin", b"own", "extra.bin")
-    registry.commit(Manifest(model="fork", checkpoint_id="f2", objects=[shared, own], parent_checkpoint_id="s1"),
-                    set_head=True)
+    registry.commit(
+        Manifest(model="fork", checkpoint_id="f2", objects=[shared, own], parent_checkpoint_id="s1"), set_head=True
+    )
     for i in range(3, 6):
         obj = _object(registry, f"models/fork/checkpoints/f{i}/model.safetensors", bytes([i]))
         registry.commit(Manifest(model="fork", checkpoint_id=f"f{i}", objects=[obj]), set_head=False)
@@ -101,7 +112,6 @@ async def test_names_and_huge_inputs_over_grpc(client: Client) -> None:
     with pytest.raises(errors.NotFoundError):
         await client.get_head("z" * 100)
     assert "evil" not in {m.slug.strip() for m in (await client.list_models()).models}
-
 
 
 async def test_watchers_of_a_model_share_one_head_poller(tmp_path) -> None:
@@ -164,8 +174,9 @@ def test_a_commit_whose_bytes_do_not_match_their_sha256_is_refused(any_store) ->
 
     # Committed pending (HEAD moved, the weights served by a trainer), then sealed with the false hash: it stays
     # pending (never durable, so never loaded from the store).
-    lie = Manifest("m", "c2-pending", [zeros, config], parent_checkpoint_id="c1", pending=True,
-                   weights_source="127.0.0.1:1")
+    lie = Manifest(
+        "m", "c2-pending", [zeros, config], parent_checkpoint_id="c1", pending=True, weights_source="127.0.0.1:1"
+    )
     registry.commit(lie, set_head=True, expected_head="c1")
     with pytest.raises(errors.DataLossError):
         registry.commit(Manifest("m", "c2-pending", [zeros, config], parent_checkpoint_id="c1"))

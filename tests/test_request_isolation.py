@@ -19,11 +19,23 @@ async def good(client: Client, seed: int):
     return await client.generate(PROMPT, sampling=sampling_params(max_tokens=12, seed=seed, ignore_eos=True))
 
 
-@pytest.mark.parametrize("poison", [
-    {"temperature": math.nan}, {"temperature": 1e-45}, {"temperature": math.inf}, {"temperature": -1.0},
-    {"top_p": math.nan}, {"top_p": -0.5}, {"top_p": 1.5}, {"stop": [""]}, {"max_tokens": 0}, {"max_tokens": 2**21},
-    {"stop": ["x"] * 17}, {"seed": -1},
-])
+@pytest.mark.parametrize(
+    "poison",
+    [
+        {"temperature": math.nan},
+        {"temperature": 1e-45},
+        {"temperature": math.inf},
+        {"temperature": -1.0},
+        {"top_p": math.nan},
+        {"top_p": -0.5},
+        {"top_p": 1.5},
+        {"stop": [""]},
+        {"max_tokens": 0},
+        {"max_tokens": 2**21},
+        {"stop": ["x"] * 17},
+        {"seed": -1},
+    ],
+)
 async def test_a_poisoned_generate_beside_eight_good_ones(client: Client, poison) -> None:
     async def bad():
         return await client.generate(PROMPT, sampling=sampling_params(**{"max_tokens": 8, **poison}))
@@ -36,27 +48,32 @@ async def test_a_poisoned_generate_beside_eight_good_ones(client: Client, poison
         assert len(done.token_ids) == 12 and all(math.isfinite(x) for x in done.logprobs)
 
 
-@pytest.mark.parametrize("body, field", [
-    ('{"model": "tiny", "prompt": [1, 40], "stop": [1]}', "stop"),
-    ('{"model": "tiny", "prompt": [1, 40], "stop": 5}', "stop"),
-    ('{"model": "tiny", "prompt": [1, 40], "temperature": NaN}', None),
-    ('{"model": "tiny", "prompt": [1, 40], "seed": 1e300}', "seed"),
-    ('{"model": "tiny", "prompt": [1, 40], "seed": "abc"}', "seed"),
-    ('{"model": "tiny", "prompt": [1, 40], "seed": 18446744073709551616}', "seed"),
-    ('{"model": "tiny", "prompt": [1, 40], "max_tokens": true}', "max_tokens"),
-    ('{"model": "tiny", "prompt": [1, 40], "n": 0}', "n"),
-    ('{"model": "tiny", "prompt": [1, 40], "top_k": -5}', "top_k"),
-    ('{"model": "tiny", "prompt": [1, 40], "stop": {"a": 1}}', "stop"),
-    ('{"model": "tiny", "prompt": [1, 40], "temperature": 1e-45}', "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ('{"model": "tiny", "prompt": [1, 40], "stop": [1]}', "stop"),
+        ('{"model": "tiny", "prompt": [1, 40], "stop": 5}', "stop"),
+        ('{"model": "tiny", "prompt": [1, 40], "temperature": NaN}', None),
+        ('{"model": "tiny", "prompt": [1, 40], "seed": 1e300}', "seed"),
+        ('{"model": "tiny", "prompt": [1, 40], "seed": "abc"}', "seed"),
+        ('{"model": "tiny", "prompt": [1, 40], "seed": 18446744073709551616}', "seed"),
+        ('{"model": "tiny", "prompt": [1, 40], "max_tokens": true}', "max_tokens"),
+        ('{"model": "tiny", "prompt": [1, 40], "n": 0}', "n"),
+        ('{"model": "tiny", "prompt": [1, 40], "top_k": -5}', "top_k"),
+        ('{"model": "tiny", "prompt": [1, 40], "stop": {"a": 1}}', "stop"),
+        ('{"model": "tiny", "prompt": [1, 40], "temperature": 1e-45}', "temperature"),
+    ],
+)
 async def test_a_poisoned_http_request_beside_eight_good_ones(client: Client, body: str, field) -> None:
     import aiohttp
 
     base_url = (await client.get_serving_info()).openai_base_url
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {client.transport.api_key}"}) as http:
+
         async def post(data: str):
-            async with http.post(f"{base_url}/completions", data=data,
-                                 headers={"content-type": "application/json"}) as response:
+            async with http.post(
+                f"{base_url}/completions", data=data, headers={"content-type": "application/json"}
+            ) as response:
                 return response.status, await response.json()
 
         good_body = '{"model": "tiny", "prompt": [1, 40, 41], "max_tokens": 6, "ignore_eos": true, "seed": %d}'
@@ -101,8 +118,7 @@ async def test_an_engine_failure_of_one_request_fails_that_request_only(tiny_mod
 
     monkeypatch.setattr(torch_engine, "sample_batch", flaky)
     async with torch_engine_serving(tiny_model_dir) as run:
-        results = await asyncio.gather(run(666, 10), *(run(seed, 10) for seed in range(1, 9)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(run(666, 10), *(run(seed, 10) for seed in range(1, 9)), return_exceptions=True)
     assert isinstance(results[0], errors.UnavailableError) and "injected" in str(results[0])
     assert results[1:] == [10] * 8
 

@@ -44,12 +44,17 @@ async def receiver():
     await server.stop(0)
 
 
-async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_path: pathlib.Path,
-                                                                  monkeypatch) -> None:
+async def test_one_eval_is_one_trace_per_episode_across_processes(
+    receiver, tmp_path: pathlib.Path, monkeypatch
+) -> None:
     received, port = receiver
-    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_TRACES_SAMPLER": "parentbased_always_on",
-            "OTEL_METRICS_EXPORTER": "prometheus"}
+    otel = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+        "OTEL_METRICS_EXPORTER": "prometheus",
+    }
     for name, value in otel.items():
         monkeypatch.setenv(name, value)  # the stack's processes inherit them
     stack = ProcessStack(StackConfig(data_dir=tmp_path, record_spans=True))
@@ -57,8 +62,22 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
     try:
         env = {**os.environ, "YIELDLOOP_DATA_DIR": str(tmp_path), "COLUMNS": "250"}
         done = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "yieldloop.cli", "eval", "yieldloop.envs.letters:heldout_tasks",
-                             "tiny", "--group", "2"], capture_output=True, text=True, env=env, timeout=300)
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "yieldloop.cli",
+                "eval",
+                "yieldloop.envs.letters:heldout_tasks",
+                "tiny",
+                "--group",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         job_id = re.search(r"job (\S+): \d+ runs", done.stdout).group(1)
         async with connect(tmp_path, timeout=120) as client:
@@ -68,26 +87,42 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
             await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id)
         # --record-spans: `yieldloop trace ID` shows where the episode's time went, every service's spans.
         await asyncio.sleep(1.0)  # the batch span processors export every 200 ms here
-        shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "yieldloop.cli", "trace",
-                                                         runs[0].trace_id], capture_output=True, text=True, env=env)
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "yieldloop.cli", "trace", runs[0].trace_id],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         assert shown.returncode == 0, shown.stderr
-        timeline = shown.stdout[shown.stdout.index("spans ("):]
-        for name in ("episode [rollout]", "generate [rollout]", "EnvService/StreamEpisodes [env]",
-                     "grade [env]", "env-worker submit [env-worker]"):
+        timeline = shown.stdout[shown.stdout.index("spans (") :]
+        for name in (
+            "episode [rollout]",
+            "generate [rollout]",
+            "EnvService/StreamEpisodes [env]",
+            "grade [env]",
+            "env-worker submit [env-worker]",
+        ):
             assert name in timeline, timeline
         scraped = {}  # each service's Prometheus endpoint (its address in the ready file)
         for service in ("env", "trainer", "rollout"):
             address = json.loads((tmp_path / "run" / f"{service}.json").read_text())["metrics"]
             scraped[service] = await asyncio.to_thread(
-                lambda a=address: urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode())
+                lambda a=address: urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode()
+            )
     finally:
         await stack.stop()  # each service flushes its spans as it stops
     by_trace: dict[str, list] = collections.defaultdict(list)
     for service, span in received.spans:
         by_trace[span.trace_id.hex()].append((service, span))
     services = {service for service, _ in received.spans}
-    assert {"yieldloop-checkpoint", "yieldloop-env", "yieldloop-trainer", "yieldloop-rollout",
-            "yieldloop-env-worker"} <= services, services
+    assert {
+        "yieldloop-checkpoint",
+        "yieldloop-env",
+        "yieldloop-trainer",
+        "yieldloop-rollout",
+        "yieldloop-env-worker",
+    } <= services, services
     stream = [s for _, s in received.spans if s.name.endswith("RolloutService/StreamRollouts")]
     assert stream
     for run in runs:
@@ -112,10 +147,16 @@ async def test_one_eval_is_one_trace_per_episode_across_processes(receiver, tmp_
     reloads = [s for service, s in received.spans if service == "yieldloop-rollout" and s.name == "weights.reload"]
     assert any(a.value.string_value == step.checkpoint.checkpoint_id for s in reloads for a in s.attributes)
     # Metrics, scraped by Prometheus's text format.
-    for service, names in {"env": ["yieldloop_env_episodes", "yieldloop_env_tool_call_duration"],
-                           "rollout": ["yieldloop_rollout_episodes", "yieldloop_rollout_tokens",
-                                       "yieldloop_engine_queue_depth", "yieldloop_rollout_reload_duration"],
-                           "trainer": ["yieldloop_train_loss", "yieldloop_train_kl", "yieldloop_train_reward"]}.items():
+    for service, names in {
+        "env": ["yieldloop_env_episodes", "yieldloop_env_tool_call_duration"],
+        "rollout": [
+            "yieldloop_rollout_episodes",
+            "yieldloop_rollout_tokens",
+            "yieldloop_engine_queue_depth",
+            "yieldloop_rollout_reload_duration",
+        ],
+        "trainer": ["yieldloop_train_loss", "yieldloop_train_kl", "yieldloop_train_reward"],
+    }.items():
         for name in names:
             assert name in scraped[service] or service == "env" and "tool_call" in name, (service, name)
 
@@ -124,13 +165,35 @@ def test_the_timeline_nests_spans_under_their_parents() -> None:
     from yieldloop.cli import span_timeline
     from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 
-    spans = [pb.TraceSpan(span_id="a", name="episode", service="rollout", start_time_unix_nano=0,
-                          end_time_unix_nano=100_000_000, status="UNSET"),
-             pb.TraceSpan(span_id="b", parent_span_id="a", name="generate", service="rollout",
-                          start_time_unix_nano=10_000_000, end_time_unix_nano=60_000_000, status="UNSET"),
-             pb.TraceSpan(span_id="c", parent_span_id="a", name="grade", service="env",
-                          start_time_unix_nano=60_000_000, end_time_unix_nano=100_000_000, status="ERROR",
-                          error="boom")]
+    spans = [
+        pb.TraceSpan(
+            span_id="a",
+            name="episode",
+            service="rollout",
+            start_time_unix_nano=0,
+            end_time_unix_nano=100_000_000,
+            status="UNSET",
+        ),
+        pb.TraceSpan(
+            span_id="b",
+            parent_span_id="a",
+            name="generate",
+            service="rollout",
+            start_time_unix_nano=10_000_000,
+            end_time_unix_nano=60_000_000,
+            status="UNSET",
+        ),
+        pb.TraceSpan(
+            span_id="c",
+            parent_span_id="a",
+            name="grade",
+            service="env",
+            start_time_unix_nano=60_000_000,
+            end_time_unix_nano=100_000_000,
+            status="ERROR",
+            error="boom",
+        ),
+    ]
     lines = span_timeline(spans, width=10).splitlines()
     assert lines[0] == "spans (3, 100.0 ms):"
     assert lines[1].endswith("|##########| episode [rollout]")

@@ -35,8 +35,10 @@ async def test_every_service_speaks_tls(tls_stack: InProcessStack) -> None:
     transport = TransportConfig(tls_ca=tls_stack.config.transport.tls_ca)
     async with Client(**tls_stack.addresses, api_key=tls_stack.api_key, transport=transport, timeout=120) as client:
         assert (await client.list_scenarios()).scenarios
-        runs = [run async for run in client.stream_rollouts(tasks("ab"), group_size=2,
-                                                            sampling=sampling_params(max_tokens=4))]
+        runs = [
+            run
+            async for run in client.stream_rollouts(tasks("ab"), group_size=2, sampling=sampling_params(max_tokens=4))
+        ]
         await client.forward_backward(runs=runs)
         step = await client.optim_step(learning_rate=1e-4)
         info = await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id)
@@ -55,10 +57,15 @@ async def test_every_service_speaks_tls(tls_stack: InProcessStack) -> None:
 async def test_clients_without_the_ca_are_refused(tls_stack: InProcessStack, tmp_path) -> None:
     other_ca, _, _ = ensure_stack_certs(tmp_path / "other")
     for transport in (TransportConfig(), TransportConfig(tls_ca=str(other_ca))):
-        async with Client(**tls_stack.addresses, api_key=tls_stack.api_key, transport=transport, timeout=5,
-                          retry_within_s=0) as client:
-            for call in (client.list_models(), client.list_scenarios(), client.get_trainer_info(),
-                         client.generate([1, 2], sampling=sampling_params(max_tokens=1))):
+        async with Client(
+            **tls_stack.addresses, api_key=tls_stack.api_key, transport=transport, timeout=5, retry_within_s=0
+        ) as client:
+            for call in (
+                client.list_models(),
+                client.list_scenarios(),
+                client.get_trainer_info(),
+                client.generate([1, 2], sampling=sampling_params(max_tokens=1)),
+            ):
                 with pytest.raises(errors.UnavailableError):
                     await call
 

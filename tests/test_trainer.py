@@ -21,8 +21,11 @@ def batch(seed: int, vocab_size: int) -> list[Datum]:
         tokens = [rng.randrange(vocab_size) for _ in range(length + 1)]
         datums.append(
             Datum(
-                tokens[:-1], tokens[1:], [-rng.uniform(4, 7) for _ in range(length)],
-                [0.0] * 3 + [rng.uniform(-1, 1) for _ in range(length - 3)], [0.0] * length,
+                tokens[:-1],
+                tokens[1:],
+                [-rng.uniform(4, 7) for _ in range(length)],
+                [0.0] * 3 + [rng.uniform(-1, 1) for _ in range(length - 3)],
+                [0.0] * length,
             )
         )
     return datums
@@ -84,8 +87,16 @@ def test_reward_scale_and_incomplete_groups() -> None:
         (Datum([1, 2], [2, -1], [], [], []), "datum.target_tokens", "TOKEN_OUT_OF_VOCAB"),
         (Datum([], [], [], [], []), "datum.input_tokens", "DATUM_INVALID"),
     ],
-    ids=["target-length", "logprob-length", "inf-advantage", "nan-logprob", "inf-weight", "input-vocab",
-         "target-vocab", "empty"],
+    ids=[
+        "target-length",
+        "logprob-length",
+        "inf-advantage",
+        "nan-logprob",
+        "inf-weight",
+        "input-vocab",
+        "target-vocab",
+        "empty",
+    ],
 )
 def test_datum_validation(datum: Datum, field: str, reason: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:

@@ -67,8 +67,11 @@ async def safety_stack(tmp_path_factory, faults):
     from yieldloop_server.config import StackConfig, TrainerOptions
     from yieldloop_server.stack import InProcessStack
 
-    config = StackConfig(data_dir=tmp_path_factory.mktemp("safety"), trainer=TrainerOptions(max_models=8),
-                         transport=TransportConfig(server_interceptors=(faults,)))
+    config = StackConfig(
+        data_dir=tmp_path_factory.mktemp("safety"),
+        trainer=TrainerOptions(max_models=8),
+        transport=TransportConfig(server_interceptors=(faults,)),
+    )
     stack = InProcessStack(config)
     await stack.start()
     yield stack
@@ -87,8 +90,15 @@ def good_batch(seed: int = 0, vocab: int = 300) -> list[Datum]:
     datums = []
     for length in (9, 12):
         tokens = [rng.randrange(1, vocab) for _ in range(length + 1)]
-        datums.append(Datum(tokens[:-1], tokens[1:], [-rng.uniform(4, 7) for _ in range(length)],
-                            [0.0] * 3 + [rng.uniform(-1, 1) for _ in range(length - 3)], [0.0] * length))
+        datums.append(
+            Datum(
+                tokens[:-1],
+                tokens[1:],
+                [-rng.uniform(4, 7) for _ in range(length)],
+                [0.0] * 3 + [rng.uniform(-1, 1) for _ in range(length - 3)],
+                [0.0] * length,
+            )
+        )
     return datums
 
 
@@ -102,13 +112,21 @@ async def weights_sha(client: Client, model: str, checkpoint_id: str) -> str:
     return next(o.sha256 for o in manifest.objects if o.name == "model.safetensors")
 
 
-@pytest.mark.parametrize("adam", [
-    {"learning_rate": math.inf}, {"learning_rate": math.nan}, {"learning_rate": -1.0},
-    {"learning_rate": 1e-3, "eps": math.nan}, {"learning_rate": 1e-3, "weight_decay": math.nan},
-    {"learning_rate": 1e-3, "weight_decay": math.inf}, {"learning_rate": 1e-3, "max_grad_norm": math.nan},
-    {"learning_rate": 1e-3, "max_grad_norm": math.inf}, {"learning_rate": 1e-3, "beta1": math.nan},
-    {"learning_rate": 1e-3, "beta2": 1.0},
-])
+@pytest.mark.parametrize(
+    "adam",
+    [
+        {"learning_rate": math.inf},
+        {"learning_rate": math.nan},
+        {"learning_rate": -1.0},
+        {"learning_rate": 1e-3, "eps": math.nan},
+        {"learning_rate": 1e-3, "weight_decay": math.nan},
+        {"learning_rate": 1e-3, "weight_decay": math.inf},
+        {"learning_rate": 1e-3, "max_grad_norm": math.nan},
+        {"learning_rate": 1e-3, "max_grad_norm": math.inf},
+        {"learning_rate": 1e-3, "beta1": math.nan},
+        {"learning_rate": 1e-3, "beta2": 1.0},
+    ],
+)
 async def test_bad_hyperparameters_are_invalid_and_change_nothing(sc: Client, adam) -> None:
     await sc.forward_backward(datums=good_batch(), loss_fn="cross_entropy")
     head, before = await sc.get_head("tiny"), await fingerprint(sc, "tiny")
@@ -120,10 +138,16 @@ async def test_bad_hyperparameters_are_invalid_and_change_nothing(sc: Client, ad
     assert (await sc.get_trainer_info()).num_pending_datums == pending
 
 
-@pytest.mark.parametrize("loss_fn, knobs", [
-    ("dro", {"beta": math.inf}), ("dro", {"beta": math.nan}), ("ppo", {"clip_low_threshold": math.nan}),
-    ("ppo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0}), ("cispo", {"clip_high_threshold": -1.0}),
-])
+@pytest.mark.parametrize(
+    "loss_fn, knobs",
+    [
+        ("dro", {"beta": math.inf}),
+        ("dro", {"beta": math.nan}),
+        ("ppo", {"clip_low_threshold": math.nan}),
+        ("ppo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0}),
+        ("cispo", {"clip_high_threshold": -1.0}),
+    ],
+)
 async def test_bad_loss_knobs_are_invalid(sc: Client, loss_fn, knobs) -> None:
     with pytest.raises(errors.InvalidArgumentError) as err:
         await sc.forward_backward(datums=good_batch(), loss_fn=loss_fn, loss_fn_config=knobs)
@@ -201,7 +225,10 @@ async def test_two_trainers_racing_on_one_model_one_step_per_parent(sc: Client) 
     assert await sc.discard_gradients("raced") == 2
     await sc.forward_backward(datums=good_batch(7), model="raced")
     step = await sc.optim_step(1e-2, model="raced")
-    assert step.parent_checkpoint_id == "base" and (await sc.get_head("raced")).checkpoint_id == step.checkpoint.checkpoint_id
+    assert (
+        step.parent_checkpoint_id == "base"
+        and (await sc.get_head("raced")).checkpoint_id == step.checkpoint.checkpoint_id
+    )
 
 
 async def test_one_callers_overflowing_datum_spoils_no_one_elses_gradients(sc: Client) -> None:
@@ -222,8 +249,12 @@ async def test_one_callers_overflowing_datum_spoils_no_one_elses_gradients(sc: C
             await sc.forward_backward(datums=poison, model="shared")
         assert err.value.reason == "NON_FINITE" and err.value.field == "items", err.value
     assert (await sc.get_trainer_info(model="shared")).num_pending_datums == 2
-    steps = {name: (await sc.optim_step(1e-2, model=name)).checkpoint.checkpoint_id for name in ("shared", "shared-twin")}
-    assert await weights_sha(sc, "shared", steps["shared"]) == await weights_sha(sc, "shared-twin", steps["shared-twin"])
+    steps = {
+        name: (await sc.optim_step(1e-2, model=name)).checkpoint.checkpoint_id for name in ("shared", "shared-twin")
+    }
+    assert await weights_sha(sc, "shared", steps["shared"]) == await weights_sha(
+        sc, "shared-twin", steps["shared-twin"]
+    )
 
 
 async def test_discard_gradients_after_a_refused_step(sc: Client) -> None:
@@ -278,8 +309,14 @@ async def test_the_rollout_refuses_non_finite_weights(sc: Client, safety_stack, 
     assert trained.value.reason == "NON_FINITE"
 
 
-@pytest.mark.parametrize("outage", [OSError("injected: disk unreadable"), TimeoutError("injected: store timeout"),
-                                    PermissionError("injected: access denied")])
+@pytest.mark.parametrize(
+    "outage",
+    [
+        OSError("injected: disk unreadable"),
+        TimeoutError("injected: store timeout"),
+        PermissionError("injected: access denied"),
+    ],
+)
 async def test_the_rollout_keeps_following_the_head_through_store_errors(sc: Client, monkeypatch, outage) -> None:
     """The store fails reads of the model's HEAD for two seconds (the WatchHead stream and GetHead answer errors
     other than UNAVAILABLE): the rollout shows it is not following, retries with backoff, and then serves the
@@ -315,10 +352,15 @@ async def test_the_rollout_keeps_following_the_head_through_store_errors(sc: Cli
     assert info.weight_version == moved and info.following and not info.follow_error
 
 
-@pytest.mark.parametrize("options, field", [
-    ({"group_size": 2**31 - 1}, "group_size"), ({"group_size": 5000}, "group_size"),
-    ({"max_attempts": 1_000_000}, "max_attempts"), ({"max_steps": 100_000}, "max_steps"),
-])
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        ({"group_size": 2**31 - 1}, "group_size"),
+        ({"group_size": 5000}, "group_size"),
+        ({"max_attempts": 1_000_000}, "max_attempts"),
+        ({"max_steps": 100_000}, "max_steps"),
+    ],
+)
 async def test_fan_out_is_bounded(sc: Client, options, field) -> None:
     from yieldloop.envs.letters import tasks
 
@@ -375,8 +417,10 @@ def test_a_step_that_makes_weights_non_finite_is_reverted(tiny_model_dir) -> Non
         trainer.optim_step(AdamConfig(1e-3), revocable=True)
     assert err.value.reason == "NON_FINITE" and "reverted" in str(err.value)
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
-    assert all(torch.equal(a, p.grad) for a, p in zip(grads, [p for p in trainer.model.parameters()
-                                                                if p.grad is not None], strict=True))
+    assert all(
+        torch.equal(a, p.grad)
+        for a, p in zip(grads, [p for p in trainer.model.parameters() if p.grad is not None], strict=True)
+    )
     assert (trainer.step, trainer.num_pending_datums, trainer.spoiled) == (0, 2, False)
     with pytest.raises(errors.FailedPreconditionError):
         trainer.optim_step(AdamConfig(1e-3))

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from yieldloop import errors
 from yieldloop import client as client_module
+from yieldloop import errors
 from yieldloop._status import to_rpc_status
 from yieldloop.client import Client, _CallStatus, sampling_params
 from yieldloop.environment import Task
@@ -52,8 +52,9 @@ def _http(url: str, key: str) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-async def test_one_interceptor_sees_every_rpc_kind_of_every_service_and_http(stack, client: Client,
-                                                                             call_recorder) -> None:
+async def test_one_interceptor_sees_every_rpc_kind_of_every_service_and_http(
+    stack, client: Client, call_recorder
+) -> None:
     since = len(call_recorder.calls)
     for address in stack.addresses.values():
         await _health(address)
@@ -67,8 +68,14 @@ async def test_one_interceptor_sees_every_rpc_kind_of_every_service_and_http(sta
         await episode.submit("'a'")
     await client.get_trainer_info()  # trainer: unary
     task = Task("letters", "repeat", {"letter": "b"})
-    runs = [run async for run in client.stream_rollouts([task], group_size=2,  # rollout: server stream
-                                                      sampling=sampling_params(max_tokens=2))]
+    runs = [
+        run
+        async for run in client.stream_rollouts(
+            [task],
+            group_size=2,  # rollout: server stream
+            sampling=sampling_params(max_tokens=2),
+        )
+    ]
     await client.forward_scored(runs=runs)  # trainer: client stream
     await client.generate([1, 40, 41], sampling=sampling_params(max_tokens=2))  # rollout: server stream
     info = await client.get_serving_info()
@@ -110,11 +117,19 @@ class Refuse:
 
 @pytest.fixture(scope="module")
 async def refusing_stack(tmp_path_factory: pytest.TempPathFactory):
-    refuse = Refuse({"/yieldloop.checkpoint.v1.CheckpointService/ListModels",
-                     "/yieldloop.env.v1.EnvService/StreamEpisode",
-                     "/yieldloop.trainer.v1.TrainerService/ForwardBackward", "GET /v1/models"})
-    config = StackConfig(data_dir=tmp_path_factory.mktemp("refusing"), env=EnvOptions(workers=0),
-                         transport=TransportConfig(server_interceptors=(refuse,)))
+    refuse = Refuse(
+        {
+            "/yieldloop.checkpoint.v1.CheckpointService/ListModels",
+            "/yieldloop.env.v1.EnvService/StreamEpisode",
+            "/yieldloop.trainer.v1.TrainerService/ForwardBackward",
+            "GET /v1/models",
+        }
+    )
+    config = StackConfig(
+        data_dir=tmp_path_factory.mktemp("refusing"),
+        env=EnvOptions(workers=0),
+        transport=TransportConfig(server_interceptors=(refuse,)),
+    )
     stack = InProcessStack(config)
     await stack.start()
     yield stack
@@ -164,8 +179,9 @@ async def test_a_refused_stream_reports_the_servers_status_not_cores(monkeypatch
     refused = to_rpc_status(errors.PermissionDeniedError("refused", reason="PERMISSION_DENIED"))
     server = _Status(grpc.StatusCode.PERMISSION_DENIED, "refused", tuple(refused.trailing_metadata))
     core = _Status(grpc.StatusCode.INTERNAL, "Internal error from Core")
-    core_error = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                      "Internal error from Core")
+    core_error = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "Internal error from Core"
+    )
     for later in (False, True):
         call = _Call()
         status = _CallStatus(call)
@@ -200,7 +216,9 @@ async def test_an_interceptor_refuses_with_typed_errors(refusing_stack) -> None:
         assert (await client.get_head("tiny")).checkpoint_id  # what is not refused still works
         info = await client.get_serving_info()
     status, body = await asyncio.to_thread(_http, info.openai_base_url + "/models", refusing_stack.api_key)
-    assert status == 403 and body["error"]["type"] == "permission_error" and body["error"]["code"] == "permission_denied"
+    assert (
+        status == 403 and body["error"]["type"] == "permission_error" and body["error"]["code"] == "permission_denied"
+    )
     async with open_channel(refusing_stack.addresses["checkpoint"]) as channel:  # health stays open
         health = health_pb2_grpc.HealthStub(channel)
         assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
@@ -234,16 +252,17 @@ async def test_a_server_without_interceptors_refuses_undecodable_requests_typed(
 
 async def test_aborted_streams_leave_no_error_in_the_log(client: Client, caplog) -> None:
     """Clients that hang up mid-stream (Generate cut after its first delta, hundreds at once) leave nothing at
-    WARNING or above: every interceptor's exit (the auth principal, spans) runs in the call's own task, not in a finalizer
-    of another context ("Task exception was never retrieved ... created in a different Context")."""
+    WARNING or above: every interceptor's exit (the auth principal, spans) runs in the call's own task, not in a
+    finalizer of another context ("Task exception was never retrieved ... created in a different Context")."""
     import gc
     import logging
 
     caplog.set_level(logging.WARNING)
 
     async def hang_up(seed: int) -> None:
-        stream = client.generate_stream([1, 2, 3 + seed % 50], sampling=sampling_params(max_tokens=64, seed=seed),
-                                        model="tiny")
+        stream = client.generate_stream(
+            [1, 2, 3 + seed % 50], sampling=sampling_params(max_tokens=64, seed=seed), model="tiny"
+        )
         async for _ in stream:
             break
         await stream.aclose()

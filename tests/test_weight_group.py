@@ -17,6 +17,7 @@ import pathlib
 
 import pytest
 import pytest_asyncio
+from test_training_safety import good_batch
 
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
@@ -25,8 +26,6 @@ from yieldloop_server.common import collective
 from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig
 from yieldloop_server.rollout.weights import WeightSubscription
 from yieldloop_server.stack import InProcessStack
-
-from test_training_safety import good_batch
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -48,8 +47,12 @@ class CountPulls:
 async def grouped(tmp_path_factory):
     counter = CountPulls()
     data_dir = tmp_path_factory.mktemp("group")
-    config = StackConfig(data_dir=data_dir, env=EnvOptions(workers=0), rollout=RolloutOptions(weights_from="group"),
-                         transport=TransportConfig(server_interceptors=(counter,)))
+    config = StackConfig(
+        data_dir=data_dir,
+        env=EnvOptions(workers=0),
+        rollout=RolloutOptions(weights_from="group"),
+        transport=TransportConfig(server_interceptors=(counter,)),
+    )
     stack = InProcessStack(config)
     await stack.start()
     try:
@@ -172,8 +175,9 @@ async def test_bytes_damaged_in_flight_are_refused_and_that_checkpoint_pulled(gr
     assert counter.pulls == pulls + 1
 
 
-async def test_a_member_told_of_a_group_during_a_long_broadcast_joins_once_it_opens(grouped, tmp_path,
-                                                                                     monkeypatch) -> None:
+async def test_a_member_told_of_a_group_during_a_long_broadcast_joins_once_it_opens(
+    grouped, tmp_path, monkeypatch
+) -> None:
     """A member that subscribes while a broadcast runs is told of the next group at once, but the trainer forms
     that group only after the broadcast ended, which for a large model takes longer than a join may
     (GROUP_TIMEOUT_S). The member waits for the trainer to open the group, then joins: the next step comes by

@@ -16,14 +16,13 @@ import pathlib
 
 import pytest
 import pytest_asyncio
+from test_training_safety import fingerprint, good_batch
 
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
 from yieldloop.transport import TransportConfig
 from yieldloop_server.config import EnvOptions, StackConfig, TrainerOptions
 from yieldloop_server.stack import InProcessStack
-
-from test_training_safety import fingerprint, good_batch
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -50,8 +49,12 @@ class HoldDurability:
 async def synced(tmp_path_factory):
     hold = HoldDurability()
     data_dir = tmp_path_factory.mktemp("sync")
-    config = StackConfig(data_dir=data_dir, env=EnvOptions(workers=0), trainer=TrainerOptions(state_every=2),
-                         transport=TransportConfig(server_interceptors=(hold,)))
+    config = StackConfig(
+        data_dir=data_dir,
+        env=EnvOptions(workers=0),
+        trainer=TrainerOptions(state_every=2),
+        transport=TransportConfig(server_interceptors=(hold,)),
+    )
     stack = InProcessStack(config)
     await stack.start()
     try:
@@ -111,8 +114,9 @@ async def test_the_fleet_serves_a_step_before_the_store_has_it(synced) -> None:
     await client.forward_backward(datums=good_batch(2), model="sync")
     second = await client.optim_step(1e-2, model="sync", wait_durable=True)
     assert second.durable and second.has_state and "upload_s" in second.timings
-    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= stored(data_dir, "sync",
-                                                                                 second.checkpoint.checkpoint_id)
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= stored(
+        data_dir, "sync", second.checkpoint.checkpoint_id
+    )
 
 
 async def test_pull_weights_in_place_or_streamed(synced, monkeypatch) -> None:

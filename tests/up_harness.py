@@ -14,11 +14,17 @@ BIN_DIR = pathlib.Path(sys.executable).parent
 YIELDLOOP = str(BIN_DIR / "yieldloop") if (BIN_DIR / "yieldloop").exists() else "yieldloop"
 
 
-def start_up(data_dir: pathlib.Path, *args: str, ready: Callable[[pathlib.Path], bool],
-             timeout_s: float = 300) -> subprocess.Popen:
+def start_up(
+    data_dir: pathlib.Path, *args: str, ready: Callable[[pathlib.Path], bool], timeout_s: float = 300
+) -> subprocess.Popen:
     """Starts `yieldloop up --data-dir DATA_DIR ARGS...` and waits until ``ready(data_dir)``."""
-    process = subprocess.Popen([YIELDLOOP, "up", "--data-dir", str(data_dir), *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "250"})
+    process = subprocess.Popen(
+        [YIELDLOOP, "up", "--data-dir", str(data_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "250"},
+    )
     deadline = time.monotonic() + timeout_s
     while not ready(data_dir):
         assert process.poll() is None, process.stdout.read()

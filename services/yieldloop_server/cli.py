@@ -66,14 +66,19 @@ async def _up(config: StackConfig) -> None:
             shown = "(the admin key; see hud.env)" if name == "HUD_API_KEY" and stack.api_key else value
             console.print(f"  export {name}={shown}", soft_wrap=True)
     if stack.config.transport.tls_cert:
-        console.print(f"TLS: clients trust {stack.config.transport.tls_ca} (YIELDLOOP_TLS_CA; connect() and the CLI "
-                      "pick it up)")
+        console.print(
+            f"TLS: clients trust {stack.config.transport.tls_ca} (YIELDLOOP_TLS_CA; connect() and the CLI pick it up)"
+        )
     if stack.api_key:
-        console.print(f"admin API key in {stack.config.data_dir / 'api_key'} (the CLI and connect() use it; "
-                      "YIELDLOOP_API_KEY overrides it; `yieldloop keys create` makes team keys)")
+        console.print(
+            f"admin API key in {stack.config.data_dir / 'api_key'} (the CLI and connect() use it; "
+            "YIELDLOOP_API_KEY overrides it; `yieldloop keys create` makes team keys)"
+        )
     else:
-        console.print("[bold red]AUTH IS OFF (--no-auth):[/] anyone who reaches these ports may train and move the "
-                      "head of any model and read every run")
+        console.print(
+            "[bold red]AUTH IS OFF (--no-auth):[/] anyone who reaches these ports may train and move the "
+            "head of any model and read every run"
+        )
     console.print(f"data in {stack.config.data_dir}; logs in {stack.config.data_dir / 'logs'}; Ctrl-C stops")
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,8 +121,14 @@ async def _demo(args: argparse.Namespace) -> None:
         api_key, ca = stack.api_key, stack.config.transport.tls_ca
         console.print(f"services up: {addresses}")
     overrides = {"learning_rate": args.learning_rate} if args.learning_rate else {}
-    config = LoopConfig(model=args.model, steps=args.steps, target_heldout_reward=args.target,
-                        group_size=args.group_size, name="demo", **overrides).validate("demo")
+    config = LoopConfig(
+        model=args.model,
+        steps=args.steps,
+        target_heldout_reward=args.target,
+        group_size=args.group_size,
+        name="demo",
+        **overrides,
+    ).validate("demo")
     console.print(
         f"GRPO on {config.train_tasks} (group {config.group_size}), promotion gate on {config.heldout_tasks} "
         f"(disjoint), until held-out reward >= {config.target_heldout_reward:g} or {config.steps} steps"

@@ -100,7 +100,8 @@ class RolloutOptions:
     max_episodes: int = dataclasses.field(default=1024, metadata={"flag": "--rollout-max-episodes"})
     """Episodes the rollout service runs at once over all requests (more wait their turn)."""
     lora_engine: Literal["same", "torch", "vllm"] = dataclasses.field(
-        default="same", metadata={"flag": "--rollout-lora-engine"})
+        default="same", metadata={"flag": "--rollout-lora-engine"}
+    )
     """Engine serving LoRA forks (one per frozen base, adapters applied per request): the rollout engine's kind
     (same), or torch: on CPU machines vLLM's LoRA kernels run at a few percent of its base throughput."""
     engine_process: bool | None = dataclasses.field(default=None, metadata={"flag": "--rollout-engine-process"})
@@ -114,7 +115,8 @@ class RolloutOptions:
     larger than this decodes in waves, each decode step paying the model's fixed cost for fewer rows; a smaller one
     bounds the KV cache's memory."""
     weights_from: Literal["auto", "stream", "group"] = dataclasses.field(
-        default="auto", metadata={"flag": "--rollout-weights-from"})
+        default="auto", metadata={"flag": "--rollout-weights-from"}
+    )
     """How a step's weights come from the trainer before the store has them: auto (on the trainer's host its
     files in place, from another host a chunked gRPC stream per rollout service), stream (always the stream), or
     group (the trainer broadcasts each checkpoint once to every rollout service of the model in its weight group,
@@ -180,8 +182,9 @@ class StackConfig:
         from yieldloop_server.common.tls import ensure_stack_certs
 
         ca, cert, key = ensure_stack_certs(self.data_dir / "tls", [self.host])
-        return dataclasses.replace(self, transport=dataclasses.replace(
-            self.transport, tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca)))
+        return dataclasses.replace(
+            self, transport=dataclasses.replace(self.transport, tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca))
+        )
 
 
 @dataclasses.dataclass
@@ -219,9 +222,15 @@ class ServeOptions(StackConfig):
     def of(cls, config: StackConfig, service: str, addresses: dict[str, str]) -> ServeOptions:
         """How ``service`` starts in a stack whose earlier services listen at ``addresses``."""
         shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(StackConfig)}
-        return cls(**shared, service=service, checkpoint_address=addresses.get("checkpoint", ""),
-                   env_address=addresses.get("env", ""), trainer_address=addresses.get("trainer", ""),
-                   rollout_address=addresses.get("rollout", ""), port=config.hud_port if service == "hud" else 0)
+        return cls(
+            **shared,
+            service=service,
+            checkpoint_address=addresses.get("checkpoint", ""),
+            env_address=addresses.get("env", ""),
+            trainer_address=addresses.get("trainer", ""),
+            rollout_address=addresses.get("rollout", ""),
+            port=config.hud_port if service == "hud" else 0,
+        )
 
     def sharing_cores(self, cores: int | None = None) -> ServeOptions:
         """These options for a trainer or rollout service that shares a CPU machine with the other one (as
@@ -232,18 +241,25 @@ class ServeOptions(StackConfig):
         on GPUs, or when torch_threads or OMP_NUM_THREADS is set."""
         import os
 
-        if (self.service not in ("trainer", "rollout") or self.torch_threads or not self.device.startswith("cpu")
-                or os.environ.get("OMP_NUM_THREADS")):
+        if (
+            self.service not in ("trainer", "rollout")
+            or self.torch_threads
+            or not self.device.startswith("cpu")
+            or os.environ.get("OMP_NUM_THREADS")
+        ):
             return self
         share = max(1, (cores or os.cpu_count() or 2) // 2)
-        rollout = self.rollout if share > 1 or self.rollout.engine_process is not None else \
-            dataclasses.replace(self.rollout, engine_process=False)
+        rollout = (
+            self.rollout
+            if share > 1 or self.rollout.engine_process is not None
+            else dataclasses.replace(self.rollout, engine_process=False)
+        )
         return dataclasses.replace(self, torch_threads=share, rollout=rollout)
 
     def to_args(self) -> list[str]:
         """The ``yieldloop serve`` arguments that give these options (interceptors do not cross processes)."""
         args = ["serve", self.service]
-        for name, flag, _, value in _flags(type(self), self):
+        for _, flag, _, value in _flags(type(self), self):
             if value is None or value == "":
                 continue
             if isinstance(value, bool):
@@ -262,8 +278,12 @@ def _field_docs(cls: type) -> dict[str, str]:
             continue
         body = ast.parse(inspect.getsource(klass)).body[0].body
         for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -312,8 +332,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = StackConfig, *, s
         elif base is bool:
             options["action"] = argparse.BooleanOptionalAction
         if flag.startswith("--"):
-            options.update(dest=name.replace(".", "__"), metavar=name.rpartition(".")[2].upper(),
-                           default=None if get_origin(kind) is tuple else default)
+            options.update(
+                dest=name.replace(".", "__"),
+                metavar=name.rpartition(".")[2].upper(),
+                default=None if get_origin(kind) is tuple else default,
+            )
             options["help"] += f" (default: {default})"
         parser.add_argument(flag, **options)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from yieldloop.transport import TransportConfig
 from yieldloop_server.common import telemetry, write_file_atomically
-from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.common.auth import SERVICE_TEAM, Authenticator, KeyStore, split_key
+from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.config import ServeOptions
 from yieldloop_server.store import ObjectStore
 
@@ -32,8 +32,13 @@ def secured_transport(opts: ServeOptions, store: ObjectStore) -> tuple[Transport
     call's key (:class:`Authenticator`), and its clients call the other services with the service key.
     Unchanged (and no key store) with ``--no-auth``, which is said loudly."""
     if not opts.auth:
-        log.warning("%s: AUTH IS OFF (--no-auth): anyone who reaches %s:%s may call every RPC, train and move the "
-                    "head of any model and read every run", opts.service, opts.host, opts.port or "its port")
+        log.warning(
+            "%s: AUTH IS OFF (--no-auth): anyone who reaches %s:%s may call every RPC, train and move the "
+            "head of any model and read every run",
+            opts.service,
+            opts.host,
+            opts.port or "its port",
+        )
         return opts.transport, None
     keys = KeyStore(store)
     # A deployment hands its keys in from Secrets (made with `yieldloop keys mint`): registered here when new.
@@ -45,8 +50,11 @@ def secured_transport(opts: ServeOptions, store: ObjectStore) -> tuple[Transport
         keys.adopt(service_key, SERVICE_TEAM, "service", name="the deployment's service key (YIELDLOOP_SERVICE_KEY)")
     if not service_key or keys.check(service_key) is None:
         _, service_key = keys.create(SERVICE_TEAM, "service", name=f"{opts.service} service (made at its start)")
-    return dataclasses.replace(opts.transport, api_key=service_key,
-                               server_interceptors=(Authenticator(keys), *opts.transport.server_interceptors)), keys
+    return dataclasses.replace(
+        opts.transport,
+        api_key=service_key,
+        server_interceptors=(Authenticator(keys), *opts.transport.server_interceptors),
+    ), keys
 
 
 def traced_transport(service: str, transport: TransportConfig, record_spans_url: str = "") -> TransportConfig:
@@ -57,9 +65,11 @@ def traced_transport(service: str, transport: TransportConfig, record_spans_url:
     if not telemetry.configure(service):
         return transport
     return dataclasses.replace(
-        transport, server_interceptors=(telemetry.Tracing(), *transport.server_interceptors),
+        transport,
+        server_interceptors=(telemetry.Tracing(), *transport.server_interceptors),
         client_interceptors=(*telemetry.client_interceptors(), *transport.client_interceptors),
-        trace_context=telemetry.inject)
+        trace_context=telemetry.inject,
+    )
 
 
 def _use_torch_threads(opts: ServeOptions) -> None:
@@ -72,7 +82,9 @@ def _use_torch_threads(opts: ServeOptions) -> None:
 def _trainer_config(opts: ServeOptions) -> Any:
     from yieldloop_server.trainer.trainer import TrainerConfig
 
-    return TrainerConfig(device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device), compile=opts.trainer.compile)
+    return TrainerConfig(
+        device=opts.device, dtype=opts.trainer.resolved_dtype(opts.device), compile=opts.trainer.compile
+    )
 
 
 async def build_service(opts: ServeOptions, published: dict[str, Any] | None = None) -> tuple[Starter, Stopper]:
@@ -85,18 +97,26 @@ async def build_service(opts: ServeOptions, published: dict[str, Any] | None = N
     store = open_store(opts.store_url)
     work_dir = opts.data_dir / "work" / opts.service
     transport, keys = await asyncio.to_thread(secured_transport, opts, store)
-    opts = dataclasses.replace(opts, transport=traced_transport(
-        opts.service, transport, opts.store_url if opts.record_spans else ""))
+    opts = dataclasses.replace(
+        opts, transport=traced_transport(opts.service, transport, opts.store_url if opts.record_spans else "")
+    )
     telemetry.configure_metrics(opts.service, opts.host, opts.metrics_port)
     if opts.service == "checkpoint":
-        from yieldloop_server.checkpoint.server import build
-
         from yieldloop_server.checkpoint.importer import ImportPolicy
+        from yieldloop_server.checkpoint.server import build
 
         forbidden = (opts.data_dir, *((store.root,) if hasattr(store, "root") else ()))
         imports = ImportPolicy(tuple(pathlib.Path(root) for root in opts.checkpoint.import_roots), forbidden)
-        server = build(store, opts.host, opts.port, opts.checkpoint.keep_last, opts.transport, keys, imports,
-                       int(opts.checkpoint.max_upload_gb * 10**9))
+        server = build(
+            store,
+            opts.host,
+            opts.port,
+            opts.checkpoint.keep_last,
+            opts.transport,
+            keys,
+            imports,
+            int(opts.checkpoint.max_upload_gb * 10**9),
+        )
         return server.start, server.stop
     if opts.service == "env":
         from yieldloop_server.env.hosts import HostConfig, create_host
@@ -118,8 +138,17 @@ async def build_service(opts: ServeOptions, published: dict[str, Any] | None = N
         if distributed.launched() is not None:  # rank 0 of torchrun's ranks (the others follow: see serve())
             nproc = await asyncio.to_thread(distributed.join_launched, config)
         server, sessions = await build(
-            opts.model, store, opts.checkpoint_address, work_dir, config,
-            opts.host, opts.port, nproc, opts.transport, opts.trainer.max_models, opts.trainer.state_every,
+            opts.model,
+            store,
+            opts.checkpoint_address,
+            work_dir,
+            config,
+            opts.host,
+            opts.port,
+            nproc,
+            opts.transport,
+            opts.trainer.max_models,
+            opts.trainer.state_every,
         )
 
         async def stop(grace: float) -> None:
@@ -133,10 +162,20 @@ async def build_service(opts: ServeOptions, published: dict[str, Any] | None = N
         from yieldloop_server.rollout.server import RolloutServer
 
         server = RolloutServer(
-            opts.model, store, opts.checkpoint_address, opts.env_address, work_dir, opts.rollout.engine,
-            opts.host, opts.port, None if opts.rollout.http_port < 0 else opts.rollout.http_port, transport=opts.transport,
-            max_models=opts.rollout.max_models, memory_budget_bytes=opts.rollout.memory_budget_mb * 1_000_000,
-            lora_engine="" if opts.rollout.lora_engine == "same" else opts.rollout.lora_engine, device=opts.device,
+            opts.model,
+            store,
+            opts.checkpoint_address,
+            opts.env_address,
+            work_dir,
+            opts.rollout.engine,
+            opts.host,
+            opts.port,
+            None if opts.rollout.http_port < 0 else opts.rollout.http_port,
+            transport=opts.transport,
+            max_models=opts.rollout.max_models,
+            memory_budget_bytes=opts.rollout.memory_budget_mb * 1_000_000,
+            lora_engine="" if opts.rollout.lora_engine == "same" else opts.rollout.lora_engine,
+            device=opts.device,
             process=opts.rollout.engine_process is not False,
             max_batch_size=max(0, opts.rollout.max_batch),
             limits=RolloutLimits(max_runs=opts.rollout.max_runs, max_episodes=opts.rollout.max_episodes),
@@ -155,8 +194,12 @@ async def build_service(opts: ServeOptions, published: dict[str, Any] | None = N
         from yieldloop.client import Client
         from yieldloop_server.hud.front import HudFront
 
-        client = Client(checkpoint=opts.checkpoint_address, trainer=opts.trainer_address, rollout=opts.rollout_address,
-                        transport=opts.transport)
+        client = Client(
+            checkpoint=opts.checkpoint_address,
+            trainer=opts.trainer_address,
+            rollout=opts.rollout_address,
+            transport=opts.transport,
+        )
         front = HudFront(client, store, opts.host, opts.port, opts.transport, auth=opts.auth)
 
         async def stop_front(grace: float) -> None:
@@ -183,11 +226,22 @@ def _with_replicas(opts: ServeOptions, start: Starter, stop: Stopper) -> tuple[S
         work_dir.mkdir(parents=True, exist_ok=True)
         for index in range(1, opts.env.processes):
             replica = dataclasses.replace(  # this process answers the probes; each has metrics of its own
-                opts, port=port, ready_file=work_dir / f"process-{index}.json", metrics_port=0,
+                opts,
+                port=port,
+                ready_file=work_dir / f"process-{index}.json",
+                metrics_port=0,
                 env=dataclasses.replace(opts.env, processes=1, share_port=True),
-                transport=dataclasses.replace(opts.transport, health_port=0))
-            replicas.append(ServiceProcess(replica, opts.data_dir / "logs", name=f"env-{index}",
-                                           service_key=opts.transport.api_key, exit_with_parent=True))
+                transport=dataclasses.replace(opts.transport, health_port=0),
+            )
+            replicas.append(
+                ServiceProcess(
+                    replica,
+                    opts.data_dir / "logs",
+                    name=f"env-{index}",
+                    service_key=opts.transport.api_key,
+                    exit_with_parent=True,
+                )
+            )
         try:
             await asyncio.gather(*(replica.start() for replica in replicas))
         except BaseException:
@@ -235,8 +289,9 @@ async def serve(opts: ServeOptions) -> None:
     address = await start()
     settle_heap()
     if opts.ready_file is not None:
-        write_ready_file(opts.ready_file, address, tls=bool(opts.transport.tls_cert), metrics=telemetry.metrics_address,
-                         **published)
+        write_ready_file(
+            opts.ready_file, address, tls=bool(opts.transport.tls_cert), metrics=telemetry.metrics_address, **published
+        )
     print(f"yieldloop {opts.service} serving on {address}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -251,5 +306,6 @@ async def serve(opts: ServeOptions) -> None:
 def write_ready_file(path: pathlib.Path, address: str, tls: bool = False, metrics: str = "", **ports: int) -> None:
     """Atomically records a started service's address (whether it speaks TLS, where it serves metrics, the other
     ports it serves)."""
-    write_file_atomically(path, json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics,
-                                            **ports}))
+    write_file_atomically(
+        path, json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics, **ports})
+    )

@@ -106,8 +106,10 @@ def ensure_stack_keys(store: ObjectStore, data_dir: pathlib.Path) -> tuple[str, 
 
     keys = KeyStore(store)
     found = []
-    for path, role, name in ((data_dir / API_KEY_FILE, "admin", "the stack's admin key"),
-                             (data_dir / "run" / "service_key", "service", "the stack's services")):
+    for path, role, name in (
+        (data_dir / API_KEY_FILE, "admin", "the stack's admin key"),
+        (data_dir / "run" / "service_key", "service", "the stack's services"),
+    ):
         try:
             key = path.read_text().strip()
         except OSError:
@@ -150,8 +152,9 @@ def write_hud_env(config: StackConfig, base_url: str, api_key: str) -> pathlib.P
 
     path = config.data_dir / HUD_ENV
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join(f"export {name}={value}\n"
-                    for name, value in hud_settings(base_url, api_key, config.transport.tls_ca).items())
+    lines = "".join(
+        f"export {name}={value}\n" for name, value in hud_settings(base_url, api_key, config.transport.tls_ca).items()
+    )
     write_file_atomically(path, lines, 0o600)  # a reader (a script waiting for it) never sees it half written
     return path
 
@@ -172,7 +175,9 @@ class InProcessStack:
         """Starts the services; returns the four gRPC services' addresses (the HUD front's URL is :attr:`hud_url`)."""
         self.config, self.api_key, service_key = await prepare_stack(self.config)
         for service in (*SERVICES, "hud") if self.config.hud else SERVICES:  # in dependency order
-            options = dataclasses.replace(ServeOptions.of(self.config, service, self.addresses), service_key=service_key)
+            options = dataclasses.replace(
+                ServeOptions.of(self.config, service, self.addresses), service_key=service_key
+            )
             start, stop = await build_service(options)
             address = await start()
             self._stoppers.append(stop)
@@ -209,8 +214,9 @@ class ProcessStack:
         run_dir.mkdir(parents=True, exist_ok=True)
         options = ServeOptions.of(self.config, service, self.addresses).sharing_cores()
         options.ready_file = run_dir / f"{service}.json"
-        self.services[service] = process = ServiceProcess(options, self.config.data_dir / "logs", self.ready_timeout_s,
-                                                          service_key=self._service_key)
+        self.services[service] = process = ServiceProcess(
+            options, self.config.data_dir / "logs", self.ready_timeout_s, service_key=self._service_key
+        )
         self.addresses[service] = await process.start()
 
     async def start(self) -> dict[str, str]:

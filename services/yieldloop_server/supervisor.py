@@ -37,8 +37,9 @@ def pinned(options: ServeOptions, ready: dict) -> ServeOptions:
     rollout's OpenAI endpoint, the metrics endpoint), so everything a stack published keeps its address."""
     options = dataclasses.replace(options, port=_port(ready["address"]))
     if ready.get("http_port") and options.rollout.http_port == 0:
-        options = dataclasses.replace(options, rollout=dataclasses.replace(options.rollout,
-                                                                           http_port=int(ready["http_port"])))
+        options = dataclasses.replace(
+            options, rollout=dataclasses.replace(options.rollout, http_port=int(ready["http_port"]))
+        )
     if ready.get("metrics") and options.metrics_port == 0:
         options = dataclasses.replace(options, metrics_port=_port(ready["metrics"]))
     return options
@@ -53,9 +54,16 @@ class ServiceProcess:
     UNAVAILABLE; a retried OptimStep with its idempotency key finds a step that had committed).
     """
 
-    def __init__(self, options: ServeOptions, logs_dir: pathlib.Path, ready_timeout_s: float = 300.0,
-                 backoff: Backoff = Backoff(initial_s=0.5, max_s=30.0), service_key: str = "", name: str = "",
-                 exit_with_parent: bool = False) -> None:
+    def __init__(
+        self,
+        options: ServeOptions,
+        logs_dir: pathlib.Path,
+        ready_timeout_s: float = 300.0,
+        backoff: Backoff = Backoff(initial_s=0.5, max_s=30.0),
+        service_key: str = "",
+        name: str = "",
+        exit_with_parent: bool = False,
+    ) -> None:
         self.options = options
         self.service_key = service_key
         """Handed to the process in its environment (never on its command line)."""
@@ -79,8 +87,13 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self.process = process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "yieldloop.cli", *self.options.to_args(),
-                stdout=log_file, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
+                sys.executable,
+                "-m",
+                "yieldloop.cli",
+                *self.options.to_args(),
+                stdout=log_file,
+                stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL,
                 env={**os.environ, "YIELDLOOP_SERVICE_KEY": self.service_key} if self.service_key else None,
                 preexec_fn=_exit_with_parent if self.exit_with_parent else None,
             )

@@ -9,7 +9,9 @@ import sys
 from yieldloop.environment import Environment
 
 env = Environment("mcp")
-_servers = {"local": {"command": sys.executable, "args": [str(pathlib.Path(__file__).parents[1] / "mcp_server.py"), "stdio"]}}
+_servers = {
+    "local": {"command": sys.executable, "args": [str(pathlib.Path(__file__).parents[1] / "mcp_server.py"), "stdio"]}
+}
 if os.environ.get("YL_MCP_URL"):
     _servers["web"] = {"url": os.environ["YL_MCP_URL"]}
 env.connect_mcp_config({"mcpServers": _servers})

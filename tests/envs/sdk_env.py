@@ -88,11 +88,16 @@ def crash() -> str:
 @env.scenario()
 async def count_to(target: int, tag: str = "", ctx: EpisodeContext = None):
     """Asks the agent to bring the counter to `target`; the answer must name the final count."""
-    answer = yield [{"role": "system", "content": "Use the increment tool."},
-                    {"role": "user", "content": f"Bring the counter to {target}."}]
+    answer = yield [
+        {"role": "system", "content": "Use the increment tool."},
+        {"role": "user", "content": f"Bring the counter to {target}."},
+    ]
     reached = ctx.state["counter"] == target
-    yield Grade(1.0 if reached and answer.strip() == str(target) else 0.0,
-                subscores={"reached": float(reached)}, info={"counter": ctx.state["counter"]})
+    yield Grade(
+        1.0 if reached and answer.strip() == str(target) else 0.0,
+        subscores={"reached": float(reached)},
+        info={"counter": ctx.state["counter"]},
+    )
 
 
 @env.scenario()

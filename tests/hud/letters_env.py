@@ -32,7 +32,9 @@ async def serve_tools() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    _SERVING.append(asyncio.create_task(tools.run_async(transport="http", host="127.0.0.1", port=port, show_banner=False)))
+    _SERVING.append(
+        asyncio.create_task(tools.run_async(transport="http", host="127.0.0.1", port=port, show_banner=False))
+    )
     while True:
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -19,17 +19,32 @@ async def main(model: str) -> dict:
     sys.path.insert(0, str(HERE))
     import letters_env
 
-    agent = create_agent(model, max_steps=3, completion_kwargs={
-        "max_tokens": 48, "temperature": 0, "extra_body": {"return_token_ids": True}})
+    agent = create_agent(
+        model,
+        max_steps=3,
+        completion_kwargs={"max_tokens": 48, "temperature": 0, "extra_body": {"return_token_ids": True}},
+    )
     job = await Job.start("hud-tool-turns", group=2)
     await Taskset("tools", [letters_env.tool_calls(letter="a")]).run(
-        agent, runtime=LocalRuntime(letters_env.env), group=2, job=job)
+        agent, runtime=LocalRuntime(letters_env.env), group=2, job=job
+    )
     runs = []
     for run in job.runs:
         samples = run.trace.collect(lambda step: step.sample if isinstance(step, AgentStep) else None)
-        runs.append({"trace_id": run.trace_id, "reward": run.reward,
-                     "samples": [{"prompt_token_ids": s.prompt_token_ids, "output_token_ids": s.output_token_ids,
-                                  "output_logprobs": s.output_logprobs} for s in samples]})
+        runs.append(
+            {
+                "trace_id": run.trace_id,
+                "reward": run.reward,
+                "samples": [
+                    {
+                        "prompt_token_ids": s.prompt_token_ids,
+                        "output_token_ids": s.output_token_ids,
+                        "output_logprobs": s.output_logprobs,
+                    }
+                    for s in samples
+                ],
+            }
+        )
     return {"job_id": job.id, "runs": runs}
 
 

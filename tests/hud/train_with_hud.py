@@ -25,13 +25,20 @@ GROUP = 4
 def samples_of(run) -> list[dict]:
     """The token samples the agent recorded for each model turn of a run."""
     samples = run.trace.collect(lambda step: step.sample if isinstance(step, AgentStep) else None)
-    return [{"prompt_token_ids": s.prompt_token_ids, "output_token_ids": s.output_token_ids,
-             "output_logprobs": s.output_logprobs} for s in samples]
+    return [
+        {
+            "prompt_token_ids": s.prompt_token_ids,
+            "output_token_ids": s.output_token_ids,
+            "output_logprobs": s.output_logprobs,
+        }
+        for s in samples
+    ]
 
 
 async def rollout(model: str, taskset: Taskset, runtime: LocalRuntime, name: str, **completion) -> Job:
-    agent = create_agent(model, completion_kwargs={"max_tokens": 8, **completion,
-                                                   "extra_body": {"return_token_ids": True}})
+    agent = create_agent(
+        model, completion_kwargs={"max_tokens": 8, **completion, "extra_body": {"return_token_ids": True}}
+    )
     job = await Job.start(name, group=GROUP)
     await taskset.run(agent, runtime=runtime, group=GROUP, job=job)
     return job
@@ -81,7 +88,7 @@ async def main(base: str, model: str) -> dict:
     by_id = await trainer.forward_backward(ids, group_size=GROUP)
     out["by_trace_id"] = by_id.model_dump()
     payload = TrajectoryPayload(samples=samples_of(job2.runs[0]), reward=2.0)
-    mixed = await trainer.forward_backward([*ids[:GROUP - 1], payload], group_size=GROUP)
+    mixed = await trainer.forward_backward([*ids[: GROUP - 1], payload], group_size=GROUP)
     out["mixed"] = mixed.model_dump()
     last = await trainer.optim_step(learning_rate=1e-3)
     out["last_step"] = last.model_dump()

@@ -28,16 +28,12 @@ def to_rpc_status(error: YieldloopError) -> grpc.Status:
     details.append(packed)
     if error.field:
         bad = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
-            ]
+            field_violations=[error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)]
         )
         packed = any_pb2.Any()
         packed.Pack(bad)
         details.append(packed)
-    status = status_pb2.Status(
-        code=code_pb2.Code.Value(error.code), message=error.message, details=details
-    )
+    status = status_pb2.Status(code=code_pb2.Code.Value(error.code), message=error.message, details=details)
     return rpc_status.to_status(status)
 
 

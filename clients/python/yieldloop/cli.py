@@ -18,9 +18,11 @@ import pathlib
 import sys
 from typing import Any
 
-SERVER_COMMANDS = {"serve": "run one service in this process",
-                   "up": "start all four services on localhost (the embedded default)",
-                   "demo": "the closed loop on the embedded default: watch a tiny model learn"}
+SERVER_COMMANDS = {
+    "serve": "run one service in this process",
+    "up": "start all four services on localhost (the embedded default)",
+    "demo": "the closed loop on the embedded default: watch a tiny model learn",
+}
 """Subcommands the server distribution adds (an entry point in the group ``yieldloop.commands``)."""
 
 
@@ -45,8 +47,12 @@ def run_async(coro: Any) -> Any:
 
 
 def _add_attach(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attach", type=pathlib.Path, default=None,
-                        help="data directory of a running `yieldloop up` (default: $YIELDLOOP_DATA_DIR or .yieldloop)")
+    parser.add_argument(
+        "--attach",
+        type=pathlib.Path,
+        default=None,
+        help="data directory of a running `yieldloop up` (default: $YIELDLOOP_DATA_DIR or .yieldloop)",
+    )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
@@ -62,37 +68,60 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     model_commands = models.add_subparsers(dest="models_command", required=True)
     model_commands.add_parser("list", help="every model, with its base, parent, owner and whether it is trainable")
     imported = model_commands.add_parser(
-        "import", help="a Hugging Face model (a folder, or a hub id in the local cache: nothing is downloaded) as a new "
-                       "base slug; its weights become the checkpoint 'base'")
-    imported.add_argument("source", help="a model folder on this machine (uploaded), or a hub id (org/name) in the "
-                                         "checkpoint service's Hugging Face cache")
+        "import",
+        help="a Hugging Face model (a folder, or a hub id in the local cache: nothing is downloaded) as a new "
+        "base slug; its weights become the checkpoint 'base'",
+    )
+    imported.add_argument(
+        "source",
+        help="a model folder on this machine (uploaded), or a hub id (org/name) in the "
+        "checkpoint service's Hugging Face cache",
+    )
     imported.add_argument("--name", required=True, help="the new slug")
     imported.add_argument("--owner", default="", help="the owning team (admin keys; default: the key's team)")
     imported.add_argument("--public", action="store_true", help="every team may sample and fork it (admin keys)")
-    imported.add_argument("--on-server", action="store_true",
-                          help="SOURCE is a folder on the checkpoint service's machine (admin keys; under the "
-                               "service's --import-roots)")
+    imported.add_argument(
+        "--on-server",
+        action="store_true",
+        help="SOURCE is a folder on the checkpoint service's machine (admin keys; under the service's --import-roots)",
+    )
     fork = model_commands.add_parser(
-        "fork", help="a new model starting from a model's head: full fine-tuning (objects shared until its first "
-                     "step), or with --lora-rank a LoRA fork training adapters only over the source's frozen weights")
+        "fork",
+        help="a new model starting from a model's head: full fine-tuning (objects shared until its first "
+        "step), or with --lora-rank a LoRA fork training adapters only over the source's frozen weights",
+    )
     fork.add_argument("source", help="a model slug (its head) or SLUG@CHECKPOINT")
     fork.add_argument("--name", required=True)
     fork.add_argument("--owner", default="", help="the owning team (admin keys; default: the key's team)")
     fork.add_argument("--lora-rank", type=int, default=None, metavar="R", help="train a LoRA adapter of rank R (> 0)")
-    fork.add_argument("--lora-alpha", type=float, default=0.0, metavar="A",
-                      help="LoRA alpha: the update is scaled by A / R (default 2 R)")
-    fork.add_argument("--lora-targets", nargs="+", default=[], metavar="MODULE",
-                      help="module names to adapt, e.g. q_proj v_proj (default: every linear layer of the blocks)")
+    fork.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=0.0,
+        metavar="A",
+        help="LoRA alpha: the update is scaled by A / R (default 2 R)",
+    )
+    fork.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=[],
+        metavar="MODULE",
+        help="module names to adapt, e.g. q_proj v_proj (default: every linear layer of the blocks)",
+    )
     delete = model_commands.add_parser(
-        "delete", help="delete a model: its head, checkpoints and the objects no other model uses (refused while "
-                       "forks depend on it, unless --force)")
+        "delete",
+        help="delete a model: its head, checkpoints and the objects no other model uses (refused while "
+        "forks depend on it, unless --force)",
+    )
     delete.add_argument("model")
     delete.add_argument("--force", action="store_true", help="delete even though forks exist (they keep working)")
     checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first (> = HEAD)")
     checkpoints.add_argument("model")
     discard = model_commands.add_parser(
-        "discard-gradients", help="forget the gradients accumulated for a model since its last step (every "
-                                  "caller's), e.g. after a step refused as NON_FINITE or HEAD_CONFLICT")
+        "discard-gradients",
+        help="forget the gradients accumulated for a model since its last step (every "
+        "caller's), e.g. after a step refused as NON_FINITE or HEAD_CONFLICT",
+    )
     discard.add_argument("model")
     head = model_commands.add_parser("head", help="show a model's head, or move it with --set (rollback, branch)")
     head.add_argument("model")
@@ -104,13 +133,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     key_commands = keys.add_subparsers(dest="keys_command", required=True)
     created = key_commands.add_parser("create", help="a new key for a team; printed once, stored only hashed")
     created.add_argument("--team", required=True)
-    created.add_argument("--role", required=True, choices=("sample", "train", "admin"),
-                         help="sample: roll out and sample the team's and public models; train: also fork, import, "
-                              "train and move the head of the team's models; admin: keys and every model")
+    created.add_argument(
+        "--role",
+        required=True,
+        choices=("sample", "train", "admin"),
+        help="sample: roll out and sample the team's and public models; train: also fork, import, "
+        "train and move the head of the team's models; admin: keys and every model",
+    )
     created.add_argument("--name", default="", help="a label for `keys list`")
     key_commands.add_parser("list", help="every key (never a secret), revoked ones marked")
-    key_commands.add_parser("mint", help="print a new key, offline, for a deployment's Secret (YIELDLOOP_ADMIN_KEY, "
-                                         "YIELDLOOP_SERVICE_KEY: the services register it at start)")
+    key_commands.add_parser(
+        "mint",
+        help="print a new key, offline, for a deployment's Secret (YIELDLOOP_ADMIN_KEY, "
+        "YIELDLOOP_SERVICE_KEY: the services register it at start)",
+    )
     revoked = key_commands.add_parser("revoke", help="revoke a key: every service refuses it within seconds")
     revoked.add_argument("key_id")
 
@@ -133,7 +169,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     jobs = commands.add_parser("jobs", help="recorded jobs (evals and training sessions), oldest first")
     _add_attach(jobs)
 
-    trace = commands.add_parser("trace", help="print a recorded run (prompt, turns, reward) by trace id, and where its time went when spans were recorded")
+    trace = commands.add_parser(
+        "trace",
+        help="print a recorded run (prompt, turns, reward) by trace id, and where its time went when spans were "
+        "recorded",
+    )
     trace.add_argument("trace_id")
     trace.add_argument("--json", action="store_true", help="the run as JSON")
     _add_attach(trace)
@@ -141,9 +181,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     export = commands.add_parser("export", help="write a job's graded runs as RFT JSONL or token-level JSONL/Parquet")
     export.add_argument("job")
     export.add_argument("--format", default="jsonl", choices=("jsonl", "parquet"))
-    export.add_argument("--kind", default="", choices=("", "rft", "tokens"),
-                        help="rft: prompt/completion/reward; tokens: token ids, logprobs, masks, rewards, group ids "
-                             "(default: rft for jsonl, tokens for parquet)")
+    export.add_argument(
+        "--kind",
+        default="",
+        choices=("", "rft", "tokens"),
+        help="rft: prompt/completion/reward; tokens: token ids, logprobs, masks, rewards, group ids "
+        "(default: rft for jsonl, tokens for parquet)",
+    )
     export.add_argument("--out", type=pathlib.Path, help="output file (default: <job>.<kind>.<format>)")
     _add_attach(export)
 
@@ -170,8 +214,11 @@ def _plugins(commands: Any) -> dict[str, Any]:
 
 
 def _needs_server(args: argparse.Namespace) -> int:
-    print(f"yieldloop: `yieldloop {args.command}` runs the services, which are the server distribution: "
-          "install it from a yieldloop checkout with `pip install -e ./clients/python -e .`", file=sys.stderr)
+    print(
+        f"yieldloop: `yieldloop {args.command}` runs the services, which are the server distribution: "
+        "install it from a yieldloop checkout with `pip install -e ./clients/python -e .`",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -184,8 +231,14 @@ def _client(args: argparse.Namespace, timeout: float = 300.0) -> Any:
 def _progress(console: Any) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
 
 
 async def run_loop(client: Any, config: Any, run_root: pathlib.Path, console: Any, **tasks: Any) -> dict[str, Any]:
@@ -202,7 +255,9 @@ async def run_loop(client: Any, config: Any, run_root: pathlib.Path, console: An
         bar = progress.add_task("training steps", total=config.steps)
         async for report in closed_loop(client, config, runs_dir=run_root, baseline=baseline, **tasks):
             if not steps and baseline:
-                progress.console.print(f"held-out reward of {baseline[0].checkpoint_id}: {baseline[0].heldout_reward:.3f}")
+                progress.console.print(
+                    f"held-out reward of {baseline[0].checkpoint_id}: {baseline[0].heldout_reward:.3f}"
+                )
             steps.append(report)
             progress.console.print(report.line(), soft_wrap=True, markup=False)
             if not report.promoted:
@@ -213,8 +268,14 @@ async def run_loop(client: Any, config: Any, run_root: pathlib.Path, console: An
     elapsed = time.perf_counter() - started
     job_id = steps[-1].job_id
     png, page = write_report(run_root / job_id)
-    return {"steps": steps, "baseline": baseline[0] if baseline else None, "elapsed_s": elapsed,
-            "report": page, "png": png, "job_id": job_id}
+    return {
+        "steps": steps,
+        "baseline": baseline[0] if baseline else None,
+        "elapsed_s": elapsed,
+        "report": page,
+        "png": png,
+        "job_id": job_id,
+    }
 
 
 def print_summary(console: Any, summary: dict[str, Any], target: float = 0.0) -> None:
@@ -224,11 +285,12 @@ def print_summary(console: Any, summary: dict[str, Any], target: float = 0.0) ->
         reached = next((i for i, s in enumerate(steps, 1) if target and s.head_heldout_reward >= target), None)
         console.print(
             f"held-out reward {baseline.heldout_reward:.3f} -> {after:.3f} in {len(steps)} steps "
-            f"({summary['elapsed_s']:.1f}s of RL"
-            + (f"; reached {target:g} at step {reached}" if reached else "") + ")"
+            f"({summary['elapsed_s']:.1f}s of RL" + (f"; reached {target:g} at step {reached}" if reached else "") + ")"
         )
-        split = {k: sum(getattr(s, k) for s in steps) for k in
-                 ("rollout_s", "forward_backward_s", "optim_s", "heldout_s", "reload_s")}
+        split = {
+            k: sum(getattr(s, k) for s in steps)
+            for k in ("rollout_s", "forward_backward_s", "optim_s", "heldout_s", "reload_s")
+        }
         console.print("time split: " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in split.items()))
     console.print(f"job {summary['job_id']}; report: {summary['report']} (plot {summary['png']})")
 
@@ -255,32 +317,45 @@ async def _eval(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from yieldloop.types import RunStatus
     from yieldloop.loop import load_tasks
     from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
+    from yieldloop.types import RunStatus
 
     tasks = load_tasks(args.tasks)
     console = Console()
     async with _client(args) as client:
         job = await Job.start(args.model, args.group, name=args.name or f"eval {args.tasks}", client=client)
-        agent = Agent(model=args.model, temperature=args.temperature, max_tokens=args.max_tokens,
-                      max_steps=args.max_steps)
+        agent = Agent(
+            model=args.model, temperature=args.temperature, max_tokens=args.max_tokens, max_steps=args.max_steps
+        )
         with _progress(console) as progress:
             bar = progress.add_task(f"eval {len(tasks)} tasks x {args.group}", total=len(tasks) * args.group)
-            runs = await run_tasks(tasks, agent, job=job, max_concurrent=args.max_concurrent,
-                                   checkpoint_id=args.checkpoint, on_run=lambda run: progress.advance(bar))
+            runs = await run_tasks(
+                tasks,
+                agent,
+                job=job,
+                max_concurrent=args.max_concurrent,
+                checkpoint_id=args.checkpoint,
+                on_run=lambda run: progress.advance(bar),
+            )
     by_task: dict[str, list] = collections.defaultdict(list)
     for run in runs:
         by_task[f"{run.task.env}/{run.task.scenario} {run.task.args_json}"].append(run)
     table = Table("task", "runs", "mean reward", "rewards")
     for name, task_runs in by_task.items():
-        table.add_row(name, str(len(task_runs)), f"{mean_reward(task_runs):.3f}",
-                      " ".join(f"{r.reward:.2f}" if r.status == RunStatus.GRADED else "err" for r in task_runs))
+        table.add_row(
+            name,
+            str(len(task_runs)),
+            f"{mean_reward(task_runs):.3f}",
+            " ".join(f"{r.reward:.2f}" if r.status == RunStatus.GRADED else "err" for r in task_runs),
+        )
     console.print(table)
     flat = report_groups_without_spread(runs)
     errors = sum(run.status != RunStatus.GRADED for run in runs)
-    console.print(f"job {job.id}: {len(runs)} runs, mean reward {mean_reward(runs):.3f}, "
-                  f"{len(flat)} group(s) without reward spread, {errors} not graded")
+    console.print(
+        f"job {job.id}: {len(runs)} runs, mean reward {mean_reward(runs):.3f}, "
+        f"{len(flat)} group(s) without reward spread, {errors} not graded"
+    )
     console.print(f"export: yieldloop export {job.id} --format jsonl", markup=False)
 
 
@@ -349,14 +424,19 @@ async def _keys(args: argparse.Namespace) -> None:
     async with _client(args, timeout=60) as client:
         if args.keys_command == "create":
             made = await client.create_api_key(args.team, args.role, args.name)
-            console.print(f"key {made.info.key_id} for team {made.info.team} ({made.info.role}); it is shown this "
-                          f"once (stored hashed):", markup=False)
+            console.print(
+                f"key {made.info.key_id} for team {made.info.team} ({made.info.role}); it is shown this "
+                f"once (stored hashed):",
+                markup=False,
+            )
             print(made.api_key)
         elif args.keys_command == "list":
             table = Table("key id", "team", "role", "name", "created", "revoked")
             for key in await client.list_api_keys():
-                when = [datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds") if t else "-"
-                        for t in (key.created_time, key.revoked_time)]
+                when = [
+                    datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds") if t else "-"
+                    for t in (key.created_time, key.revoked_time)
+                ]
                 table.add_row(key.key_id, key.team, key.role, key.name or "-", *when)
             console.print(table)
         else:
@@ -373,20 +453,45 @@ async def _models(args: argparse.Namespace) -> None:
         if args.models_command == "list":
             from yieldloop.convert import model_from_pb
 
-            table = Table("model", "base", "parent", "owner", "public", "trainable", "kind", "architecture",
-                          "parameters", "dtype", "chat template", "size")
+            table = Table(
+                "model",
+                "base",
+                "parent",
+                "owner",
+                "public",
+                "trainable",
+                "kind",
+                "architecture",
+                "parameters",
+                "dtype",
+                "chat template",
+                "size",
+            )
             for m in map(model_from_pb, (await client.list_models()).models):
-                table.add_row(m.slug, m.base, m.parent or "-", m.owner or "-", "yes" if m.public else "no",
-                              "yes" if m.trainable else "no",
-                              m.kind, m.architecture or "-", f"{m.num_parameters:,}", m.dtype or "-",
-                              "yes" if m.has_chat_template else "no", f"{m.size_bytes / 1e6:.3f} MB")
+                table.add_row(
+                    m.slug,
+                    m.base,
+                    m.parent or "-",
+                    m.owner or "-",
+                    "yes" if m.public else "no",
+                    "yes" if m.trainable else "no",
+                    m.kind,
+                    m.architecture or "-",
+                    f"{m.num_parameters:,}",
+                    m.dtype or "-",
+                    "yes" if m.has_chat_template else "no",
+                    f"{m.size_bytes / 1e6:.3f} MB",
+                )
             console.print(table)
         elif args.models_command == "import":
             done = await client.import_model(args.source, args.name, args.owner, args.public, args.on_server)
             m = done.model
-            console.print(f"imported {args.source} as {m.slug}: {m.architecture}, {m.num_parameters:,} parameters "
-                          f"({m.dtype}), chat template {'yes' if m.has_chat_template else 'no'}, "
-                          f"{m.size_bytes / 1e6:.1f} MB, head {done.head.checkpoint_id}", markup=False)
+            console.print(
+                f"imported {args.source} as {m.slug}: {m.architecture}, {m.num_parameters:,} parameters "
+                f"({m.dtype}), chat template {'yes' if m.has_chat_template else 'no'}, "
+                f"{m.size_bytes / 1e6:.1f} MB, head {done.head.checkpoint_id}",
+                markup=False,
+            )
         elif args.models_command == "fork":
             from yieldloop.types import LoraConfig
 
@@ -396,10 +501,15 @@ async def _models(args: argparse.Namespace) -> None:
             elif args.lora_alpha or args.lora_targets:
                 raise SystemExit("yieldloop: --lora-alpha and --lora-targets need --lora-rank")
             forked = await client.fork_model(args.source, args.name, args.owner, lora=lora)
-            kind = f"LoRA r={forked.model.lora.rank} over {forked.model.adapter_base_model}@" \
-                   f"{forked.model.adapter_base_checkpoint_id}" if forked.model.HasField("lora") else "full"
-            console.print(f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id} ({kind})",
-                          markup=False)
+            kind = (
+                f"LoRA r={forked.model.lora.rank} over {forked.model.adapter_base_model}@"
+                f"{forked.model.adapter_base_checkpoint_id}"
+                if forked.model.HasField("lora")
+                else "full"
+            )
+            console.print(
+                f"forked {args.source} -> {forked.model.slug} at {forked.head.checkpoint_id} ({kind})", markup=False
+            )
         elif args.models_command == "delete":
             await client.delete_model(args.model, force=args.force)
             console.print(f"deleted {args.model}", markup=False)
@@ -410,8 +520,14 @@ async def _models(args: argparse.Namespace) -> None:
                 if c.promotion.reason:
                     decision += f": {c.promotion.reason}"
                 stored = "pending" if c.pending else "weights + state" if c.has_state else "weights"
-                table.add_row(">" if c.is_head else "", c.checkpoint_id, c.parent_checkpoint_id or "-", str(c.step),
-                              stored, decision)
+                table.add_row(
+                    ">" if c.is_head else "",
+                    c.checkpoint_id,
+                    c.parent_checkpoint_id or "-",
+                    str(c.step),
+                    stored,
+                    decision,
+                )
             console.print(table)
         elif args.models_command == "discard-gradients":
             dropped = await client.discard_gradients(args.model)
@@ -441,8 +557,11 @@ async def _trace(args: argparse.Namespace) -> None:
     console.print(f"task {run.task.env}/{run.task.scenario} {run.task.args_json}", markup=False)
     console.print(f"prompt: {run.prompt}", markup=False)
     for i, turn in enumerate(run.turns):
-        console.print(f"turn {i}: {len(turn.prompt_token_ids)} prompt + {len(turn.completion_token_ids)} completion "
-                      f"tokens, weights {turn.weight_version}: {turn.completion_text!r}", markup=False)
+        console.print(
+            f"turn {i}: {len(turn.prompt_token_ids)} prompt + {len(turn.completion_token_ids)} completion "
+            f"tokens, weights {turn.weight_version}: {turn.completion_text!r}",
+            markup=False,
+        )
     console.print(f"answer: {run.answer!r}  reward {run.reward:.3f}  info {run.info_json}", markup=False)
     if spans:
         console.print(span_timeline(spans), markup=False, soft_wrap=True)
@@ -467,8 +586,11 @@ def span_timeline(spans: list[Any], width: int = 40) -> str:
             length = max(1, (s.end_time_unix_nano - s.start_time_unix_nano) * width // total)
             bar = " " * begin + "#" * min(length, width - begin)
             status = f"  {s.status}: {s.error}" if s.status == "ERROR" else ""
-            lines.append(f"  {(s.start_time_unix_nano - start) / 1e6:8.1f} ms {(s.end_time_unix_nano - s.start_time_unix_nano) / 1e6:8.1f} ms"
-                         f" |{bar:<{width}}| {'  ' * depth}{s.name} [{s.service}]{status}")
+            lines.append(
+                f"  {(s.start_time_unix_nano - start) / 1e6:8.1f} ms"
+                f" {(s.end_time_unix_nano - s.start_time_unix_nano) / 1e6:8.1f} ms"
+                f" |{bar:<{width}}| {'  ' * depth}{s.name} [{s.service}]{status}"
+            )
             walk(s.span_id, depth + 1)
 
     walk("", 0)
@@ -497,8 +619,15 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     if args.command == "report":
         return cmd_report(args)
-    commands = {"models": _models, "keys": _keys, "trace": _trace, "eval": _eval, "train": _train,
-                "jobs": _jobs, "export": _export}
+    commands = {
+        "models": _models,
+        "keys": _keys,
+        "trace": _trace,
+        "eval": _eval,
+        "train": _train,
+        "jobs": _jobs,
+        "export": _export,
+    }
     return with_errors(commands[args.command](args))
 
 

@@ -33,11 +33,6 @@ from typing import Any
 import grpc
 
 from yieldloop._status import error_from_rpc
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as ckpt_grpc
-from yieldloop.proto.common.v1 import common_pb2 as common_pb
-from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
-from yieldloop.proto.env.v1 import env_service_pb2_grpc as env_grpc
 from yieldloop.convert import (
     datum_from_pb,
     datum_to_pb,
@@ -51,15 +46,26 @@ from yieldloop.convert import (
     run_to_pb,
 )
 from yieldloop.environment import Task
-from yieldloop.errors import (FailedPreconditionError, NotFoundError, UnavailableError, YieldloopError, error_from_wire,
-                              invalid_field)
-from yieldloop.retry import Backoff
+from yieldloop.errors import (
+    FailedPreconditionError,
+    NotFoundError,
+    UnavailableError,
+    YieldloopError,
+    error_from_wire,
+    invalid_field,
+)
+from yieldloop.groups import split_whole_groups
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as ckpt_grpc
+from yieldloop.proto.common.v1 import common_pb2 as common_pb
+from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
+from yieldloop.proto.env.v1 import env_service_pb2_grpc as env_grpc
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as rollout_grpc
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as trainer_grpc
+from yieldloop.retry import Backoff
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig, open_channel
-from yieldloop.groups import split_whole_groups
 from yieldloop.types import Datum, Head, JobInfo, LoraConfig, Manifest, ModelInfo, Run
 
 RETRY = Backoff(initial_s=0.25, max_s=5.0)
@@ -133,11 +139,15 @@ class _CallStatus:
         if self._server is not None:
             status = self._server
             err = grpc.aio.AioRpcError(
-                _STATUS_CODES.get(status.code(), grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(),
-                grpc.aio.Metadata(*(status.trailing_metadata() or ())), status.details())
+                _STATUS_CODES.get(status.code(), grpc.StatusCode.UNKNOWN),
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(*(status.trailing_metadata() or ())),
+                status.details(),
+            )
         elif err is None:
-            err = grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(), await call.trailing_metadata(),
-                                       await call.details())
+            err = grpc.aio.AioRpcError(
+                await call.code(), grpc.aio.Metadata(), await call.trailing_metadata(), await call.details()
+            )
         return error_from_rpc(err)
 
 
@@ -214,9 +224,11 @@ class _Episode:
     ) -> env_pb.EpisodeGraded:
         """Submits the answer, with how the model's final turn ended and its token ids when known (the
         scenario sees them as ``ctx.completion``)."""
-        request = env_pb.StreamEpisodeRequest(submit=env_pb.SubmitAnswer(
-            answer=answer, stop_reason=int(stop_reason), completion_token_ids=completion_token_ids
-        ))
+        request = env_pb.StreamEpisodeRequest(
+            submit=env_pb.SubmitAnswer(
+                answer=answer, stop_reason=int(stop_reason), completion_token_ids=completion_token_ids
+            )
+        )
         return (await self._exchange(request, last=True)).graded
 
     async def close(self) -> None:
@@ -274,8 +286,10 @@ class _EpisodeStream:
         self.alive = True
         self._out: list[env_pb.EpisodeRequestFrame] = []
         self._ready = asyncio.Event()
-        self._tasks = (asyncio.create_task(self._write_loop(), context=detached),
-                       asyncio.create_task(self._read_loop(), context=detached))
+        self._tasks = (
+            asyncio.create_task(self._write_loop(), context=detached),
+            asyncio.create_task(self._read_loop(), context=detached),
+        )
 
     def send(self, frame: env_pb.EpisodeRequestFrame) -> None:
         if self.alive:
@@ -305,8 +319,14 @@ class _EpisodeStream:
                         session.deliver(frame.response)
                     if frame.closed:
                         del self.sessions[frame.tag]
-                        ended = error_from_wire(dict(code=frame.error.code, message=frame.error.message,
-                                                     reason=frame.error.reason, field=frame.error.field))
+                        ended = error_from_wire(
+                            dict(
+                                code=frame.error.code,
+                                message=frame.error.message,
+                                reason=frame.error.reason,
+                                field=frame.error.field,
+                            )
+                        )
                         session.ended(ended if frame.HasField("error") else None)
             error = UnavailableError("EnvService ended the episode stream", reason="EPISODE_STREAM_LOST")
         except grpc.aio.AioRpcError as err:
@@ -380,7 +400,9 @@ class MultiplexedEpisode(_Episode):
     async def _exchange(self, request: env_pb.StreamEpisodeRequest, last: bool = False) -> env_pb.StreamEpisodeResponse:
         if self._done:
             raise self._error or _closed_early()
-        frame = env_pb.EpisodeRequestFrame(request=request, close=last)  # the submit's close: StreamEpisode's half-close
+        frame = env_pb.EpisodeRequestFrame(
+            request=request, close=last
+        )  # the submit's close: StreamEpisode's half-close
         if self._stream is None:
             self._stream, self._tag = self._streams.open(self)
             if self._streams.trace_context is not None:
@@ -455,8 +477,11 @@ class Client:
         envs = [env] if isinstance(env, str) else list(env or ())
         self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
         # (address, connection): episodes take every replica in turn, then each replica's next connection
-        self._env_targets = [(address, connection) for connection in range(max(1, self.transport.env_connections))
-                             for address in self._env_addresses]
+        self._env_targets = [
+            (address, connection)
+            for connection in range(max(1, self.transport.env_connections))
+            for address in self._env_addresses
+        ]
         self._next_env = itertools.count()
         self._addresses = {"rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
 
@@ -563,7 +588,8 @@ class Client:
             streams = self._episode_streams.get(target)
             if streams is None:
                 streams = self._episode_streams[target] = _EpisodeStreams(
-                    functools.partial(self._env_stub, target), self.transport.trace_context)
+                    functools.partial(self._env_stub, target), self.transport.trace_context
+                )
             return MultiplexedEpisode(streams, task_to_proto(task))
         return EpisodeSession(self._env_stub(target), task_to_proto(task), timeout)
 
@@ -640,7 +666,9 @@ class Client:
     async def create_job(
         self, model: str = "", name: str = "", group_size: int = 0, metadata_json: str = ""
     ) -> JobInfo:
-        request = rollout_pb.CreateJobRequest(model=model, name=name, group_size=group_size, metadata_json=metadata_json)
+        request = rollout_pb.CreateJobRequest(
+            model=model, name=name, group_size=group_size, metadata_json=metadata_json
+        )
         return job_from_pb((await _unary(self.rollout_stub.CreateJob, request, self.timeout)).job)
 
     async def list_jobs(self) -> list[JobInfo]:
@@ -718,7 +746,10 @@ class Client:
         return await _unary(self.trainer_stub.ForwardBackward, requests(), self.timeout)
 
     async def forward_scored(
-        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = (),
+        self,
+        *,
+        runs: Iterable[Run | common_pb.Run] = (),
+        datums: Iterable[Datum | common_pb.Datum] = (),
         model: str = "",
     ) -> list[tuple[Datum, list[float]]]:
         """For each run, then each datum: the datum scored (runs with their group-centred advantages) and the
@@ -734,7 +765,10 @@ class Client:
         return [(datum_from_pb(result.datum), list(result.logprobs)) for result in response.results]
 
     async def forward(
-        self, *, runs: Iterable[Run | common_pb.Run] = (), datums: Iterable[Datum | common_pb.Datum] = (),
+        self,
+        *,
+        runs: Iterable[Run | common_pb.Run] = (),
+        datums: Iterable[Datum | common_pb.Datum] = (),
         model: str = "",
     ) -> list[list[float]]:
         """The learner's per-target-token logprobs for each run, then each datum (no gradient)."""
@@ -789,14 +823,17 @@ class Client:
         request = trainer_pb.DiscardGradientsRequest(model=model)
         return (await _unary(self.trainer_stub.DiscardGradients, request, self.timeout)).num_datums
 
-    def pull_weights(self, model: str, checkpoint_id: str, host_id: str = "",
-                     probe: bool = False) -> AsyncIterator[trainer_pb.PullWeightsResponse]:
+    def pull_weights(
+        self, model: str, checkpoint_id: str, host_id: str = "", probe: bool = False
+    ) -> AsyncIterator[trainer_pb.PullWeightsResponse]:
         """The sampler weights of a checkpoint the trainer still holds (see TrainerService.PullWeights); with
         ``probe``, one empty message when it holds them (NOT_FOUND otherwise)."""
         request = trainer_pb.PullWeightsRequest(model=model, checkpoint_id=checkpoint_id, host_id=host_id, probe=probe)
         return _stream(self.trainer_stub.PullWeights(request, timeout=self.timeout))
 
-    def subscribe_weights(self, model: str, backend: str = "gloo") -> AsyncIterator[trainer_pb.SubscribeWeightsResponse]:
+    def subscribe_weights(
+        self, model: str, backend: str = "gloo"
+    ) -> AsyncIterator[trainer_pb.SubscribeWeightsResponse]:
         """Membership in the trainer's weight group for ``model``, for as long as the stream is read (see
         TrainerService.SubscribeWeights; no deadline)."""
         request = trainer_pb.SubscribeWeightsRequest(model=model, backend=backend)
@@ -827,8 +864,9 @@ class Client:
         spent = timings if timings is not None else {}
         for i, batch in enumerate(slices):
             started = time.perf_counter()
-            metrics.append(await self.forward_backward(runs=batch, loss_fn=loss_fn, model=model,
-                                                       **forward_backward_options))
+            metrics.append(
+                await self.forward_backward(runs=batch, loss_fn=loss_fn, model=model, **forward_backward_options)
+            )
             middle = time.perf_counter()
             last = i == len(slices) - 1
             step = await self.optim_step(
@@ -887,9 +925,12 @@ class Client:
             if folder.is_dir():
                 return await self.upload_model(folder, name, owner, public, source=source)
             if source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source:
-                raise NotFoundError(f"no folder {source!r} on this machine (a folder on the checkpoint service's "
-                                    "machine: on_server / --on-server, admin keys)", reason="MODEL_SOURCE_NOT_FOUND",
-                                    field="source")
+                raise NotFoundError(
+                    f"no folder {source!r} on this machine (a folder on the checkpoint service's "
+                    "machine: on_server / --on-server, admin keys)",
+                    reason="MODEL_SOURCE_NOT_FOUND",
+                    field="source",
+                )
         request = ckpt_pb.ImportModelRequest(source=source, name=name, owner=owner, public=public)
         return await _unary(self.checkpoint_stub.ImportModel, request, self.timeout)
 
@@ -932,7 +973,9 @@ class Client:
     ) -> tuple[Manifest, Head | None]:
         """Commits a checkpoint whose objects are written; returns it (as stored) and the head when it moved."""
         request = ckpt_pb.CommitCheckpointRequest(
-            manifest=manifest_to_pb(manifest), set_head=set_head, expected_head_checkpoint_id=expected_head_checkpoint_id
+            manifest=manifest_to_pb(manifest),
+            set_head=set_head,
+            expected_head_checkpoint_id=expected_head_checkpoint_id,
         )
         response = await self._repeatable(self.checkpoint_stub.CommitCheckpoint, request)
         return manifest_from_pb(response.manifest), head_from_pb(response.head) if response.HasField("head") else None
@@ -946,7 +989,9 @@ class Client:
     ) -> Head:
         """Moves a model's head (compare-and-swap on the expected checkpoint id and/or sequence)."""
         request = ckpt_pb.SetHeadRequest(
-            model=model, checkpoint_id=checkpoint_id, expected_checkpoint_id=expected_checkpoint_id,
+            model=model,
+            checkpoint_id=checkpoint_id,
+            expected_checkpoint_id=expected_checkpoint_id,
             expected_sequence=expected_sequence,
         )
         return head_from_pb((await _unary(self.checkpoint_stub.SetHead, request, self.timeout)).head)

@@ -17,8 +17,8 @@ from yieldloop.types import (
     AgentStopReason,
     Datum,
     Head,
-    LoraConfig,
     JobInfo,
+    LoraConfig,
     Manifest,
     ModelInfo,
     ObjectInfo,
@@ -29,7 +29,6 @@ from yieldloop.types import (
     TaskRef,
     Turn,
 )
-
 
 E = TypeVar("E", bound=enum.IntEnum)
 
@@ -86,9 +85,12 @@ def task_ref_from_pb(message: common_pb.Task) -> TaskRef:
 
 def turn_to_pb(turn: Turn) -> common_pb.Turn:
     return common_pb.Turn(
-        prompt_token_ids=turn.prompt_token_ids, completion_token_ids=turn.completion_token_ids,
-        completion_logprobs=turn.completion_logprobs, weight_version=turn.weight_version,
-        completion_text=turn.completion_text, stop_reason=int(turn.stop_reason),
+        prompt_token_ids=turn.prompt_token_ids,
+        completion_token_ids=turn.completion_token_ids,
+        completion_logprobs=turn.completion_logprobs,
+        weight_version=turn.weight_version,
+        completion_text=turn.completion_text,
+        stop_reason=int(turn.stop_reason),
     )
 
 
@@ -98,34 +100,53 @@ def _enum(cls: type[E], value: int, field: str) -> E:
     try:
         return cls(value)
     except ValueError:
-        raise invalid_field(field, f"{field} {value} is not a {cls.__name__} (known: "
-                                   f"{', '.join(str(int(m)) for m in cls)})") from None
+        raise invalid_field(
+            field, f"{field} {value} is not a {cls.__name__} (known: {', '.join(str(int(m)) for m in cls)})"
+        ) from None
 
 
 def turn_from_pb(message: common_pb.Turn) -> Turn:
-    return Turn(list(message.prompt_token_ids), list(message.completion_token_ids), list(message.completion_logprobs),
-                message.weight_version, message.completion_text,
-                _enum(StopReason, message.stop_reason, "turns.stop_reason"))
+    return Turn(
+        list(message.prompt_token_ids),
+        list(message.completion_token_ids),
+        list(message.completion_logprobs),
+        message.weight_version,
+        message.completion_text,
+        _enum(StopReason, message.stop_reason, "turns.stop_reason"),
+    )
 
 
 def run_to_pb(run: Run | common_pb.Run) -> common_pb.Run:
     if isinstance(run, common_pb.Run):
         return run
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
-    fields.update(task=common_pb.Task(**dataclasses.asdict(run.task)), turns=[turn_to_pb(t) for t in run.turns],
-                  status=int(run.status), agent_stop_reason=int(run.agent_stop_reason),
-                  prompt_format=int(run.prompt_format))
+    fields.update(
+        task=common_pb.Task(**dataclasses.asdict(run.task)),
+        turns=[turn_to_pb(t) for t in run.turns],
+        status=int(run.status),
+        agent_stop_reason=int(run.agent_stop_reason),
+        prompt_format=int(run.prompt_format),
+    )
     return common_pb.Run(**fields)
 
 
 def run_from_pb(message: common_pb.Run) -> Run:
     return Run(
-        run_id=message.run_id, task=task_ref_from_pb(message.task), group_id=message.group_id,
-        prompt=message.prompt, turns=[turn_from_pb(t) for t in message.turns], answer=message.answer,
-        reward=message.reward, info_json=message.info_json, status=_enum(RunStatus, message.status, "run.status"),
-        error=message.error, model=message.model, trace_id=message.trace_id,
+        run_id=message.run_id,
+        task=task_ref_from_pb(message.task),
+        group_id=message.group_id,
+        prompt=message.prompt,
+        turns=[turn_from_pb(t) for t in message.turns],
+        answer=message.answer,
+        reward=message.reward,
+        info_json=message.info_json,
+        status=_enum(RunStatus, message.status, "run.status"),
+        error=message.error,
+        model=message.model,
+        trace_id=message.trace_id,
         agent_stop_reason=_enum(AgentStopReason, message.agent_stop_reason, "run.agent_stop_reason"),
-        attempts=message.attempts, prompt_format=_enum(PromptFormat, message.prompt_format, "run.prompt_format"),
+        attempts=message.attempts,
+        prompt_format=_enum(PromptFormat, message.prompt_format, "run.prompt_format"),
         team=message.team,
     )
 
@@ -144,8 +165,16 @@ def job_to_pb(job: JobInfo) -> rollout_pb.Job:
 
 
 def job_from_pb(message: rollout_pb.Job) -> JobInfo:
-    return JobInfo(message.job_id, message.model, message.name, message.group_size, message.created_time,
-                   message.metadata_json, message.num_runs, message.team)
+    return JobInfo(
+        message.job_id,
+        message.model,
+        message.name,
+        message.group_size,
+        message.created_time,
+        message.metadata_json,
+        message.num_runs,
+        message.team,
+    )
 
 
 def datum_to_pb(datum: Datum | common_pb.Datum) -> common_pb.Datum:
@@ -155,5 +184,10 @@ def datum_to_pb(datum: Datum | common_pb.Datum) -> common_pb.Datum:
 
 
 def datum_from_pb(message: common_pb.Datum) -> Datum:
-    return Datum(list(message.input_tokens), list(message.target_tokens), list(message.sampling_logprobs),
-                 list(message.advantages), list(message.weights))
+    return Datum(
+        list(message.input_tokens),
+        list(message.target_tokens),
+        list(message.sampling_logprobs),
+        list(message.advantages),
+        list(message.weights),
+    )

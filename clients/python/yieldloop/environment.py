@@ -41,6 +41,7 @@ from typing import Any
 from yieldloop.errors import NotFoundError
 from yieldloop.schema import docstring_args, injected_parameters, signature_schema, validate_arguments
 
+
 class RawText(str):
     """A prompt given to the model as it is, not as a chat message: ``yield RawText("12 + 30 =")``.
 

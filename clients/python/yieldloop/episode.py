@@ -14,7 +14,16 @@ import math
 import uuid
 from typing import Any
 
-from yieldloop.environment import FinalCompletion, Environment, EpisodeContext, Grade, Prompt, Scenario, Task, call_maybe_async
+from yieldloop.environment import (
+    Environment,
+    EpisodeContext,
+    FinalCompletion,
+    Grade,
+    Prompt,
+    Scenario,
+    Task,
+    call_maybe_async,
+)
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -41,8 +50,9 @@ def check_grade(value: Any, scenario: str, bounds: tuple[float, float] = (0.0, 1
         )
     low, high = bounds
     if not math.isfinite(grade.reward) or not low <= grade.reward <= high:
-        raise environment_error(f"scenario {scenario!r}: reward {grade.reward!r} is not a finite number in "
-                                f"[{low:g}, {high:g}]")
+        raise environment_error(
+            f"scenario {scenario!r}: reward {grade.reward!r} is not a finite number in [{low:g}, {high:g}]"
+        )
     return grade
 
 

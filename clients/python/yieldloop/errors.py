@@ -4,8 +4,8 @@ Services raise these from plain-Python domain code; the servicer layer turns
 them into a ``google.rpc.Status`` carrying ``ErrorInfo{reason, domain}`` (and
 ``BadRequest`` for a named field); the client turns such a status back into
 the same class; the HTTP endpoints answer its ``http_status`` with an OpenAI-shaped body, and the
-EnvService worker pipe carries :meth:`YieldloopError.to_wire` dicts. Every class inherits :class:`YieldloopError` and, where one
-fits, the matching builtin (``NotFoundError`` is a ``LookupError``, ...).
+EnvService worker pipe carries :meth:`YieldloopError.to_wire` dicts. Every class inherits
+:class:`YieldloopError` and, where one fits, the matching builtin (``NotFoundError`` is a ``LookupError``, ...).
 
 This module imports nothing heavy (no grpc), so domain code can use it freely.
 """
@@ -63,7 +63,9 @@ def as_yieldloop_error(exc: BaseException) -> YieldloopError:
     if no_space(exc):
         return ResourceExhaustedError(
             f"no space left on the device this service writes to ({getattr(exc, 'filename', '') or exc}): nothing "
-            "was half-written; retry once space is freed", reason="NO_SPACE")
+            "was half-written; retry once space is freed",
+            reason="NO_SPACE",
+        )
     return InternalError(f"{type(exc).__name__}: {exc}")
 
 

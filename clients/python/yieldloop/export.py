@@ -66,16 +66,24 @@ def export_runs(runs: Iterable[Run], path: str | pathlib.Path, fmt: str = "jsonl
             import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
-            raise FailedPreconditionError("Parquet export needs pyarrow: pip install 'yieldloop[parquet]'",
-                                          reason="MISSING_DEPENDENCY") from None
+            raise FailedPreconditionError(
+                "Parquet export needs pyarrow: pip install 'yieldloop[parquet]'", reason="MISSING_DEPENDENCY"
+            ) from None
 
         schema = None
         if kind == "tokens":
-            schema = pa.schema([
-                ("trace_id", pa.string()), ("run_id", pa.string()), ("group_id", pa.string()),
-                ("reward", pa.float64()), ("token_ids", pa.list_(pa.int32())), ("logprobs", pa.list_(pa.float32())),
-                ("mask", pa.list_(pa.int8())), ("weight_versions", pa.list_(pa.string())),
-            ])
+            schema = pa.schema(
+                [
+                    ("trace_id", pa.string()),
+                    ("run_id", pa.string()),
+                    ("group_id", pa.string()),
+                    ("reward", pa.float64()),
+                    ("token_ids", pa.list_(pa.int32())),
+                    ("logprobs", pa.list_(pa.float32())),
+                    ("mask", pa.list_(pa.int8())),
+                    ("weight_versions", pa.list_(pa.string())),
+                ]
+            )
         pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     return len(rows)
 

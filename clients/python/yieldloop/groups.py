@@ -86,8 +86,9 @@ def split_whole_groups(runs: Sequence[Any], num_slices: int) -> list[list[Any]]:
         raise InvalidArgumentError("num_substeps must be >= 1", reason="INVALID_FIELD", field="num_substeps")
     groups = [[runs[i] for i in members] for members in group_indices(runs).values()]
     if num_slices > len(groups):
-        raise InvalidArgumentError(f"{num_slices} substeps for {len(groups)} group(s)", reason="INVALID_FIELD",
-                                   field="num_substeps")
+        raise InvalidArgumentError(
+            f"{num_slices} substeps for {len(groups)} group(s)", reason="INVALID_FIELD", field="num_substeps"
+        )
     return [[run for group in groups[i::num_slices] for run in group] for i in range(num_slices)]
 
 
@@ -112,8 +113,10 @@ def stitch_turns(turns: Sequence[Any], field: str = "run") -> tuple[list[int], l
                 f"{field}.turns.completion_logprobs",
             )
         if list(turn.prompt_token_ids[: len(tokens)]) != tokens:
-            raise datum_error(f"turn {t}'s prompt does not extend the previous turns", f"{field}.turns.prompt_token_ids")
-        extra = list(turn.prompt_token_ids[len(tokens):])
+            raise datum_error(
+                f"turn {t}'s prompt does not extend the previous turns", f"{field}.turns.prompt_token_ids"
+            )
+        extra = list(turn.prompt_token_ids[len(tokens) :])
         tokens += extra + list(turn.completion_token_ids)
         logprobs += [0.0] * len(extra) + list(turn.completion_logprobs)
         is_action += [False] * len(extra) + [True] * len(turn.completion_token_ids)

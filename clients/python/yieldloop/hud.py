@@ -79,7 +79,9 @@ class _Control:
                 if answer.get("id") == msg_id:
                     break
         if "error" in answer:
-            raise environment_error(f"HUD environment: {method} failed: {answer['error'].get('message', answer['error'])}")
+            raise environment_error(
+                f"HUD environment: {method} failed: {answer['error'].get('message', answer['error'])}"
+            )
         return answer.get("result") or {}
 
     async def close(self, goodbye: bool = True) -> None:
@@ -105,8 +107,12 @@ class _ServerProcess:
         if self.env:
             args += ["--env", self.env]
         self.process = await asyncio.create_subprocess_exec(
-            *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            cwd=str(self.source.parent if self.source.is_file() else self.source), start_new_session=True,
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            cwd=str(self.source.parent if self.source.is_file() else self.source),
+            start_new_session=True,
         )
         assert self.process.stdout is not None
         seen: list[str] = []
@@ -115,11 +121,12 @@ class _ServerProcess:
                 while True:
                     line = await self.process.stdout.readline()
                     if not line:
-                        raise environment_error(f"the HUD environment {self.source} exited before serving: "
-                                                + " | ".join(seen[-5:]))
+                        raise environment_error(
+                            f"the HUD environment {self.source} exited before serving: " + " | ".join(seen[-5:])
+                        )
                     text = line.decode(errors="replace").strip()
                     if text.startswith(PORT_ANNOUNCEMENT):
-                        self.port = int(text[len(PORT_ANNOUNCEMENT):])
+                        self.port = int(text[len(PORT_ANNOUNCEMENT) :])
                         break
                     seen.append(text)
         except BaseException:
@@ -171,8 +178,16 @@ class _Tunnel:
         self._pipes.add(task)
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port, limit=FRAME_LIMIT)
-            up_writer.write(_frame({"jsonrpc": "2.0", "id": 1, "method": "tunnel.open",
-                                    "params": {"capability": self.capability["name"]}}))
+            up_writer.write(
+                _frame(
+                    {
+                        "jsonrpc": "2.0",
+                        "id": 1,
+                        "method": "tunnel.open",
+                        "params": {"capability": self.capability["name"]},
+                    }
+                )
+            )
             await up_writer.drain()
             opened = await _read_frame(up_reader)
             if opened is None or "error" in opened:
@@ -282,9 +297,18 @@ class HudEnvironment(Environment):
         ready_timeout_s: How long a server may take to start (its ``@env.initialize`` hooks).
     """
 
-    def __init__(self, source: str | os.PathLike[str], *, env: str | None = None, python: str | None = None,
-                 per_episode: bool = False, name: str | None = None, ready_timeout_s: float = 120.0,
-                 episode_timeout_s: float = 600.0, tool_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        env: str | None = None,
+        python: str | None = None,
+        per_episode: bool = False,
+        name: str | None = None,
+        ready_timeout_s: float = 120.0,
+        episode_timeout_s: float = 600.0,
+        tool_timeout_s: float = 60.0,
+    ) -> None:
         self.source = pathlib.Path(source).resolve()
         super().__init__(name or self.source.stem, episode_timeout_s=episode_timeout_s, tool_timeout_s=tool_timeout_s)
         self.hud_env, self.per_episode, self.ready_timeout_s = env, per_episode, ready_timeout_s
@@ -389,5 +413,10 @@ def from_spec(spec: str) -> HudEnvironment:
     unknown = set(options) - {"env", "per_episode", "python", "name"}
     if unknown:
         raise ValueError(f"{spec!r}: unknown options {sorted(unknown)} (env, per_episode, python, name)")
-    return HudEnvironment(target, env=options.get("env"), python=options.get("python"), name=options.get("name"),
-                          per_episode=options.get("per_episode", "0").lower() in ("1", "true", "yes"))
+    return HudEnvironment(
+        target,
+        env=options.get("env"),
+        python=options.get("python"),
+        name=options.get("name"),
+        per_episode=options.get("per_episode", "0").lower() in ("1", "true", "yes"),
+    )

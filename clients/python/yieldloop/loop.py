@@ -36,12 +36,12 @@ import tomllib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.client import Client
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
-from yieldloop.types import Run, RunStatus, TaskRef
+from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.training import Agent, Job, mean_reward, off_policy, report_groups_without_spread, run_tasks
+from yieldloop.types import Run, RunStatus, TaskRef
 
 CONFIG_ERROR = "BAD_CONFIG"
 
@@ -96,8 +96,9 @@ class LoopConfig:
         try:
             raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except ValueError as err:
-            raise InvalidArgumentError(f"config {path} is not valid {path.suffix[1:] or 'JSON'}: {err}",
-                                       reason=CONFIG_ERROR) from None
+            raise InvalidArgumentError(
+                f"config {path} is not valid {path.suffix[1:] or 'JSON'}: {err}", reason=CONFIG_ERROR
+            ) from None
         if path.suffix not in (".toml", ".json"):
             raise InvalidArgumentError(f"config {path}: use a .toml or .json file", reason=CONFIG_ERROR)
         return cls.from_dict(raw, str(path))
@@ -125,16 +126,22 @@ class LoopConfig:
 
     def validate(self, where: str = "config") -> LoopConfig:
         checks = {
-            "steps": self.steps >= 1, "group_size": self.group_size >= 1,
-            "heldout_group_size": self.heldout_group_size >= 1, "tasks_per_step": self.tasks_per_step >= 0,
-            "learning_rate": self.learning_rate > 0, "max_tokens": self.max_tokens >= 1,
-            "promotion_tolerance": self.promotion_tolerance >= 0, "temperature": self.temperature >= 0,
-            "target_heldout_reward": 0 <= self.target_heldout_reward <= 1, "max_off_policy": self.max_off_policy >= 0,
+            "steps": self.steps >= 1,
+            "group_size": self.group_size >= 1,
+            "heldout_group_size": self.heldout_group_size >= 1,
+            "tasks_per_step": self.tasks_per_step >= 0,
+            "learning_rate": self.learning_rate > 0,
+            "max_tokens": self.max_tokens >= 1,
+            "promotion_tolerance": self.promotion_tolerance >= 0,
+            "temperature": self.temperature >= 0,
+            "target_heldout_reward": 0 <= self.target_heldout_reward <= 1,
+            "max_off_policy": self.max_off_policy >= 0,
         }
         for key, ok in checks.items():
             if not ok:
-                raise InvalidArgumentError(f"{where}: {key} = {getattr(self, key)!r} is out of range",
-                                           reason=CONFIG_ERROR)
+                raise InvalidArgumentError(
+                    f"{where}: {key} = {getattr(self, key)!r} is out of range", reason=CONFIG_ERROR
+                )
         return self
 
 
@@ -213,8 +220,11 @@ class StepReport:
             f"kl {self.kl:.4f}  clip {self.clip_fraction:.3f}  {self.checkpoint_id} {mark}  |  "
             f"rollout {self.rollout_s:.1f}s  fwd/bwd {self.forward_backward_s:.1f}s  optim+ckpt {self.optim_s:.1f}s  "
             f"held-out {self.heldout_s:.1f}s  reload {self.reload_s:.1f}s"
-            + (f"  |  off-policy {self.off_policy_runs}/{self.num_runs} runs (<= {self.max_staleness} step)"
-               if self.off_policy_runs else "")
+            + (
+                f"  |  off-policy {self.off_policy_runs}/{self.num_runs} runs (<= {self.max_staleness} step)"
+                if self.off_policy_runs
+                else ""
+            )
         )
 
 
@@ -250,11 +260,19 @@ class RunRecorder:
 
     def samples(self, step: int, kind: str, runs: Sequence[Run], count: int = 2) -> None:
         for run in list(runs)[:count]:
-            self._append("samples.jsonl", {
-                "step": step, "kind": kind, "trace_id": run.trace_id, "task": json.loads(run.task.args_json or "{}"),
-                "prompt": run.prompt, "answer": run.answer, "reward": run.reward,
-                "weight_version": run.turns[-1].weight_version if run.turns else "",
-            })
+            self._append(
+                "samples.jsonl",
+                {
+                    "step": step,
+                    "kind": kind,
+                    "trace_id": run.trace_id,
+                    "task": json.loads(run.task.args_json or "{}"),
+                    "prompt": run.prompt,
+                    "answer": run.answer,
+                    "reward": run.reward,
+                    "weight_version": run.turns[-1].weight_version if run.turns else "",
+                },
+            )
 
     async def checkpoint_tree(self, client: Client, model: str) -> None:
         from google.protobuf import json_format
@@ -289,17 +307,24 @@ async def closed_loop(
     if not train:
         raise InvalidArgumentError("no training tasks", reason=CONFIG_ERROR)
     rng = random.Random(config.seed)
-    agent = Agent(model=config.model, temperature=config.temperature, max_tokens=config.max_tokens,
-                  max_steps=config.max_steps)
+    agent = Agent(
+        model=config.model, temperature=config.temperature, max_tokens=config.max_tokens, max_steps=config.max_steps
+    )
     heldout_agent = dataclasses.replace(agent, temperature=config.heldout_temperature)
-    job = await Job.start(config.model, config.group_size, name=config.name or "train", client=client,
-                          metadata={"loop": dataclasses.asdict(config)})
+    job = await Job.start(
+        config.model,
+        config.group_size,
+        name=config.name or "train",
+        client=client,
+        metadata={"loop": dataclasses.asdict(config)},
+    )
     heldout_job = await Job.start(config.model, config.heldout_group_size, name=f"{job.id}-heldout", client=client)
     recorder = RunRecorder(runs_dir / job.id, config, job.id) if runs_dir is not None else None
 
     async def evaluate(checkpoint_id: str) -> tuple[float, list[Run]]:
-        runs = await run_tasks(heldout, heldout_agent, job=heldout_job, max_concurrent=config.max_concurrent,
-                               checkpoint_id=checkpoint_id)
+        runs = await run_tasks(
+            heldout, heldout_agent, job=heldout_job, max_concurrent=config.max_concurrent, checkpoint_id=checkpoint_id
+        )
         return mean_reward(runs), runs
 
     head = await client.get_head(config.model)
@@ -339,14 +364,22 @@ async def closed_loop(
             stale = [_staleness(run, heads) for run in runs]
             flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
             fb = await client.forward_backward(
-                runs=[r for r in runs if r.status == RunStatus.GRADED], loss_fn=config.loss_fn,
-                loss_fn_config=config.loss_fn_config, normalize_advantages_by_std=config.normalize_advantages_by_std,
-                allow_incomplete_groups=True, model=config.model,
+                runs=[r for r in runs if r.status == RunStatus.GRADED],
+                loss_fn=config.loss_fn,
+                loss_fn_config=config.loss_fn_config,
+                normalize_advantages_by_std=config.normalize_advantages_by_std,
+                allow_incomplete_groups=True,
+                model=config.model,
             )
             backward = time.perf_counter()
             adam = {"max_grad_norm": config.max_grad_norm} if config.max_grad_norm else {}
-            optim = await client.optim_step(config.learning_rate, set_head=not heldout, model=config.model,
-                                            metadata_json=json.dumps({"job_id": job.id}), **adam)
+            optim = await client.optim_step(
+                config.learning_rate,
+                set_head=not heldout,
+                model=config.model,
+                metadata_json=json.dumps({"job_id": job.id}),
+                **adam,
+            )
             candidate = optim.checkpoint.checkpoint_id
             optimized = time.perf_counter()
             if heldout:
@@ -354,14 +387,23 @@ async def closed_loop(
                 evaluated = time.perf_counter()
                 floor = head_score - config.promotion_tolerance
                 promoted = score >= floor
-                reason = (f"held-out {score:.3f} >= head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
-                          if promoted else
-                          f"held-out {score:.3f} < head {head_score:.3f} - tolerance {config.promotion_tolerance:g}")
-                await client.record_promotion(config.model, candidate, ckpt_pb.Promotion(
-                    state=ckpt_pb.PROMOTION_STATE_PROMOTED if promoted else ckpt_pb.PROMOTION_STATE_REJECTED,
-                    reason=reason, heldout_reward=score, baseline_checkpoint_id=head.checkpoint_id,
-                    baseline_reward=head_score, decided_time=time.time(),
-                ))
+                reason = (
+                    f"held-out {score:.3f} >= head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
+                    if promoted
+                    else f"held-out {score:.3f} < head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
+                )
+                await client.record_promotion(
+                    config.model,
+                    candidate,
+                    ckpt_pb.Promotion(
+                        state=ckpt_pb.PROMOTION_STATE_PROMOTED if promoted else ckpt_pb.PROMOTION_STATE_REJECTED,
+                        reason=reason,
+                        heldout_reward=score,
+                        baseline_checkpoint_id=head.checkpoint_id,
+                        baseline_reward=head_score,
+                        decided_time=time.time(),
+                    ),
+                )
                 if promoted:
                     head = await client.set_head(config.model, candidate, expected_checkpoint_id=head.checkpoint_id)
                     head_score = score
@@ -380,18 +422,38 @@ async def closed_loop(
                 (prev_train, prev_heldout), (now_train, now_heldout) = history[-2], history[-1]
                 diverging = diverging + 1 if now_train > prev_train and now_heldout < prev_heldout else 0
                 if diverging >= 2:
-                    warning = (f"possible reward hacking: training reward rose while held-out fell {diverging} evals "
-                               f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})")
+                    warning = (
+                        f"possible reward hacking: training reward rose while held-out fell {diverging} evals "
+                        f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})"
+                    )
             report = StepReport(
-                step=optim.step, job_id=job.id, checkpoint_id=candidate, parent_checkpoint_id=parent, promoted=promoted, reason=reason,
-                head_checkpoint_id=head.checkpoint_id, served_weight_version=info.weight_version,
-                train_reward=train_reward, heldout_reward=score, head_heldout_reward=head_score, num_runs=len(runs),
-                groups_without_spread=len(flat), loss=fb.loss_sum, kl=fb.metrics.get("kl_sampler_learner", math.nan),
-                clip_fraction=fb.metrics.get("clip_fraction", math.nan), entropy=fb.metrics.get("entropy", math.nan),
+                step=optim.step,
+                job_id=job.id,
+                checkpoint_id=candidate,
+                parent_checkpoint_id=parent,
+                promoted=promoted,
+                reason=reason,
+                head_checkpoint_id=head.checkpoint_id,
+                served_weight_version=info.weight_version,
+                train_reward=train_reward,
+                heldout_reward=score,
+                head_heldout_reward=head_score,
+                num_runs=len(runs),
+                groups_without_spread=len(flat),
+                loss=fb.loss_sum,
+                kl=fb.metrics.get("kl_sampler_learner", math.nan),
+                clip_fraction=fb.metrics.get("clip_fraction", math.nan),
+                entropy=fb.metrics.get("entropy", math.nan),
                 sampled_weight_versions=sorted({t.weight_version for run in runs for t in run.turns}),
-                rollout_s=rolled - started, forward_backward_s=backward - rolled, optim_s=optimized - backward,
-                heldout_s=evaluated - optimized, reload_s=reloaded - evaluated, total_s=reloaded - started,
-                warning=warning, off_policy_runs=off_policy(runs, parent), max_staleness=max(stale, default=0),
+                rollout_s=rolled - started,
+                forward_backward_s=backward - rolled,
+                optim_s=optimized - backward,
+                heldout_s=evaluated - optimized,
+                reload_s=reloaded - evaluated,
+                total_s=reloaded - started,
+                warning=warning,
+                off_policy_runs=off_policy(runs, parent),
+                max_staleness=max(stale, default=0),
                 completion_tokens=sum(len(t.completion_token_ids) for run in runs for t in run.turns),
             )
             if recorder:

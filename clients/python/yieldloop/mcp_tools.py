@@ -50,7 +50,7 @@ class McpConnection:
 
         async def run() -> None:
             try:
-                async with (mcp.Client(target) if hasattr(mcp, "Client") else _Session1(target)) as client:
+                async with mcp.Client(target) if hasattr(mcp, "Client") else _Session1(target) as client:
                     self.client = client
                     ready.set_result(None)
                     await self._stop.wait()
@@ -71,12 +71,16 @@ class McpConnection:
 
     async def list_tool_specs(self) -> list[ToolSpec]:
         """The server's tools (name, description, JSON schema of the arguments)."""
-        return [ToolSpec(spec.name, spec.description or "", _field(spec, "input_schema", "inputSchema"))
-                for spec in (await self.client.list_tools()).tools]
+        return [
+            ToolSpec(spec.name, spec.description or "", _field(spec, "input_schema", "inputSchema"))
+            for spec in (await self.client.list_tools()).tools
+        ]
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> str:
         result = await self.client.call_tool(tool, arguments)
-        text = "\n".join(getattr(block, "text", "") or json.dumps(block.model_dump(mode="json")) for block in result.content)
+        text = "\n".join(
+            getattr(block, "text", "") or json.dumps(block.model_dump(mode="json")) for block in result.content
+        )
         structured = _field(result, "structured_content", "structuredContent")
         if not text and structured is not None:
             text = json.dumps(structured)

@@ -31,7 +31,8 @@ def load_run(run_dir: pathlib.Path) -> dict[str, Any]:
         "steps": [r for r in rows if "promoted" in r],
         "samples": _rows(run_dir / "samples.jsonl"),
         "checkpoints": json.loads((run_dir / "checkpoints.json").read_text())
-        if (run_dir / "checkpoints.json").exists() else [],
+        if (run_dir / "checkpoints.json").exists()
+        else [],
     }
 
 
@@ -99,8 +100,12 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def _image(png: pathlib.Path | None) -> str:
     if png is None:
-        return "<p>(no plot: install the client's <code>report</code> extra, <code>pip install 'yieldloop[report]'</code>)</p>"
-    return f'<img src="data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}" alt="training and held-out reward">'
+        return (
+            "<p>(no plot: install the client's <code>report</code> extra, "
+            "<code>pip install 'yieldloop[report]'</code>)</p>"
+        )
+    data = base64.b64encode(png.read_bytes()).decode()
+    return f'<img src="data:image/png;base64,{data}" alt="training and held-out reward">'
 
 
 def write_report(run_dir: str | pathlib.Path) -> tuple[pathlib.Path | None, pathlib.Path]:
@@ -111,25 +116,48 @@ def write_report(run_dir: str | pathlib.Path) -> tuple[pathlib.Path | None, path
     png = plot(run, run_dir / "report.png")
     steps = run["steps"]
     step_rows = [
-        [i, s["step"], s["checkpoint_id"], "yes" if s["promoted"] else "no", f"{s['train_reward']:.3f}",
-         f"{s['heldout_reward']:.3f}", f"{s['kl']:.4f}", f"{s['clip_fraction']:.3f}", s["groups_without_spread"],
-         f"{s['rollout_s']:.2f}", f"{s['forward_backward_s']:.2f}", f"{s['optim_s']:.2f}", f"{s['heldout_s']:.2f}",
-         f"{s['reload_s']:.2f}", s.get("warning", "")]
+        [
+            i,
+            s["step"],
+            s["checkpoint_id"],
+            "yes" if s["promoted"] else "no",
+            f"{s['train_reward']:.3f}",
+            f"{s['heldout_reward']:.3f}",
+            f"{s['kl']:.4f}",
+            f"{s['clip_fraction']:.3f}",
+            s["groups_without_spread"],
+            f"{s['rollout_s']:.2f}",
+            f"{s['forward_backward_s']:.2f}",
+            f"{s['optim_s']:.2f}",
+            f"{s['heldout_s']:.2f}",
+            f"{s['reload_s']:.2f}",
+            s.get("warning", ""),
+        ]
         for i, s in enumerate(steps, 1)
     ]
     samples = [
-        [r["step"], r["kind"], json.dumps(r["task"]), r["prompt"], r["answer"], f"{r['reward']:.3f}", r["weight_version"]]
-        for r in run["samples"] if r["step"] in {0, steps[-1]["step"] if steps else 0}
+        [
+            r["step"],
+            r["kind"],
+            json.dumps(r["task"]),
+            r["prompt"],
+            r["answer"],
+            f"{r['reward']:.3f}",
+            r["weight_version"],
+        ]
+        for r in run["samples"]
+        if r["step"] in {0, steps[-1]["step"] if steps else 0}
     ]
     baseline = run["baseline"]
     summary = (
         f"held-out reward {baseline['heldout_reward']:.3f} ({baseline['checkpoint_id']}) &rarr; "
         f"{steps[-1]['head_heldout_reward']:.3f} ({html.escape(steps[-1]['head_checkpoint_id'])}) in {len(steps)} steps"
-        if baseline and steps else f"{len(steps)} steps"
+        if baseline and steps
+        else f"{len(steps)} steps"
     )
     config = run["meta"].get("config", {})
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>yieldloop report {html.escape(run['meta'].get('job_id', ''))}</title>
+<html><head><meta charset="utf-8"><title>yieldloop report {html.escape(run["meta"].get("job_id", ""))}</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em; max-width: 1200px; }}
 table {{ border-collapse: collapse; font-size: 0.85em; margin-bottom: 1.5em; }}
@@ -137,17 +165,37 @@ td, th {{ border: 1px solid #ccc; padding: 2px 6px; text-align: left; }}
 .ok {{ color: #080; font-weight: bold; }} .bad {{ color: #b00; font-weight: bold; }}
 ul.tree, ul.tree ul {{ list-style: none; padding-left: 1.2em; border-left: 1px dotted #999; }}
 </style></head><body>
-<h1>yieldloop run {html.escape(run['meta'].get('job_id', ''))}</h1>
-<p>{summary}. Model <code>{html.escape(str(config.get('model', '')))}</code>, training tasks
-<code>{html.escape(str(config.get('train_tasks', '')))}</code>, held-out tasks
-<code>{html.escape(str(config.get('heldout_tasks', '')))}</code>.</p>
+<h1>yieldloop run {html.escape(run["meta"].get("job_id", ""))}</h1>
+<p>{summary}. Model <code>{html.escape(str(config.get("model", "")))}</code>, training tasks
+<code>{html.escape(str(config.get("train_tasks", "")))}</code>, held-out tasks
+<code>{html.escape(str(config.get("heldout_tasks", "")))}</code>.</p>
 <h2>Reward per step</h2>
 {_image(png)}
 <h2>Steps (time split in seconds)</h2>
-{_table(["#", "step", "checkpoint", "promoted", "train", "held-out", "KL", "clip frac", "no-spread groups",
-         "rollout", "fwd/bwd", "optim+ckpt", "held-out eval", "reload", "warning"], step_rows)}
+{
+        _table(
+            [
+                "#",
+                "step",
+                "checkpoint",
+                "promoted",
+                "train",
+                "held-out",
+                "KL",
+                "clip frac",
+                "no-spread groups",
+                "rollout",
+                "fwd/bwd",
+                "optim+ckpt",
+                "held-out eval",
+                "reload",
+                "warning",
+            ],
+            step_rows,
+        )
+    }
 <h2>Checkpoint tree</h2>
-{_tree_html(run['checkpoints'])}
+{_tree_html(run["checkpoints"])}
 <h2>Sample trajectories (first and last step)</h2>
 {_table(["step", "kind", "task", "prompt", "answer", "reward", "weights"], samples)}
 <h2>Config</h2>

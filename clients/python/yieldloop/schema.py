@@ -128,8 +128,9 @@ def validate_arguments(args: dict[str, Any], schema: dict[str, Any], *, what: st
     for required in schema["required"]:
         if required not in args:
             missing = [name for name in schema["required"] if name not in args]
-            raise InvalidArgumentError(f"{what}: missing required argument(s) {missing}", reason=reason,
-                                       field=missing[0])
+            raise InvalidArgumentError(
+                f"{what}: missing required argument(s) {missing}", reason=reason, field=missing[0]
+            )
     for name, value in args.items():
         if not _matches(value, properties[name]):
             raise InvalidArgumentError(

@@ -83,8 +83,9 @@ class Taskset(list):
         RolloutService; the runs are appended to ``job.runs`` and returned."""
         from yieldloop.training import run_tasks
 
-        return await run_tasks(self, agent, job=job, max_concurrent=max_concurrent, checkpoint_id=checkpoint_id,
-                               on_run=on_run)
+        return await run_tasks(
+            self, agent, job=job, max_concurrent=max_concurrent, checkpoint_id=checkpoint_id, on_run=on_run
+        )
 
     def save(self, path: str | pathlib.Path) -> pathlib.Path:
         """Writes the tasks as ``.json`` (a list) or ``.jsonl`` (one per line)."""

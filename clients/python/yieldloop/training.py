@@ -42,8 +42,8 @@ from yieldloop.groups import check_group_sizes, groups_without_spread
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
-from yieldloop.types import Datum, Head, JobInfo, Run, RunStatus
 from yieldloop.transport import TransportConfig
+from yieldloop.types import Datum, Head, JobInfo, Run, RunStatus
 
 log = logging.getLogger("yieldloop")
 
@@ -140,7 +140,10 @@ class Agent:
 
     def sampling(self) -> rollout_pb.SamplingParams:
         return sampling_params(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
             seed=self.seed,
         )
 
@@ -251,9 +254,7 @@ def report_groups_without_spread(runs: Sequence[Run | str]) -> dict[str, float]:
     """Logs a warning naming the groups without reward spread (before they are sent to train) and returns them."""
     flat = groups_without_spread(runs)
     if flat:
-        tasks = {
-            run.group_id: f"{run.task.scenario}({run.task.args_json})" for run in runs if not isinstance(run, str)
-        }
+        tasks = {run.group_id: f"{run.task.scenario}({run.task.args_json})" for run in runs if not isinstance(run, str)}
         shown = ", ".join(f"{tasks[g]} all {r:.2f}" for g, r in list(flat.items())[:4])
         more = f" and {len(flat) - 4} more" if len(flat) > 4 else ""
         log.warning("%d group(s) without reward spread teach nothing: %s%s", len(flat), shown, more)
@@ -285,11 +286,17 @@ async def forward_backward_custom(
     result = loss_fn([datum for datum, _ in scored], logprobs)
     loss, metrics = result if isinstance(result, tuple) else (result, {})
     loss.backward()
-    await client.backward([
-        Datum(datum.input_tokens, datum.target_tokens,
-              weights=(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).tolist())
-        for (datum, _), lp in zip(scored, logprobs, strict=True)
-    ], model=model)
+    await client.backward(
+        [
+            Datum(
+                datum.input_tokens,
+                datum.target_tokens,
+                weights=(-lp.grad if lp.grad is not None else torch.zeros_like(lp)).tolist(),
+            )
+            for (datum, _), lp in zip(scored, logprobs, strict=True)
+        ],
+        model=model,
+    )
     return float(loss.detach()), dict(metrics)
 
 
@@ -336,8 +343,11 @@ class StepResult:
 
 def off_policy(runs: Sequence[Run | str], checkpoint_id: str) -> int:
     """How many of the runs were (partly) sampled by other weights than ``checkpoint_id``."""
-    return sum(1 for run in runs if not isinstance(run, str)
-               and any(turn.weight_version != checkpoint_id for turn in run.turns))
+    return sum(
+        1
+        for run in runs
+        if not isinstance(run, str) and any(turn.weight_version != checkpoint_id for turn in run.turns)
+    )
 
 
 class TrainingClient:
@@ -361,14 +371,23 @@ class TrainingClient:
         return [loss.name for loss in (await self.client.list_losses()).losses]
 
     async def forward_backward(
-        self, runs: Sequence[Run | str], loss_fn: str = "importance_sampling", *, group_size: int = 0,
-        loss_fn_config: dict[str, float] | None = None, **options: Any,
+        self,
+        runs: Sequence[Run | str],
+        loss_fn: str = "importance_sampling",
+        *,
+        group_size: int = 0,
+        loss_fn_config: dict[str, float] | None = None,
+        **options: Any,
     ) -> trainer_pb.ForwardBackwardResponse:
         """Accumulates the gradient of a built-in loss on the runs (GRPO advantages per group)."""
         await self._check_model()
         report_groups_without_spread(runs)
         return await self.client.forward_backward(
-            runs=runs, loss_fn=loss_fn, loss_fn_config=loss_fn_config, group_size=group_size, model=self.model,
+            runs=runs,
+            loss_fn=loss_fn,
+            loss_fn_config=loss_fn_config,
+            group_size=group_size,
+            model=self.model,
             **options,
         )
 
@@ -402,8 +421,20 @@ class TrainingClient:
         timings = {"optim_step_s": time.perf_counter() - started, **step.timings}
         if set_head and wait_for_serving:
             await self._served(step.checkpoint.checkpoint_id, timings)
-        return StepResult(step.step, step.checkpoint.checkpoint_id, float("nan"), float("nan"), 0, {}, step.grad_norm,
-                          step.parent_checkpoint_id, 0, timings, step.durable, step.has_state)
+        return StepResult(
+            step.step,
+            step.checkpoint.checkpoint_id,
+            float("nan"),
+            float("nan"),
+            0,
+            {},
+            step.grad_norm,
+            step.parent_checkpoint_id,
+            0,
+            timings,
+            step.durable,
+            step.has_state,
+        )
 
     async def step(
         self,
@@ -428,8 +459,16 @@ class TrainingClient:
         flat = report_groups_without_spread(runs)
         timings: dict[str, float] = {}
         step, metrics = await self.client.train_step(
-            runs, learning_rate, loss_fn=loss_fn, num_substeps=num_substeps, set_head=set_head,
-            group_size=group_size, loss_fn_config=loss_fn_config, model=self.model, timings=timings, **options,
+            runs,
+            learning_rate,
+            loss_fn=loss_fn,
+            num_substeps=num_substeps,
+            set_head=set_head,
+            group_size=group_size,
+            loss_fn_config=loss_fn_config,
+            model=self.model,
+            timings=timings,
+            **options,
         )
         timings.update(step.timings)
         if set_head and wait_for_serving:

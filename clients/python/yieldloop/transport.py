@@ -70,9 +70,7 @@ class TransportConfig:
     """Largest gRPC message sent or accepted (a batch of runs streams as many messages)."""
     server_interceptors: tuple[ServerInterceptor, ...] = dataclasses.field(default=(), metadata={"cli": False})
     """Wrap every call a server built from this config receives, gRPC and HTTP alike."""
-    client_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = dataclasses.field(
-        default=(), metadata={"cli": False}
-    )
+    client_interceptors: tuple[grpc.aio.ClientInterceptor, ...] = dataclasses.field(default=(), metadata={"cli": False})
     """grpc.aio client interceptors on every channel built from this config."""
     trace_context: Callable[[], dict[str, str]] | None = dataclasses.field(default=None, metadata={"cli": False})
     """The caller's current trace context as W3C headers, for what travels inside a shared stream (a multiplexed
@@ -126,8 +124,10 @@ class TransportConfig:
         except ValueError:
             loopback = False
         if not loopback:
-            raise ValueError(f"refusing to serve plaintext on {host!r} (not loopback): give --tls-cert and --tls-key "
-                             f"(`yieldloop up --tls` makes them), or --allow-plaintext behind a TLS proxy")
+            raise ValueError(
+                f"refusing to serve plaintext on {host!r} (not loopback): give --tls-cert and --tls-key "
+                f"(`yieldloop up --tls` makes them), or --allow-plaintext behind a TLS proxy"
+            )
 
     def channel_options(self) -> list[tuple[str, Any]]:
         """Channel options: large messages, keepalive, round-robin over DNS, a connection per channel."""
@@ -176,12 +176,15 @@ def open_channel(address: str, config: TransportConfig = DEFAULT_TRANSPORT) -> g
     if config.tls_ca:
         with open(config.tls_ca, "rb") as ca:
             credentials = grpc.ssl_channel_credentials(root_certificates=ca.read())
-        return grpc.aio.secure_channel(address, credentials, options=config.channel_options(), interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            address, credentials, options=config.channel_options(), interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(address, options=config.channel_options(), interceptors=interceptors)
 
 
-def intercepting(interceptors: Sequence[ServerInterceptor],
-                 call: CallInfo) -> contextlib.AbstractAsyncContextManager[Any]:
+def intercepting(
+    interceptors: Sequence[ServerInterceptor], call: CallInfo
+) -> contextlib.AbstractAsyncContextManager[Any]:
     """Enters every interceptor for ``call`` (first outermost); gRPC servers and the HTTP endpoint share it. With
     none, a do-nothing context (it wraps every call a server answers)."""
     if not interceptors:
@@ -195,4 +198,3 @@ async def _intercepting(interceptors: Sequence[ServerInterceptor], call: CallInf
         for interceptor in interceptors:
             await stack.enter_async_context(interceptor.intercept(call))
         yield
-

@@ -13,7 +13,6 @@ import math
 
 from yieldloop.errors import InvalidArgumentError
 
-
 MAX_LORA_RANK = 1024
 
 
@@ -36,7 +35,9 @@ class LoraConfig:
         from yieldloop.errors import invalid_field
 
         if not isinstance(self.rank, int) or not 0 < self.rank <= MAX_LORA_RANK:
-            raise invalid_field(f"{field}.rank", f"a LoRA rank must be an integer in [1, {MAX_LORA_RANK}], got {self.rank}")
+            raise invalid_field(
+                f"{field}.rank", f"a LoRA rank must be an integer in [1, {MAX_LORA_RANK}], got {self.rank}"
+            )
         if not math.isfinite(self.alpha) or self.alpha < 0:
             raise invalid_field(f"{field}.alpha", f"LoRA alpha must be a finite number > 0, got {self.alpha}")
         for name in self.target_modules:
@@ -82,7 +83,7 @@ class ModelInfo:
 
     @property
     def kind(self) -> str:
-        """"full" or "lora r=R"."""
+        """ "full" or "lora r=R"."""
         return self.lora.describe() if self.lora else "full"
 
     def to_dict(self) -> dict:
@@ -148,14 +149,18 @@ class Manifest:
         from yieldloop.errors import check_json_object, invalid_field
 
         if not math.isfinite(self.created_time) or self.created_time < 0:
-            raise invalid_field("manifest.created_time", f"created_time must be finite and >= 0, got {self.created_time}")
+            raise invalid_field(
+                "manifest.created_time", f"created_time must be finite and >= 0, got {self.created_time}"
+            )
         if self.step < 0:
             raise invalid_field("manifest.step", f"step must be >= 0, got {self.step}")
         check_json_object(self.metadata_json, "manifest.metadata_json")
         for obj in self.objects:
             if obj.size < 0 or not re.fullmatch(r"[0-9a-f]{64}", obj.sha256):
-                raise invalid_field("manifest.objects", f"object {obj.name[:80]!r} needs a size >= 0 and a sha256 of "
-                                                        "64 lower-case hex digits")
+                raise invalid_field(
+                    "manifest.objects",
+                    f"object {obj.name[:80]!r} needs a size >= 0 and a sha256 of 64 lower-case hex digits",
+                )
         return self
 
     @classmethod
@@ -307,8 +312,10 @@ class Datum:
         if num == 0:
             raise datum_error("a datum needs at least one token", f"{field}.input_tokens")
         if max_tokens and num > max_tokens:
-            raise datum_error(f"a datum of {num} tokens is longer than the model's {max_tokens}-token context",
-                              f"{field}.input_tokens")
+            raise datum_error(
+                f"a datum of {num} tokens is longer than the model's {max_tokens}-token context",
+                f"{field}.input_tokens",
+            )
         for name in ("target_tokens", "sampling_logprobs", "advantages", "weights"):
             values = getattr(self, name)
             if name != "target_tokens" and not values:

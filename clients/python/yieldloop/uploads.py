@@ -27,8 +27,9 @@ CHUNK_BYTES = 1 << 20
 
 def model_files(folder: pathlib.Path) -> list[pathlib.Path]:
     """The files of ``folder`` that make up its model, sorted by name."""
-    return sorted(p for p in folder.iterdir()
-                  if p.is_file() and MODEL_FILE.fullmatch(p.name) and UPLOADED_FILE.fullmatch(p.name))
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and MODEL_FILE.fullmatch(p.name) and UPLOADED_FILE.fullmatch(p.name)
+    )
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -39,13 +40,19 @@ def _sha256(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def upload_header(folder: pathlib.Path, name: str, owner: str = "", public: bool = False,
-                  source: str = "") -> ckpt_pb.UploadModelHeader:
+def upload_header(
+    folder: pathlib.Path, name: str, owner: str = "", public: bool = False, source: str = ""
+) -> ckpt_pb.UploadModelHeader:
     """The header of an upload of ``folder`` (every file read once to hash it: call it off the event loop)."""
     return ckpt_pb.UploadModelHeader(
-        name=name, owner=owner, public=public, source=source or str(folder),
-        files=[ckpt_pb.UploadedFile(name=p.name, size=p.stat().st_size, sha256=_sha256(p))
-               for p in model_files(folder)])
+        name=name,
+        owner=owner,
+        public=public,
+        source=source or str(folder),
+        files=[
+            ckpt_pb.UploadedFile(name=p.name, size=p.stat().st_size, sha256=_sha256(p)) for p in model_files(folder)
+        ],
+    )
 
 
 def upload_requests(folder: pathlib.Path, header: ckpt_pb.UploadModelHeader) -> Iterator[ckpt_pb.UploadModelRequest]:
@@ -53,5 +60,5 @@ def upload_requests(folder: pathlib.Path, header: ckpt_pb.UploadModelHeader) -> 
     yield ckpt_pb.UploadModelRequest(header=header)
     for path in (folder / f.name for f in header.files):
         with path.open("rb") as f:
-            for block in iter(lambda: f.read(CHUNK_BYTES), b""):  # noqa: B023  (used at once)
+            for block in iter(lambda: f.read(CHUNK_BYTES), b""):
                 yield ckpt_pb.UploadModelRequest(chunk=block)

@@ -11,8 +11,8 @@ import contextlib
 import functools
 import os
 import pathlib
-import socket
 import shutil
+import socket
 import tempfile
 from collections.abc import Collection, Iterator, Sequence
 
@@ -23,7 +23,11 @@ from yieldloop_server.store.base import sha256_file
 
 
 def describe_folder(
-    model: str, checkpoint_id: str, folder: pathlib.Path, *, state_names: Collection[str] = (),
+    model: str,
+    checkpoint_id: str,
+    folder: pathlib.Path,
+    *,
+    state_names: Collection[str] = (),
     reuse: Sequence[ObjectInfo] = (),
 ) -> list[ObjectInfo]:
     """The ObjectInfos of every file of ``folder`` (each hashed here, once, where it was produced), keyed under
@@ -40,7 +44,11 @@ def describe_folder(
 
 
 def upload_objects(
-    store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path, objects: Sequence[ObjectInfo],
+    store: ObjectStore,
+    model: str,
+    checkpoint_id: str,
+    folder: pathlib.Path,
+    objects: Sequence[ObjectInfo],
 ) -> None:
     """Writes the objects of ``folder`` stored under the checkpoint's own prefix (not those shared with an
     earlier checkpoint)."""
@@ -64,7 +72,10 @@ def verify_file(path: pathlib.Path, obj: ObjectInfo, what: str, digest: str = ""
 
 
 def download_verified(
-    store: ObjectStore, manifest: Manifest, folder: pathlib.Path, objects: Sequence[ObjectInfo] | None = None,
+    store: ObjectStore,
+    manifest: Manifest,
+    folder: pathlib.Path,
+    objects: Sequence[ObjectInfo] | None = None,
 ) -> pathlib.Path:
     """Downloads a checkpoint's objects (or only ``objects`` of it, e.g. its sampler weights) into ``folder``
     and checks every size and sha256.
@@ -79,8 +90,9 @@ def download_verified(
     if folder.is_dir():
         return folder
     if manifest.pending:
-        raise FailedPreconditionError(f"checkpoint {manifest.model}/{manifest.checkpoint_id} is not in the store "
-                                      "yet", reason="CHECKPOINT_PENDING")
+        raise FailedPreconditionError(
+            f"checkpoint {manifest.model}/{manifest.checkpoint_id} is not in the store yet", reason="CHECKPOINT_PENDING"
+        )
     with staged(folder) as staging:
         objects = manifest.objects if objects is None else objects
         for obj in objects:
@@ -126,8 +138,9 @@ def link_objects(source: pathlib.Path, target: pathlib.Path, objects: Sequence[O
             shutil.copyfile(source / obj.name, target / obj.name)
 
 
-def verify_folder(folder: pathlib.Path, objects: Sequence[ObjectInfo], what: str,
-                  digests: dict[str, str] | None = None) -> None:
+def verify_folder(
+    folder: pathlib.Path, objects: Sequence[ObjectInfo], what: str, digests: dict[str, str] | None = None
+) -> None:
     """Every object's file is in ``folder`` with its size and sha256 (``digests``: by name, as computed while the
     files were received), and no tensor is NaN or inf."""
     for obj in objects:
@@ -139,19 +152,18 @@ def check_finite(folder: pathlib.Path, what: str) -> None:
     """FAILED_PRECONDITION/NON_FINITE when a floating-point tensor of the folder's safetensors holds NaN or inf
     (nothing non-finite is ever served or trained from)."""
     import torch
-    from safetensors import safe_open
-
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
 
     for path in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(path), framework="pt") as weights:
-                for name in weights.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                for name in weights.keys():
                     tensor = weights.get_tensor(name)
                     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                         raise FailedPreconditionError(
                             f"{what}: tensor {name} of {path.name} holds NaN or inf; refused", reason="NON_FINITE"
                         )
         except SafetensorError as err:
-            raise FailedPreconditionError(f"{what}: {path.name} is not a safetensors file: {err}",
-                                          reason="CHECKPOINT_CORRUPT") from None
+            raise FailedPreconditionError(
+                f"{what}: {path.name} is not a safetensors file: {err}", reason="CHECKPOINT_CORRUPT"
+            ) from None

@@ -19,8 +19,15 @@ import re
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 
-from yieldloop.errors import (AlreadyExistsError, DataLossError, InvalidArgumentError, NotFoundError,
-                              PermissionDeniedError, ResourceExhaustedError, invalid_field)
+from yieldloop.errors import (
+    AlreadyExistsError,
+    DataLossError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    invalid_field,
+)
 from yieldloop.types import Head, Manifest, ModelInfo
 from yieldloop.uploads import CHECKPOINT_FILE, MODEL_FILE, UPLOADED_FILE
 from yieldloop_server.checkpoint.files import upload_folder
@@ -32,8 +39,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 
 
 def _invalid(source: str, message: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"cannot import {source!r}: {message}", reason="MODEL_SOURCE_INVALID",
-                                field="source")
+    return InvalidArgumentError(f"cannot import {source!r}: {message}", reason="MODEL_SOURCE_INVALID", field="source")
 
 
 def hub_cache_dir() -> pathlib.Path:
@@ -107,9 +113,17 @@ class ModelFacts:
     def base_info(self, slug: str, source: str, owner: str, size_bytes: int, public: bool = False) -> ModelInfo:
         """The record of a base slug holding these weights."""
         return ModelInfo(
-            slug=slug, base=slug, owner=owner, trainable=True, architecture=self.architecture,
-            num_parameters=self.num_parameters, dtype=self.dtype, has_chat_template=self.has_chat_template,
-            source=source, size_bytes=size_bytes, public=public,
+            slug=slug,
+            base=slug,
+            owner=owner,
+            trainable=True,
+            architecture=self.architecture,
+            num_parameters=self.num_parameters,
+            dtype=self.dtype,
+            has_chat_template=self.has_chat_template,
+            source=source,
+            size_bytes=size_bytes,
+            public=public,
         )
 
 
@@ -146,8 +160,10 @@ def inspect_folder(folder: pathlib.Path, source: str) -> ModelFacts:
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     stored = _tensor_shapes(safetensors, source) if safetensors else _bin_shapes(pytorch, source)
     prefix = f"{model.base_model_prefix}."
-    found = {name if name in expected or prefix + name not in expected else prefix + name: shape
-             for name, (shape, _) in stored.items()}
+    found = {
+        name if name in expected or prefix + name not in expected else prefix + name: shape
+        for name, (shape, _) in stored.items()
+    }
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = sorted(set(expected) - set(found) - tied)
     if missing:
@@ -173,8 +189,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
-                       "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "BOOL": "bool"}
+_SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "U8": "uint8",
+    "I8": "int8",
+    "BOOL": "bool",
+}
 
 
 def _tensor_shapes(files: list[pathlib.Path], source: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -242,13 +267,18 @@ class ImportPolicy:
                 raise NotFoundError(
                     f"no model {source!r} in the checkpoint service's local Hugging Face cache (nothing is "
                     "downloaded: put it there, or upload the folder: `yieldloop models import ./folder`)",
-                    reason="MODEL_SOURCE_NOT_FOUND", field="source")
+                    reason="MODEL_SOURCE_NOT_FOUND",
+                    field="source",
+                )
             return folder
         if not admin:
             raise PermissionDeniedError(
                 "only admin keys import from the checkpoint service's filesystem: upload the folder from your "
                 "machine (`yieldloop models import ./folder`, Client.import_model of a local folder) or name a hub "
-                "id in the service's Hugging Face cache", reason="ROLE_NOT_ALLOWED", field="source")
+                "id in the service's Hugging Face cache",
+                reason="ROLE_NOT_ALLOWED",
+                field="source",
+            )
         if not source or len(source) > 4096 or "\0" in source:
             raise invalid_field("source", "a source is a hub id or a folder path")
         try:
@@ -260,19 +290,27 @@ class ImportPolicy:
             raise PermissionDeniedError(
                 f"{source!r} is not a folder under an import root of this service (--import-roots: "
                 f"{', '.join(map(str, roots)) or 'none'}); upload it instead",
-                reason="IMPORT_PATH_REFUSED", field="source")
+                reason="IMPORT_PATH_REFUSED",
+                field="source",
+            )
         for inside in (place.resolve() for place in self.forbidden):
             if path.is_relative_to(inside) or inside.is_relative_to(path):
                 raise PermissionDeniedError(
                     f"{source!r} is (or holds) the stack's own data ({inside}): never importable",
-                    reason="IMPORT_PATH_REFUSED", field="source")
+                    reason="IMPORT_PATH_REFUSED",
+                    field="source",
+                )
         if not path.is_dir():
             raise NotFoundError(f"{source!r} is not a folder", reason="MODEL_SOURCE_NOT_FOUND", field="source")
         return path
 
 
 def import_model(
-    registry: CheckpointRegistry, source: str, name: str, owner: str = "", public: bool = False,
+    registry: CheckpointRegistry,
+    source: str,
+    name: str,
+    owner: str = "",
+    public: bool = False,
     folder: pathlib.Path | None = None,
 ) -> tuple[ModelInfo, Head]:
     """Imports ``source`` (or ``folder``, recorded as coming from ``source``) as the base slug ``name``: checks
@@ -289,7 +327,8 @@ def import_model(
         raise NotFoundError(
             f"no model {source!r}: not a folder, and not in the local Hugging Face cache {hub_cache_dir()} "
             "(nothing is downloaded: put the model there or pass its folder)",
-            reason="MODEL_SOURCE_NOT_FOUND", field="source",
+            reason="MODEL_SOURCE_NOT_FOUND",
+            field="source",
         )
     facts = inspect_folder(folder, source)
     with tempfile.TemporaryDirectory() as tmp:
@@ -325,14 +364,20 @@ def check_upload(files: Sequence[UploadedFile], max_bytes: int) -> None:
     if not files:
         raise invalid_field("header.files", "an upload names the folder's files (weights, config, tokenizer)")
     if len(files) > MAX_UPLOAD_FILES:
-        raise ResourceExhaustedError(f"an upload holds at most {MAX_UPLOAD_FILES} files, not {len(files)}",
-                                     reason="REQUEST_TOO_LARGE", field="header.files")
+        raise ResourceExhaustedError(
+            f"an upload holds at most {MAX_UPLOAD_FILES} files, not {len(files)}",
+            reason="REQUEST_TOO_LARGE",
+            field="header.files",
+        )
     seen = set()
     for i, f in enumerate(files):
         field = f"header.files[{i}]"
         if not MODEL_FILE.fullmatch(f.name) or not UPLOADED_FILE.fullmatch(f.name) or f.name in seen:
-            raise invalid_field(f"{field}.name", f"{f.name[:80]!r} is not a model file name (a top-level "
-                                                  "*.safetensors, *.json, tokenizer or chat template file), or repeated")
+            raise invalid_field(
+                f"{field}.name",
+                f"{f.name[:80]!r} is not a model file name (a top-level "
+                "*.safetensors, *.json, tokenizer or chat template file), or repeated",
+            )
         seen.add(f.name)
         if f.size < 0:
             raise invalid_field(f"{field}.size", "a size is >= 0")
@@ -340,8 +385,11 @@ def check_upload(files: Sequence[UploadedFile], max_bytes: int) -> None:
             raise invalid_field(f"{field}.sha256", "a sha256 is 64 lowercase hex digits")
     total = sum(f.size for f in files)
     if total > max_bytes:
-        raise ResourceExhaustedError(f"the upload declares {total:,} bytes; this service takes at most {max_bytes:,}",
-                                     reason="REQUEST_TOO_LARGE", field="header.files")
+        raise ResourceExhaustedError(
+            f"the upload declares {total:,} bytes; this service takes at most {max_bytes:,}",
+            reason="REQUEST_TOO_LARGE",
+            field="header.files",
+        )
 
 
 async def receive_upload(files: Sequence[UploadedFile], chunks: AsyncIterator[bytes], folder: pathlib.Path) -> None:
@@ -366,8 +414,11 @@ async def receive_upload(files: Sequence[UploadedFile], chunks: AsyncIterator[by
             out.close()
             out = None
         if digest.hexdigest() != declared.sha256:
-            raise DataLossError(f"{declared.name}: the bytes received hash to {digest.hexdigest()}, not the declared "
-                                f"{declared.sha256}", reason="CHECKPOINT_CORRUPT", field="chunk")
+            raise DataLossError(
+                f"{declared.name}: the bytes received hash to {digest.hexdigest()}, not the declared {declared.sha256}",
+                reason="CHECKPOINT_CORRUPT",
+                field="chunk",
+            )
         index, written, digest = index + 1, 0, hashlib.sha256()
 
     def take(view: memoryview) -> memoryview:
@@ -375,14 +426,14 @@ async def receive_upload(files: Sequence[UploadedFile], chunks: AsyncIterator[by
         nonlocal written, out
         declared = files[index]
         if out is None:
-            out = open(folder / declared.name, "wb")  # noqa: SIM115  (closed by close_current or below)
-        part = view[:declared.size - written]
+            out = open(folder / declared.name, "wb")
+        part = view[: declared.size - written]
         out.write(part)
         digest.update(part)
         written += len(part)
         if written == declared.size:
             close_current()
-        return view[len(part):]
+        return view[len(part) :]
 
     def write(chunk: bytes) -> None:
         view = memoryview(chunk)
@@ -399,8 +450,9 @@ async def receive_upload(files: Sequence[UploadedFile], chunks: AsyncIterator[by
         while index < len(files) and files[index].size == 0:
             close_current()
         if index < len(files):
-            raise invalid_field("chunk", f"{files[index].name}: {written:,} bytes arrived, the header declared "
-                                         f"{files[index].size:,}")
+            raise invalid_field(
+                "chunk", f"{files[index].name}: {written:,} bytes arrived, the header declared {files[index].size:,}"
+            )
     finally:
         if out is not None:
             out.close()

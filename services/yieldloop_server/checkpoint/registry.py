@@ -32,7 +32,7 @@ from yieldloop.errors import (
     NotFoundError,
     invalid_field,
 )
-from yieldloop.types import Head, LoraConfig, Manifest, ModelInfo, ObjectInfo  # noqa: F401  (re-exported)
+from yieldloop.types import Head, LoraConfig, Manifest, ModelInfo, ObjectInfo
 from yieldloop_server.common import lora as lora_files
 from yieldloop_server.common.lora import adapter_config
 from yieldloop_server.store import ObjectNotFound, ObjectStore, PreconditionFailed
@@ -140,31 +140,42 @@ class CheckpointRegistry:
         if manifest.pending:
             raise FailedPreconditionError(
                 f"checkpoint {source}@{manifest.checkpoint_id} is still being written to the store; fork it once "
-                f"it is durable (seconds), or fork an earlier checkpoint", reason="CHECKPOINT_PENDING")
+                f"it is durable (seconds), or fork an earlier checkpoint",
+                reason="CHECKPOINT_PENDING",
+            )
         if lora is not None:
             lora = lora.validate("lora")
             if src.lora is not None and lora != src.lora:
                 raise invalid_field(
-                    "lora", f"{source!r} is a LoRA fork ({src.lora.describe()}): its forks keep its adapter's "
+                    "lora",
+                    f"{source!r} is a LoRA fork ({src.lora.describe()}): its forks keep its adapter's "
                     f"config; fork {src.adapter_base_model!r} for another adapter",
                 )
         # The fork inherits what the weights are (architecture, size, chat template) from its source.
-        info = dataclasses.replace(src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0,
-                                   public=False)
+        info = dataclasses.replace(
+            src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0, public=False
+        )
         if lora is None or src.lora is not None:
             self._create_or_resume(info)
             forked = dataclasses.replace(manifest, model=name, created_time=time.time())
             self.store.put_bytes(checkpoint_prefix(name, forked.checkpoint_id) + MANIFEST, forked.to_json())
             return info, self.set_head(name, forked.checkpoint_id)
-        info = self._create_or_resume(dataclasses.replace(
-            info, lora=lora, adapter_base_model=source, adapter_base_checkpoint_id=manifest.checkpoint_id,
-        ))
+        info = self._create_or_resume(
+            dataclasses.replace(
+                info,
+                lora=lora,
+                adapter_base_model=source,
+                adapter_base_checkpoint_id=manifest.checkpoint_id,
+            )
+        )
         checkpoint_id = "adapter-init"
         config = json.dumps(adapter_config(lora, f"{source}@{manifest.checkpoint_id}"), indent=2).encode()
         key = checkpoint_prefix(name, checkpoint_id) + lora_files.CONFIG_FILE
         self.store.put_bytes(key, config)
         first = Manifest(
-            model=name, checkpoint_id=checkpoint_id, step=0,
+            model=name,
+            checkpoint_id=checkpoint_id,
+            step=0,
             objects=[ObjectInfo(lora_files.CONFIG_FILE, len(config), hashlib.sha256(config).hexdigest(), key)],
             metadata_json=json.dumps({"adapter_of": f"{source}@{manifest.checkpoint_id}"}),
         )
@@ -200,8 +211,11 @@ class CheckpointRegistry:
             names = adapters or forks
             raise FailedPreconditionError(
                 f"model {slug!r} is in use by {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}: "
-                + ("LoRA forks run on its weights; delete them first" if adapters
-                   else "delete its forks first, or delete with force (forks keep the objects they use)"),
+                + (
+                    "LoRA forks run on its weights; delete them first"
+                    if adapters
+                    else "delete its forks first, or delete with force (forks keep the objects they use)"
+                ),
                 reason="MODEL_IN_USE",
             )
         prefix = model_prefix(slug)
@@ -260,13 +274,16 @@ class CheckpointRegistry:
             manifests = [m for m in pool.map(read, keys) if m is not None]
         return sorted(manifests, key=lambda m: (m.created_time, m.step, m.checkpoint_id))
 
-    def commit(self, manifest: Manifest, *, set_head: bool = False, expected_head: str = "") -> tuple[Manifest, Head | None]:
+    def commit(
+        self, manifest: Manifest, *, set_head: bool = False, expected_head: str = ""
+    ) -> tuple[Manifest, Head | None]:
         """Checks the objects, writes the manifest last, and optionally moves HEAD.
 
-        Objects are checked by size and sha256 (see :meth:`_check_objects`) before a durable manifest is written:
-        a checkpoint whose bytes differ from its manifest is never committed, so HEAD never names one. A ``pending`` manifest is committed before its objects reach the store (its trainer serves
-        the weights meanwhile); committing it again with ``pending`` false, once they are all there, makes it
-        durable (then it may also gain training-state objects; nothing else may change).
+        Objects are checked by size and sha256 (see :meth:`_check_objects`) before a durable manifest is written: a
+        checkpoint whose bytes differ from its manifest is never committed, so HEAD never names one. A ``pending``
+        manifest is committed before its objects reach the store (its trainer serves the weights meanwhile);
+        committing it again with ``pending`` false, once they are all there, makes it durable (then it may also gain
+        training-state objects; nothing else may change).
 
         With ``expected_head`` the commit is compare-and-swap: when HEAD is not that checkpoint (checked before
         the manifest is written, and again when HEAD moves) it is ABORTED/HEAD_CONFLICT and nothing stays
@@ -335,7 +352,9 @@ class CheckpointRegistry:
         if self.store.stat(abandoned_key(model, checkpoint_id)) is not None:
             return FailedPreconditionError(
                 f"checkpoint {model}/{checkpoint_id} was abandoned: its trainer stopped serving it before its objects "
-                "reached the store, and the head went back to its nearest durable ancestor", reason="CHECKPOINT_ABANDONED")
+                "reached the store, and the head went back to its nearest durable ancestor",
+                reason="CHECKPOINT_ABANDONED",
+            )
         return NotFoundError(f"model {model!r} has no checkpoint {checkpoint_id!r}", reason="CHECKPOINT_NOT_FOUND")
 
     def _seal(self, existing: Manifest, new: Manifest, etag: str) -> Manifest:
@@ -349,8 +368,10 @@ class CheckpointRegistry:
         try:
             self.store.put_bytes(key, sealed.to_json(), if_match=etag)
         except PreconditionFailed:  # changed or removed since it was read: read again (a retry decides)
-            raise AbortedError(f"checkpoint {new.model}/{new.checkpoint_id} changed while it was being sealed; "
-                               "retry", reason="HEAD_CONFLICT") from None
+            raise AbortedError(
+                f"checkpoint {new.model}/{new.checkpoint_id} changed while it was being sealed; retry",
+                reason="HEAD_CONFLICT",
+            ) from None
         if self.store.stat(marker) is not None:  # abandoned while we wrote: whoever abandons decides
             raise self._gone(new.model, new.checkpoint_id)
         return sealed
@@ -370,8 +391,11 @@ class CheckpointRegistry:
             return self.get_head(model)
         with contextlib.suppress(FailedPreconditionError, DataLossError, AbortedError):
             self.commit(dataclasses.replace(manifest, pending=False, weights_source=""))
-            log.warning("%s: head %s was pending and its trainer is gone; every object had reached the store: "
-                        "made durable", model, manifest.checkpoint_id)
+            log.warning(
+                "%s: head %s was pending and its trainer is gone; every object had reached the store: made durable",
+                model,
+                manifest.checkpoint_id,
+            )
             return self.get_head(model)
         chain = [manifest]
         while chain[-1].pending:
@@ -379,12 +403,18 @@ class CheckpointRegistry:
             if not parent:
                 raise FailedPreconditionError(
                     f"head {seen.checkpoint_id} of {model!r} never reached the store and has no durable ancestor to "
-                    "go back to", reason="CHECKPOINT_PENDING")
+                    "go back to",
+                    reason="CHECKPOINT_PENDING",
+                )
             chain.append(self.get_manifest(model, parent))
         target, abandoned = chain[-1], chain[:-1]
         for pending in abandoned:
-            self.store.put_bytes(abandoned_key(model, pending.checkpoint_id), json.dumps(
-                {"head_sequence": seen.sequence, "went_back_to": target.checkpoint_id, "time": time.time()}).encode())
+            self.store.put_bytes(
+                abandoned_key(model, pending.checkpoint_id),
+                json.dumps(
+                    {"head_sequence": seen.sequence, "went_back_to": target.checkpoint_id, "time": time.time()}
+                ).encode(),
+            )
         if any(not getattr(self._find_manifest(model, m.checkpoint_id), "pending", True) for m in abandoned):
             # a live trainer sealed one meanwhile: it was not gone after all
             for pending in abandoned:
@@ -394,9 +424,16 @@ class CheckpointRegistry:
             head = self.set_head(model, target.checkpoint_id, expected_sequence=seen.sequence)
         except AbortedError:  # moved meanwhile (another reader settled it, or a SetHead): theirs stands
             head = self.get_head(model)
-        log.warning("%s: head %s (step %d) never reached the store and its trainer is gone: abandoned with %d pending "
-                    "ancestor(s); the head went back to %s (step %d)", model, manifest.checkpoint_id, manifest.step,
-                    len(abandoned) - 1, target.checkpoint_id, target.step)
+        log.warning(
+            "%s: head %s (step %d) never reached the store and its trainer is gone: abandoned with %d pending "
+            "ancestor(s); the head went back to %s (step %d)",
+            model,
+            manifest.checkpoint_id,
+            manifest.step,
+            len(abandoned) - 1,
+            target.checkpoint_id,
+            target.step,
+        )
         gone = {m.checkpoint_id for m in abandoned} - {head.checkpoint_id}
         for checkpoint_id in sorted(gone):
             prefix = checkpoint_prefix(model, checkpoint_id)
@@ -423,7 +460,8 @@ class CheckpointRegistry:
         for obj in objects:
             if self.store.size(obj.key) != obj.size:
                 raise FailedPreconditionError(
-                    f"object {obj.key!r} is missing or differs from its declared size", reason="CHECKPOINT_CORRUPT",
+                    f"object {obj.key!r} is missing or differs from its declared size",
+                    reason="CHECKPOINT_CORRUPT",
                 )
         owners: dict[str, Manifest | None] = {}
         unverified = [obj for obj in objects if not self._known_good(obj, manifest, owners)]
@@ -436,7 +474,9 @@ class CheckpointRegistry:
                 index = manifest.objects.index(obj)
                 raise DataLossError(
                     f"object {obj.name!r} ({obj.key}) hashes to {digest}, not the declared {obj.sha256[:64]!r}: "
-                    "nothing was committed", reason="CHECKPOINT_CORRUPT", field=f"manifest.objects[{index}].sha256",
+                    "nothing was committed",
+                    reason="CHECKPOINT_CORRUPT",
+                    field=f"manifest.objects[{index}].sha256",
                 )
             self._verified[obj.key, obj.size, obj.sha256] = None
             while len(self._verified) > VERIFIED_CACHE:
@@ -456,8 +496,11 @@ class CheckpointRegistry:
             except ObjectNotFound:
                 owners[folder] = None
         owner = owners[folder]
-        return owner is not None and not owner.pending and any(
-            (o.key, o.size, o.sha256) == (obj.key, obj.size, obj.sha256) for o in owner.objects)
+        return (
+            owner is not None
+            and not owner.pending
+            and any((o.key, o.size, o.sha256) == (obj.key, obj.size, obj.sha256) for o in owner.objects)
+        )
 
     def lineage(self, model: str) -> list[str]:
         """The model and the models it descends from (its parent, the parent's parent, ...)."""
@@ -482,10 +525,17 @@ class CheckpointRegistry:
                 raise invalid_field("manifest.objects.name", f"object name {obj.name!r} is repeated or reserved")
             names.add(obj.name)
             parts = obj.key.split("/")
-            if (len(parts) != 5 or parts[0] != "models" or parts[2] != "checkpoints" or parts[4] == MANIFEST
-                    or any(not part or part in (".", "..") or "\0" in part for part in parts)):
-                raise invalid_field("manifest.objects.key",
-                                    f"object key {obj.key[:200]!r} is not models/<model>/checkpoints/<id>/<file>")
+            if (
+                len(parts) != 5
+                or parts[0] != "models"
+                or parts[2] != "checkpoints"
+                or parts[4] == MANIFEST
+                or any(not part or part in (".", "..") or "\0" in part for part in parts)
+            ):
+                raise invalid_field(
+                    "manifest.objects.key",
+                    f"object key {obj.key[:200]!r} is not models/<model>/checkpoints/<id>/<file>",
+                )
             if parts[1] != manifest.model:
                 lineage = lineage or self.lineage(manifest.model)
                 if parts[1] not in lineage:
@@ -501,7 +551,8 @@ class CheckpointRegistry:
         if actual != expected:
             raise AbortedError(
                 f"head of {model!r} is {actual!r} (sequence {current.sequence if current else 0}), not the "
-                f"expected {expected!r}", reason="HEAD_CONFLICT",
+                f"expected {expected!r}",
+                reason="HEAD_CONFLICT",
             )
 
     def collect_orphans(self, model: str, grace_s: float = 3600.0) -> list[str]:
@@ -514,7 +565,7 @@ class CheckpointRegistry:
         prefix = f"models/{model}/checkpoints/"
         folders: dict[str, list[str]] = {}
         for key in self.store.list(prefix):
-            folders.setdefault(key[len(prefix):].split("/")[0], []).append(key)
+            folders.setdefault(key[len(prefix) :].split("/")[0], []).append(key)
         removed = []
         now = time.time()
         for checkpoint_id, keys in folders.items():
@@ -542,7 +593,7 @@ class CheckpointRegistry:
         decided = {}
         for key in self.store.list(prefix):
             with contextlib.suppress(ObjectNotFound):
-                decided[key[len(prefix):].removesuffix(".json")] = json.loads(self.store.get_bytes(key)[0])
+                decided[key[len(prefix) :].removesuffix(".json")] = json.loads(self.store.get_bytes(key)[0])
         return decided
 
     def apply_retention(self, model: str, keep_last: int) -> list[str]:
@@ -691,10 +742,16 @@ def _seals(existing: Manifest, new: Manifest) -> bool:
     """Whether ``new`` completes ``existing``: the same checkpoint, durable, with the same objects plus, at most,
     training-state objects (when ``existing`` had none); and ``existing`` was pending or gains them."""
     added = [obj for obj in new.objects if obj not in existing.objects]
-    return ((existing.pending or (bool(added) and not existing.has_state)) and not new.pending
-            and all(obj.state for obj in added) and all(obj in new.objects for obj in existing.objects)
-            and _same_checkpoint(dataclasses.replace(existing, objects=[], pending=False, weights_source=""),
-                                 dataclasses.replace(new, objects=[], weights_source="")))
+    return (
+        (existing.pending or (bool(added) and not existing.has_state))
+        and not new.pending
+        and all(obj.state for obj in added)
+        and all(obj in new.objects for obj in existing.objects)
+        and _same_checkpoint(
+            dataclasses.replace(existing, objects=[], pending=False, weights_source=""),
+            dataclasses.replace(new, objects=[], weights_source=""),
+        )
+    )
 
 
 def _same_checkpoint(a: Manifest, b: Manifest) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from yieldloop.client import Client
 from yieldloop.errors import DeadlineExceededError, NotFoundError, UnavailableError
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
+from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop.types import Manifest
 from yieldloop_server.checkpoint.importer import ImportPolicy
 from yieldloop_server.checkpoint.pending import PendingHeads
@@ -15,7 +16,6 @@ from yieldloop_server.checkpoint.servicer import CheckpointServicer
 from yieldloop_server.common.auth import KeyStore
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.store import ObjectStore
-from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 
 SERVICE_NAME = "yieldloop.checkpoint.v1.CheckpointService"
 PROBE_TIMEOUT_S = 3.0
@@ -30,8 +30,7 @@ def trainer_probe(transport: TransportConfig) -> Callable[[Manifest], Awaitable[
     async def holds(manifest: Manifest) -> bool:
         if not manifest.weights_source:
             return False
-        client = Client(trainer=manifest.weights_source, transport=transport, retry_within_s=0,
-                        timeout=PROBE_TIMEOUT_S)
+        client = Client(trainer=manifest.weights_source, transport=transport, retry_within_s=0, timeout=PROBE_TIMEOUT_S)
         try:
             async for _ in client.pull_weights(manifest.model, manifest.checkpoint_id, probe=True):
                 break
@@ -45,15 +44,21 @@ def trainer_probe(transport: TransportConfig) -> Callable[[Manifest], Awaitable[
 
 
 def build(
-    store: ObjectStore, host: str = "127.0.0.1", port: int = 0, keep_last: int = 0,
-    transport: TransportConfig = DEFAULT_TRANSPORT, keys: KeyStore | None = None,
-    imports: ImportPolicy = ImportPolicy(), max_upload_bytes: int = 500 * 10**9,
+    store: ObjectStore,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    keep_last: int = 0,
+    transport: TransportConfig = DEFAULT_TRANSPORT,
+    keys: KeyStore | None = None,
+    imports: ImportPolicy = ImportPolicy(),
+    max_upload_bytes: int = 500 * 10**9,
 ) -> GrpcServer:
     """A CheckpointService server over ``store`` (not started); ``keep_last`` > 0 applies retention on commit;
     ``imports`` says which server-side folders admins may import."""
     server = GrpcServer(host, port, transport)
     registry = CheckpointRegistry(store, keep_last=keep_last)
-    servicer = CheckpointServicer(registry, keys, PendingHeads(registry, trainer_probe(transport)), imports,
-                                  max_upload_bytes)
+    servicer = CheckpointServicer(
+        registry, keys, PendingHeads(registry, trainer_probe(transport)), imports, max_upload_bytes
+    )
     server.add(pb_grpc.add_CheckpointServiceServicer_to_server, servicer, SERVICE_NAME)
     return server

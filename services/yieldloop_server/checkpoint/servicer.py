@@ -14,12 +14,18 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf import json_format
 
+from yieldloop.convert import head_to_pb, lora_from_pb, manifest_from_pb, manifest_to_pb, model_to_pb
+from yieldloop.errors import PermissionDeniedError, invalid_field
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as pb
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2_grpc as pb_grpc
-from yieldloop.errors import PermissionDeniedError, invalid_field
-from yieldloop.convert import head_to_pb, lora_from_pb, manifest_from_pb, manifest_to_pb, model_to_pb
-from yieldloop_server.checkpoint.importer import (ImportPolicy, UploadedFile, check_new_model, check_upload,
-                                                  import_model, receive_upload)
+from yieldloop_server.checkpoint.importer import (
+    ImportPolicy,
+    UploadedFile,
+    check_new_model,
+    check_upload,
+    import_model,
+    receive_upload,
+)
 from yieldloop_server.checkpoint.pending import PendingHeads
 from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.common import telemetry
@@ -28,8 +34,14 @@ from yieldloop_server.common.grpc_server import rpc
 
 
 def key_to_pb(record) -> pb.ApiKeyInfo:
-    return pb.ApiKeyInfo(key_id=record.key_id, team=record.team, role=record.role, name=record.name,
-                         created_time=record.created_time, revoked_time=record.revoked_time)
+    return pb.ApiKeyInfo(
+        key_id=record.key_id,
+        team=record.team,
+        role=record.role,
+        name=record.name,
+        created_time=record.created_time,
+        revoked_time=record.revoked_time,
+    )
 
 
 def _owner(requested: str, public: bool = False) -> str:
@@ -40,18 +52,25 @@ def _owner(requested: str, public: bool = False) -> str:
         return requested
     if not principal.is_admin:
         if requested and requested != principal.team:
-            raise PermissionDeniedError(f"a key of team {principal.team!r} creates models for its team only, "
-                                        f"not {requested!r}", reason="ROLE_NOT_ALLOWED", field="owner")
+            raise PermissionDeniedError(
+                f"a key of team {principal.team!r} creates models for its team only, not {requested!r}",
+                reason="ROLE_NOT_ALLOWED",
+                field="owner",
+            )
         if public:
-            raise PermissionDeniedError("only admin keys make public models", reason="ROLE_NOT_ALLOWED",
-                                        field="public")
+            raise PermissionDeniedError("only admin keys make public models", reason="ROLE_NOT_ALLOWED", field="public")
     return requested or principal.team
 
 
 class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
-    def __init__(self, registry: CheckpointRegistry, keys: KeyStore | None = None,
-                 pending: PendingHeads | None = None, imports: ImportPolicy = ImportPolicy(),
-                 max_upload_bytes: int = 500 * 10**9) -> None:
+    def __init__(
+        self,
+        registry: CheckpointRegistry,
+        keys: KeyStore | None = None,
+        pending: PendingHeads | None = None,
+        imports: ImportPolicy = ImportPolicy(),
+        max_upload_bytes: int = 500 * 10**9,
+    ) -> None:
         self.registry = registry
         self.pending = pending
         self.imports = imports
@@ -62,7 +81,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self.access = ModelAccess(lambda slug: asyncio.to_thread(self.registry.get_model, slug), ttl_s=0.0)
 
     @rpc
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
         principal = current_principal()
         models = await asyncio.to_thread(self.registry.list_models, True)
         return pb.ListModelsResponse(models=[model_to_pb(m) for m in models if may(principal, m, "see")])
@@ -70,7 +91,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @rpc
     async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext) -> pb.GetModelResponse:
         await self.access.require(request.model, "see")
-        return pb.GetModelResponse(model=model_to_pb(await asyncio.to_thread(self.registry.describe_model, request.model)))
+        return pb.GetModelResponse(
+            model=model_to_pb(await asyncio.to_thread(self.registry.describe_model, request.model))
+        )
 
     @rpc
     async def ForkModel(self, request: pb.ForkModelRequest, context: grpc.aio.ServicerContext) -> pb.ForkModelResponse:
@@ -81,17 +104,22 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         return pb.ForkModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc
-    async def DeleteModel(self, request: pb.DeleteModelRequest, context: grpc.aio.ServicerContext) -> pb.DeleteModelResponse:
+    async def DeleteModel(
+        self, request: pb.DeleteModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteModelResponse:
         await self.access.require(request.model, "train")
         await asyncio.to_thread(self.registry.delete_model, request.model, request.force)
         return pb.DeleteModelResponse()
 
     @rpc
-    async def ImportModel(self, request: pb.ImportModelRequest, context: grpc.aio.ServicerContext) -> pb.ImportModelResponse:
+    async def ImportModel(
+        self, request: pb.ImportModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ImportModelResponse:
         owner = _owner(request.owner, request.public)
         folder = await asyncio.to_thread(self.imports.folder, request.source, current_principal().is_admin)
         info, head = await asyncio.to_thread(
-            import_model, self.registry, request.source, request.name, owner, request.public, folder)
+            import_model, self.registry, request.source, request.name, owner, request.public, folder
+        )
         return pb.ImportModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc
@@ -117,21 +145,28 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         source = header.source[:4096] or "upload"
         with tempfile.TemporaryDirectory(prefix="yieldloop-upload-") as staging:
             await receive_upload(files, chunks(), pathlib.Path(staging))
-            info, head = await asyncio.to_thread(import_model, self.registry, source, header.name, owner,
-                                                 header.public, pathlib.Path(staging))
+            info, head = await asyncio.to_thread(
+                import_model, self.registry, source, header.name, owner, header.public, pathlib.Path(staging)
+            )
         return pb.UploadModelResponse(model=model_to_pb(info), head=head_to_pb(head))
 
     @rpc
-    async def CreateApiKey(self, request: pb.CreateApiKeyRequest, context: grpc.aio.ServicerContext) -> pb.CreateApiKeyResponse:
+    async def CreateApiKey(
+        self, request: pb.CreateApiKeyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateApiKeyResponse:
         record, key = await asyncio.to_thread(self.keys.create, request.team, request.role, request.name)
         return pb.CreateApiKeyResponse(info=key_to_pb(record), api_key=key)
 
     @rpc
-    async def ListApiKeys(self, request: pb.ListApiKeysRequest, context: grpc.aio.ServicerContext) -> pb.ListApiKeysResponse:
+    async def ListApiKeys(
+        self, request: pb.ListApiKeysRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListApiKeysResponse:
         return pb.ListApiKeysResponse(keys=[key_to_pb(r) for r in await asyncio.to_thread(self.keys.list)])
 
     @rpc
-    async def RevokeApiKey(self, request: pb.RevokeApiKeyRequest, context: grpc.aio.ServicerContext) -> pb.RevokeApiKeyResponse:
+    async def RevokeApiKey(
+        self, request: pb.RevokeApiKeyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RevokeApiKeyResponse:
         return pb.RevokeApiKeyResponse(info=key_to_pb(await asyncio.to_thread(self.keys.revoke, request.key_id)))
 
     @rpc
@@ -140,8 +175,11 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     ) -> pb.ListCheckpointsResponse:
         await self.access.require(request.model, "see")
         manifests, head, promotions = await asyncio.to_thread(
-            lambda: (self.registry.list_checkpoints(request.model), self.registry.find_head(request.model),
-                     self.registry.promotions(request.model))
+            lambda: (
+                self.registry.list_checkpoints(request.model),
+                self.registry.find_head(request.model),
+                self.registry.promotions(request.model),
+            )
         )
         head_id = head.checkpoint_id if head else ""
         return pb.ListCheckpointsResponse(
@@ -169,7 +207,9 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
             raise invalid_field("promotion.state", f"give PROMOTED (1) or REJECTED (2), not {request.promotion.state}")
         await self.access.require(request.model, "train")
         await asyncio.to_thread(
-            self.registry.record_promotion, request.model, request.checkpoint_id,
+            self.registry.record_promotion,
+            request.model,
+            request.checkpoint_id,
             json_format.MessageToDict(request.promotion),
         )
         return pb.RecordPromotionResponse()
@@ -187,8 +227,12 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
         self, request: pb.CommitCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitCheckpointResponse:
         await self.access.require(request.manifest.model, "train")
-        attributes = {"yieldloop.model": request.manifest.model, "yieldloop.checkpoint_id": request.manifest.checkpoint_id,
-                      "yieldloop.pending": request.manifest.pending, "yieldloop.set_head": request.set_head}
+        attributes = {
+            "yieldloop.model": request.manifest.model,
+            "yieldloop.checkpoint_id": request.manifest.checkpoint_id,
+            "yieldloop.pending": request.manifest.pending,
+            "yieldloop.set_head": request.set_head,
+        }
         with telemetry.span("checkpoint.commit", attributes):
             manifest, head = await asyncio.to_thread(
                 self.registry.commit,
@@ -209,10 +253,14 @@ class CheckpointServicer(pb_grpc.CheckpointServiceServicer):
     @rpc
     async def SetHead(self, request: pb.SetHeadRequest, context: grpc.aio.ServicerContext) -> pb.SetHeadResponse:
         await self.access.require(request.model, "train")
-        with telemetry.span("head.move", {"yieldloop.model": request.model,
-                                          "yieldloop.checkpoint_id": request.checkpoint_id}):
+        with telemetry.span(
+            "head.move", {"yieldloop.model": request.model, "yieldloop.checkpoint_id": request.checkpoint_id}
+        ):
             head = await asyncio.to_thread(
-                self.registry.set_head, request.model, request.checkpoint_id, request.expected_checkpoint_id,
+                self.registry.set_head,
+                request.model,
+                request.checkpoint_id,
+                request.expected_checkpoint_id,
                 request.expected_sequence,
             )
         return pb.SetHeadResponse(head=head_to_pb(head))

@@ -28,8 +28,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
-from yieldloop.errors import (AlreadyExistsError, InvalidArgumentError, NotFoundError, PermissionDeniedError,
-                              UnauthenticatedError, check_text)
+from yieldloop.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    check_text,
+)
 from yieldloop.transport import CallInfo
 from yieldloop.types import ModelInfo
 from yieldloop_server.store import ObjectStore
@@ -93,7 +99,7 @@ def split_key(key: str) -> tuple[str, str] | None:
     """(key id, secret) of a well-formed key, else None."""
     if not key.startswith(KEY_PREFIX):
         return None
-    key_id, sep, secret = key[len(KEY_PREFIX):].partition("_")
+    key_id, sep, secret = key[len(KEY_PREFIX) :].partition("_")
     if not sep or len(key_id) != 12 or not secret or len(key) > 256:
         return None
     return key_id, secret
@@ -101,8 +107,9 @@ def split_key(key: str) -> tuple[str, str] | None:
 
 def check_role(role: str) -> Role:
     if role not in ROLES:
-        raise InvalidArgumentError(f"role must be one of {', '.join(ROLES)}, got {role!r}", reason="INVALID_FIELD",
-                                   field="role")
+        raise InvalidArgumentError(
+            f"role must be one of {', '.join(ROLES)}, got {role!r}", reason="INVALID_FIELD", field="role"
+        )
     return role  # type: ignore[return-value]
 
 
@@ -140,8 +147,9 @@ class KeyStore:
         except PreconditionFailed:
             record = self.get(key_id)
             if not hmac.compare_digest(record.secret_sha256, _hash(secret)) or record.role != role:
-                raise AlreadyExistsError(f"API key id {key_id} is registered for another key or role",
-                                         reason="API_KEY_INVALID", field="key") from None
+                raise AlreadyExistsError(
+                    f"API key id {key_id} is registered for another key or role", reason="API_KEY_INVALID", field="key"
+                ) from None
         return record
 
     def _key(self, key_id: str) -> str:
@@ -298,8 +306,11 @@ class Authenticator:
             return
         key = presented_key(call)
         if not key:
-            raise UnauthenticatedError("this call needs an API key (authorization: Bearer <key>, or x-api-key); "
-                                       "`yieldloop keys create` makes one", reason="API_KEY_MISSING")
+            raise UnauthenticatedError(
+                "this call needs an API key (authorization: Bearer <key>, or x-api-key); "
+                "`yieldloop keys create` makes one",
+                reason="API_KEY_MISSING",
+            )
         principal = await self.principal(key)
         if principal is None:
             raise UnauthenticatedError("the API key is unknown or revoked", reason="API_KEY_INVALID")
@@ -343,6 +354,7 @@ class ModelAccess:
     def through(cls, checkpoints: Any, default: str) -> ModelAccess:
         """Model records read through a CheckpointService client (None: a service of ``default`` alone, e.g. an
         engine served for a benchmark, knows no other model)."""
+
         async def get_model(slug: str) -> ModelInfo:
             if checkpoints is None:
                 raise NotFoundError(f"this service serves only {default!r}", reason="MODEL_NOT_FOUND")
@@ -368,7 +380,9 @@ class ModelAccess:
             verb = {"see": "read", "sample": "sample", "train": "train or change"}[action]
             raise PermissionDeniedError(
                 f"team {principal.team!r} may not {verb} model {slug!r} (owned by {info.owner or 'nobody'!r}"
-                f"{', public' if info.public else ''})", reason="MODEL_NOT_OWNED", field="model",
+                f"{', public' if info.public else ''})",
+                reason="MODEL_NOT_OWNED",
+                field="model",
             )
 
     def forget(self, slug: str) -> None:
@@ -379,16 +393,16 @@ def require_job(team: str, job_id: str) -> None:
     """PERMISSION_DENIED (JOB_NOT_OWNED) unless the caller's team made the job (admins: any job)."""
     principal = current_principal()
     if not principal.is_admin and team != principal.team:
-        raise PermissionDeniedError(f"job {job_id!r} belongs to another team", reason="JOB_NOT_OWNED",
-                                    field="job_id")
+        raise PermissionDeniedError(f"job {job_id!r} belongs to another team", reason="JOB_NOT_OWNED", field="job_id")
 
 
 def require_run(team: str, trace_id: str) -> None:
     """PERMISSION_DENIED (RUN_NOT_OWNED) unless the caller's team ran it (admins: any run)."""
     principal = current_principal()
     if not principal.is_admin and team != principal.team:
-        raise PermissionDeniedError(f"run {trace_id!r} belongs to another team", reason="RUN_NOT_OWNED",
-                                    field="trace_id")
+        raise PermissionDeniedError(
+            f"run {trace_id!r} belongs to another team", reason="RUN_NOT_OWNED", field="trace_id"
+        )
 
 
 def sees_job(team: str) -> bool:

@@ -96,13 +96,17 @@ def close_group(group: Any) -> None:
         return
     try:
         group.shutdown()
-    except Exception:  # noqa: BLE001  (closing what already failed)
+    except Exception:
         pass
 
 
 def broadcast_files(
-    group: Any, backend: str, objects: Sequence[ObjectInfo], chunk_bytes: int,
-    source: pathlib.Path | None = None, target: pathlib.Path | None = None,
+    group: Any,
+    backend: str,
+    objects: Sequence[ObjectInfo],
+    chunk_bytes: int,
+    source: pathlib.Path | None = None,
+    target: pathlib.Path | None = None,
 ) -> dict[str, str]:
     """Rank 0 (``source``: the folder holding the objects) sends every object's bytes to the group, in pieces of
     at most ``chunk_bytes``; every other rank (``target``) writes them under that folder and returns each file's

@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from yieldloop._status import to_rpc_status
 from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, ServerInterceptor, TransportConfig, intercepting
@@ -69,8 +70,9 @@ class Undecodable:
         self.error = error
 
     def refusal(self) -> InvalidArgumentError:
-        return InvalidArgumentError(f"the request message does not parse: {self.error}", reason="INVALID_FIELD",
-                                    field="request")
+        return InvalidArgumentError(
+            f"the request message does not parse: {self.error}", reason="INVALID_FIELD", field="request"
+        )
 
 
 def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:

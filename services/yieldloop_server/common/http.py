@@ -15,15 +15,28 @@ import functools
 import logging
 from typing import Any
 
-from yieldloop.errors import (DeadlineExceededError, InvalidArgumentError, RequestTooLargeError, YieldloopError,
-                              invalid_field, parse_json)
+from yieldloop.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RequestTooLargeError,
+    YieldloopError,
+    invalid_field,
+    parse_json,
+)
 from yieldloop.transport import DEFAULT_TRANSPORT, CallInfo, TransportConfig, intercepting
 
 log = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def error_response(err: YieldloopError, status: int = 0) -> Any:
@@ -60,8 +73,11 @@ async def read_json(request: Any, timeout_s: float) -> Any:
         async with asyncio.timeout(timeout_s):
             return await request.json(loads=strict_json)
     except web.HTTPRequestEntityTooLarge as err:
-        raise RequestTooLargeError(f"the request body is larger than this server accepts ({err.text})",
-                                   reason="REQUEST_TOO_LARGE", field="body") from None
+        raise RequestTooLargeError(
+            f"the request body is larger than this server accepts ({err.text})",
+            reason="REQUEST_TOO_LARGE",
+            field="body",
+        ) from None
     except TimeoutError:
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
     except InvalidArgumentError:
@@ -134,8 +150,11 @@ class HttpServer:
         """aiohttp middleware: the transport's interceptors around each request, refusals answered typed."""
         resource = request.match_info.route.resource
         path = resource.canonical if resource is not None else request.path
-        call = CallInfo(method=f"{request.method} {path}",
-                        metadata=tuple((k.lower(), v) for k, v in request.headers.items()), protocol="http")
+        call = CallInfo(
+            method=f"{request.method} {path}",
+            metadata=tuple((k.lower(), v) for k, v in request.headers.items()),
+            protocol="http",
+        )
         try:
             async with intercepting(self.transport.server_interceptors, call):
                 return await handler(request)

@@ -54,7 +54,7 @@ def read_scaling(folder: pathlib.Path) -> float:
     """alpha / r (alpha / sqrt(r) with rsLoRA) from an adapter folder's config."""
     config = json.loads((folder / CONFIG_FILE).read_text())
     rank = config["r"]
-    return config["lora_alpha"] / (rank ** 0.5 if config.get("use_rslora") else rank)
+    return config["lora_alpha"] / (rank**0.5 if config.get("use_rslora") else rank)
 
 
 def read_adapter(folder: pathlib.Path, device: str, dtype: str) -> dict[str, tuple[Any, Any, float]]:

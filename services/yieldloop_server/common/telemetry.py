@@ -40,8 +40,11 @@ def wanted() -> bool:
     exporter = os.environ.get("OTEL_TRACES_EXPORTER", "")
     if exporter == "none":
         return False
-    return bool(exporter or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(
+        exporter
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
 
 
 RECORD_SPANS_VARIABLE = "YIELDLOOP_RECORD_SPANS"
@@ -52,7 +55,7 @@ the env worker processes inherit it)."""
 def configure(service: str) -> bool:
     """Installs the tracer provider once per process when the environment asks for traces, or for spans
     recorded in the store (:data:`RECORD_SPANS_VARIABLE`); returns whether tracing is on."""
-    global _enabled  # noqa: PLW0603
+    global _enabled
     record_url = os.environ.get(RECORD_SPANS_VARIABLE, "")
     if _enabled or not (wanted() or record_url):
         return _enabled
@@ -61,23 +64,27 @@ def configure(service: str) -> bool:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"yieldloop-{service}",
-                                "yieldloop.service": service})
+    resource = Resource.create(
+        {"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"yieldloop-{service}", "yieldloop.service": service}
+    )
     from opentelemetry.sdk.trace.sampling import _get_from_env_or_default
 
-    provider = TracerProvider(resource=resource, id_generator=_run_ids(),
-                              sampler=_marking_runs(_get_from_env_or_default()))
+    provider = TracerProvider(
+        resource=resource, id_generator=_run_ids(), sampler=_marking_runs(_get_from_env_or_default())
+    )
     if record_url:
         from yieldloop_server.store import open_store
 
         # Written within a second: `yieldloop trace` right after an eval finds them.
-        provider.add_span_processor(BatchSpanProcessor(_store_exporter(open_store(record_url), service),
-                                                       schedule_delay_millis=1000))
+        provider.add_span_processor(
+            BatchSpanProcessor(_store_exporter(open_store(record_url), service), schedule_delay_millis=1000)
+        )
     exporters = os.environ.get("OTEL_TRACES_EXPORTER", "otlp" if wanted() else "none")
     for name in (e.strip() for e in exporters.split(",")):
         if name == "otlp":
-            protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                                      os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+            protocol = os.environ.get(
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+            )
             if protocol.startswith("http"):
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             else:
@@ -101,8 +108,16 @@ def _marking_runs(sampler: Any) -> Any:
     from opentelemetry.trace import TraceState, get_current_span
 
     class MarkRuns(Sampler):
-        def should_sample(self, parent_context: Any, trace_id: int, name: str, kind: Any = None,
-                          attributes: Any = None, links: Any = None, trace_state: Any = None) -> SamplingResult:
+        def should_sample(
+            self,
+            parent_context: Any,
+            trace_id: int,
+            name: str,
+            kind: Any = None,
+            attributes: Any = None,
+            links: Any = None,
+            trace_state: Any = None,
+        ) -> SamplingResult:
             result = sampler.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
             parent = get_current_span(parent_context).get_span_context()
             if name == "episode" and not parent.is_valid and result.decision == Decision.RECORD_AND_SAMPLE:
@@ -133,19 +148,29 @@ def _store_exporter(store: Any, service: str) -> Any:
                 if context.trace_state.get(RUN_STATE[0]) != RUN_STATE[1]:
                     continue
                 trace_id = f"{context.trace_id:032x}"
-                by_prefix.setdefault(trace_id[:16], []).append({
-                    "trace_id": trace_id, "span_id": f"{context.span_id:016x}",
-                    "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else "",
-                    "name": span.name, "service": service, "start_ns": span.start_time, "end_ns": span.end_time,
-                    "status": span.status.status_code.name, "error": span.status.description or "",
-                    "attributes": {k: v if isinstance(v, (str, int, float, bool)) else str(v)
-                                   for k, v in (span.attributes or {}).items()},
-                })
+                by_prefix.setdefault(trace_id[:16], []).append(
+                    {
+                        "trace_id": trace_id,
+                        "span_id": f"{context.span_id:016x}",
+                        "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else "",
+                        "name": span.name,
+                        "service": service,
+                        "start_ns": span.start_time,
+                        "end_ns": span.end_time,
+                        "status": span.status.status_code.name,
+                        "error": span.status.description or "",
+                        "attributes": {
+                            k: v if isinstance(v, (str, int, float, bool)) else str(v)
+                            for k, v in (span.attributes or {}).items()
+                        },
+                    }
+                )
             try:
                 for prefix, records in by_prefix.items():
-                    store.put_bytes(f"spans/{prefix}/{service}-{uuid.uuid4().hex[:8]}.json",
-                                    json.dumps(records).encode())
-            except Exception:  # noqa: BLE001 (telemetry never fails the service)
+                    store.put_bytes(
+                        f"spans/{prefix}/{service}-{uuid.uuid4().hex[:8]}.json", json.dumps(records).encode()
+                    )
+            except Exception:
                 logging.getLogger(__name__).warning("recording spans in the store failed", exc_info=True)
                 return SpanExportResult.FAILURE
             return SpanExportResult.SUCCESS
@@ -186,7 +211,7 @@ _tracer: Any = None
 
 def tracer() -> Any:
     """This process's tracer (made once: a tracer per span would cost every call)."""
-    global _tracer  # noqa: PLW0603
+    global _tracer
     if _tracer is None:
         from opentelemetry import trace
 
@@ -240,8 +265,7 @@ def _unsampled_parent(parent: Any = None) -> bool:
     return context.is_valid and not context.trace_flags.sampled
 
 
-def span(name: str, attributes: dict[str, Any] | None = None,
-         **options: Any) -> contextlib.AbstractContextManager[Any]:
+def span(name: str, attributes: dict[str, Any] | None = None, **options: Any) -> contextlib.AbstractContextManager[Any]:
     """A span (a do-nothing context, entered as None, when tracing is off or the trace is not sampled)."""
     if not _enabled or _unsampled_parent():
         return _NOTHING
@@ -290,8 +314,9 @@ def episode_span(trace_id: str, attributes: dict[str, Any]) -> Iterator[Any]:
     ids = ids_of(trace_id)
     token = _preset.set(ids) if ids else None
     try:
-        with tracer().start_as_current_span("episode", context=context.Context(), links=links,
-                                            attributes=attributes) as current:
+        with tracer().start_as_current_span(
+            "episode", context=context.Context(), links=links, attributes=attributes
+        ) as current:
             if token is not None:
                 _preset.reset(token)
                 token = None
@@ -315,8 +340,13 @@ def run_links(trace_ids: Sequence[str]) -> list[Any]:
     for trace_id in dict.fromkeys(trace_ids):
         ids = ids_of(trace_id)
         if ids:
-            links.append(trace.Link(trace.SpanContext(ids[0], ids[1], is_remote=True,
-                                                      trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))))
+            links.append(
+                trace.Link(
+                    trace.SpanContext(
+                        ids[0], ids[1], is_remote=True, trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)
+                    )
+                )
+            )
     return links
 
 
@@ -377,19 +407,23 @@ def client_interceptors() -> list[Any]:
     def start(details: grpc.aio.ClientCallDetails) -> tuple[Any, grpc.aio.ClientCallDetails]:
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         service, _, name = method.strip("/").partition("/")
-        span = tracer().start_span(f"{service}/{name}", kind=trace.SpanKind.CLIENT, attributes={
-            "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        span = tracer().start_span(
+            f"{service}/{name}",
+            kind=trace.SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+        )
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), *carrier.items())
-        return span, grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                                details.wait_for_ready)
+        return span, grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
     def end_with(span: Any, call: Any) -> None:
         async def finish(finished: Any) -> None:
             try:
                 code = await finished.code()
-            except BaseException:  # noqa: BLE001 (a call torn down with its loop): end the span all the same
+            except BaseException:
                 code = grpc.StatusCode.CANCELLED
             span.set_attribute("rpc.grpc.status_code", code.value[0])
             if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
@@ -453,8 +487,10 @@ class Tracing:
         parent = propagate.extract(call.metadata, getter=_MetadataGetter())
         if call.protocol == "grpc":
             service, _, method = call.method.strip("/").partition("/")
-            name, attributes = f"{service}/{method}", {"rpc.system": "grpc", "rpc.service": service,
-                                                       "rpc.method": method}
+            name, attributes = (
+                f"{service}/{method}",
+                {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+            )
         else:
             verb, _, path = call.method.partition(" ")
             name, attributes = call.method, {"http.request.method": verb, "url.path": path}
@@ -494,8 +530,14 @@ def _server_span(parent: Any, name: str, attributes: dict[str, Any]) -> Iterator
             _quiet.reset(quiet)
             context.detach(token)
         return
-    with tracer().start_as_current_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes,
-                                        record_exception=False, set_status_on_exception=False) as current:
+    with tracer().start_as_current_span(
+        name,
+        context=parent,
+        kind=trace.SpanKind.SERVER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as current:
         quiet = _quiet.set(not current.is_recording())
         try:
             yield current
@@ -530,11 +572,14 @@ def configure_metrics(service: str, host: str = "127.0.0.1", prometheus_port: in
     ``console``; default ``otlp`` when an OTLP endpoint is set): OTLP pushes every ``OTEL_METRIC_EXPORT_INTERVAL``
     ms, ``prometheus`` serves ``/metrics`` for scraping on ``prometheus_port`` (0: a free one; see
     :data:`metrics_address`). Returns whether metrics are on."""
-    global _meter, metrics_address  # noqa: PLW0603
+    global _meter, metrics_address
     if _meter is not None:
         return True
-    default = "otlp" if (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                         or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")) else "none"
+    default = (
+        "otlp"
+        if (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"))
+        else "none"
+    )
     names = [n.strip() for n in os.environ.get("OTEL_METRICS_EXPORTER", default).split(",") if n.strip()]
     names = [n for n in names if n != "none"]
     if not names or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
@@ -547,8 +592,9 @@ def configure_metrics(service: str, host: str = "127.0.0.1", prometheus_port: in
     readers: list[Any] = []
     for name in names:
         if name == "otlp":
-            protocol = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
-                                      os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+            protocol = os.environ.get(
+                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+            )
             if protocol.startswith("http"):
                 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
             else:
@@ -563,8 +609,9 @@ def configure_metrics(service: str, host: str = "127.0.0.1", prometheus_port: in
             metrics_address = f"{host}:{server.server_port}"
         elif name == "console":
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"yieldloop-{service}",
-                                "yieldloop.service": service})
+    resource = Resource.create(
+        {"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"yieldloop-{service}", "yieldloop.service": service}
+    )
     provider = MeterProvider(resource=resource, metric_readers=readers)
     metrics.set_meter_provider(provider)
     _meter = provider.get_meter("yieldloop")
@@ -579,8 +626,9 @@ def _instrument(kind: str, name: str, unit: str, description: str) -> Any:
 
 
 def _measurer(kind: str, method: str, doc: str) -> Callable[..., None]:
-    def measure(name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1",
-                description: str = "") -> None:
+    def measure(
+        name: str, value: float, attributes: dict[str, Any] | None = None, *, unit: str = "1", description: str = ""
+    ) -> None:
         if _meter is not None:
             getattr(_instrument(kind, name, unit, description), method)(value, attributes)
 
@@ -591,8 +639,11 @@ def _measurer(kind: str, method: str, doc: str) -> Callable[..., None]:
 count = _measurer("counter", "add", "Adds to a counter")
 gauge_delta = _measurer("up_down_counter", "add", "Moves an up-down counter (things in flight)")
 record = _measurer("histogram", "record", "Records a value >= 0 in a histogram (latencies, sizes)")
-set_gauge = _measurer("gauge", "set", "Sets a gauge to its latest value (losses, rewards: values that may be "
-                                      "negative, which histograms drop)")
+set_gauge = _measurer(
+    "gauge",
+    "set",
+    "Sets a gauge to its latest value (losses, rewards: values that may be negative, which histograms drop)",
+)
 
 
 def observe(name: str, read: Callable[[], float], *, unit: str = "1", description: str = "") -> None:
@@ -601,12 +652,14 @@ def observe(name: str, read: Callable[[], float], *, unit: str = "1", descriptio
         return
     from opentelemetry.metrics import Observation
 
-    _meter.create_observable_gauge(name, callbacks=[lambda options: [Observation(read())]], unit=unit,
-                                   description=description)
+    _meter.create_observable_gauge(
+        name, callbacks=[lambda options: [Observation(read())]], unit=unit, description=description
+    )
 
 
-def in_flight(name: str, attributes: dict[str, Any] | None = None,
-              description: str = "") -> contextlib.AbstractContextManager[None]:
+def in_flight(
+    name: str, attributes: dict[str, Any] | None = None, description: str = ""
+) -> contextlib.AbstractContextManager[None]:
     """Counts the block as in flight while it runs (a do-nothing context when metrics are off)."""
     if _meter is None:
         return _NOTHING

@@ -34,7 +34,7 @@ CHAT_TEMPLATE = (
     "{{ '# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>' }}"
     "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
     "{{ '\n</tools>\n\nFor each call, return a JSON object with the function name and arguments within "
-    "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-object>}"
+    '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-object>}'
     "\n</tool_call><|im_end|>\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -141,9 +141,16 @@ def create_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig = Tin
 
 
 WARMUP_PROMPTS = (
-    'Say "{letter}".', 'Type "{letter}" now.', 'Echo "{letter}" for me.', 'Print the letter "{letter}" please.',
-    'Give me "{letter}".', 'The letter "{letter}", and nothing else.', '"{letter}" is the one to say.',
-    'Answer with "{letter}" and stop.', 'Just "{letter}" on its own line.', 'Can you say "{letter}" today?',
+    'Say "{letter}".',
+    'Type "{letter}" now.',
+    'Echo "{letter}" for me.',
+    'Print the letter "{letter}" please.',
+    'Give me "{letter}".',
+    'The letter "{letter}", and nothing else.',
+    '"{letter}" is the one to say.',
+    'Answer with "{letter}" and stop.',
+    'Just "{letter}" on its own line.',
+    'Can you say "{letter}" today?',
 )
 WARMUP_LENGTHS = (1, 1, 1, 1, 2, 2, 3, 4)
 """Answer lengths of the warm-up, drawn uniformly from this tuple: mostly one letter, never more than four."""

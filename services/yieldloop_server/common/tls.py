@@ -48,13 +48,14 @@ def _still_good(folder: pathlib.Path, hosts: Sequence[str]) -> bool:
             return False
     except (OSError, ValueError):
         return False
-    left = cert.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc)
+    left = cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC)
     covered = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
     return left > datetime.timedelta(days=7) and set(_names(hosts)) <= covered
 
 
-def ensure_stack_certs(folder: pathlib.Path, hosts: Sequence[str] = ()) -> tuple[pathlib.Path, pathlib.Path,
-                                                                                   pathlib.Path]:
+def ensure_stack_certs(
+    folder: pathlib.Path, hosts: Sequence[str] = ()
+) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
     """(CA certificate, server certificate, server key) in ``folder``, made when missing or stale."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -65,33 +66,52 @@ def ensure_stack_certs(folder: pathlib.Path, hosts: Sequence[str] = ()) -> tuple
     paths = folder / CA_FILE, folder / CERT_FILE, folder / KEY_FILE
     if _still_good(folder, hosts):
         return paths
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "yieldloop stack CA")])
     ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "yieldloop services")]))
-        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
         .add_extension(x509.SubjectAlternativeName(_names(hosts)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     pem = serialization.Encoding.PEM
-    private = dict(encoding=pem, format=serialization.PrivateFormat.PKCS8,
-                   encryption_algorithm=serialization.NoEncryption())
+    private = dict(
+        encoding=pem, format=serialization.PrivateFormat.PKCS8, encryption_algorithm=serialization.NoEncryption()
+    )
     _write(folder / CA_KEY_FILE, ca_key.private_bytes(**private), private=True)
     _write(folder / KEY_FILE, key.private_bytes(**private), private=True)
     _write(folder / CERT_FILE, cert.public_bytes(pem), private=False)

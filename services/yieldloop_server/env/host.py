@@ -12,7 +12,7 @@ import abc
 import dataclasses
 from typing import Any
 
-from yieldloop.environment import FinalCompletion, Environment, Grade, Prompt
+from yieldloop.environment import Environment, FinalCompletion, Grade, Prompt
 from yieldloop.errors import NotFoundError
 
 
@@ -38,7 +38,9 @@ class EnvInfo:
                 {"name": s.name, "description": s.description, "args_schema": s.args_schema}
                 for s in env.scenarios.values()
             ],
-            tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in env.tools.values()],
+            tools=[
+                {"name": t.name, "description": t.description, "parameters": t.parameters} for t in env.tools.values()
+            ],
         )
 
 

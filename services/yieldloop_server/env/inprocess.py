@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from yieldloop.environment import FinalCompletion, Environment, Grade, Prompt
+from yieldloop.environment import Environment, FinalCompletion, Grade, Prompt
 from yieldloop.episode import Episode, protocol_error
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
 

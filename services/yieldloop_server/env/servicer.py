@@ -18,14 +18,13 @@ from typing import Any
 
 import grpc
 
+from yieldloop.environment import FinalCompletion, RawText
+from yieldloop.episode import protocol_error
+from yieldloop.errors import DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error, parse_json
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.env.v1 import env_service_pb2 as pb
 from yieldloop.proto.env.v1 import env_service_pb2_grpc as pb_grpc
-from yieldloop.environment import FinalCompletion, RawText
-from yieldloop.episode import protocol_error
 from yieldloop.types import StopReason
-from yieldloop.errors import (DeadlineExceededError, InvalidArgumentError, YieldloopError, as_yieldloop_error,
-                              parse_json)
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.grpc_server import Undecodable, rpc
 from yieldloop_server.env.host import EnvInfo, EpisodeHost, resolve_env
@@ -42,7 +41,9 @@ def _json_object(text: str, reason: str, field: str) -> dict[str, Any]:
 
 def tool_specs(info: EnvInfo) -> list[common_pb.ToolSpec]:
     return [
-        common_pb.ToolSpec(name=t["name"], description=t["description"], parameters_json_schema=json.dumps(t["parameters"]))
+        common_pb.ToolSpec(
+            name=t["name"], description=t["description"], parameters_json_schema=json.dumps(t["parameters"])
+        )
         for t in info.tools
     ]
 
@@ -200,7 +201,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         return cached[1]
 
     @rpc
-    async def ListScenarios(self, request: pb.ListScenariosRequest, context: grpc.aio.ServicerContext) -> pb.ListScenariosResponse:
+    async def ListScenarios(
+        self, request: pb.ListScenariosRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListScenariosResponse:
         infos = [resolve_env(self.host.envs, request.env)] if request.env else list(self.host.envs.values())
         response = pb.ListScenariosResponse()
         for info in infos:
@@ -250,8 +253,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     if episode is None:
                         if not frame.HasField("request"):
                             continue  # the close of an episode that already ended
-                        episode = frames.episodes[frame.tag] = _TaggedEpisode(frame.tag, frames,
-                                                                              dict(frame.trace_context))
+                        episode = frames.episodes[frame.tag] = _TaggedEpisode(
+                            frame.tag, frames, dict(frame.trace_context)
+                        )
                         episode.task = asyncio.create_task(self._tagged_episode(episode))
                     if frame.HasField("request"):
                         episode.feed(frame.request)
@@ -282,8 +286,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         """Runs one episode of a StreamEpisodes stream, in its caller's trace; its outcome is its closing frame."""
         me = asyncio.current_task()
         closing = pb.EpisodeResponseFrame(tag=episode.tag, closed=True)
-        with telemetry.continued(episode.trace_context, "yieldloop.env.v1.EnvService/StreamEpisodes",
-                                 {"yieldloop.episode.tag": episode.tag}) as span:
+        with telemetry.continued(
+            episode.trace_context, "yieldloop.env.v1.EnvService/StreamEpisodes", {"yieldloop.episode.tag": episode.tag}
+        ) as span:
             error: YieldloopError | None = None
             try:
                 with telemetry.in_flight("yieldloop.env.episodes", description="episodes open on EnvService"):
@@ -356,8 +361,9 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                     submit = request.submit
                     completion = None
                     if submit.stop_reason or submit.completion_token_ids:
-                        completion = FinalCompletion(submit.answer, tuple(submit.completion_token_ids),
-                                                StopReason.label(submit.stop_reason))
+                        completion = FinalCompletion(
+                            submit.answer, tuple(submit.completion_token_ids), StopReason.label(submit.stop_reason)
+                        )
                     with telemetry.span("grade") as span:
                         grade = await self.host.submit(key, submit.answer, completion)
                         if span is not None:

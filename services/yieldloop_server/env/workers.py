@@ -174,7 +174,9 @@ class WorkerPoolHost(EpisodeHost):
 
     async def _spawn(self, index: int) -> None:
         parent, child = socket.socketpair()
-        process = _SPAWN.Process(target=worker_main, args=(child, self.env_specs), daemon=True, name=f"env-worker-{index}")
+        process = _SPAWN.Process(
+            target=worker_main, args=(child, self.env_specs), daemon=True, name=f"env-worker-{index}"
+        )
         await asyncio.to_thread(process.start)
         child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent)

@@ -39,13 +39,27 @@ from typing import Any
 
 from yieldloop.client import Client
 from yieldloop.convert import run_from_bytes, run_to_bytes
-from yieldloop.errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError,
-                              YieldloopError, as_yieldloop_error, check_text, invalid_field)
+from yieldloop.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+    YieldloopError,
+    as_yieldloop_error,
+    check_text,
+    invalid_field,
+)
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop.types import Datum, JobInfo, ModelInfo, Run, RunStatus, TaskRef, Turn
 from yieldloop_server.common.auth import current_principal, presented_key, require_job, require_run
-from yieldloop_server.common.http import (BodyTimeout, HttpServer, error_response, json_object, read_json,
-                                          timeout_response)
+from yieldloop_server.common.http import (
+    BodyTimeout,
+    HttpServer,
+    error_response,
+    json_object,
+    read_json,
+    timeout_response,
+)
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore, named_trace
 
@@ -88,7 +102,8 @@ def _ints(value: Any, field: str) -> list[int]:
 
 def _floats(value: Any, field: str) -> list[float]:
     if not isinstance(value, list) or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value):
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value
+    ):
         raise invalid_field(field, f"{field} must be a list of finite numbers")
     return [float(x) for x in value]
 
@@ -135,9 +150,13 @@ class _StepStats:
     rewards: list[float] = dataclasses.field(default_factory=list)
 
     def metadata(self, learning_rate: float) -> dict[str, Any]:
-        summary: dict[str, Any] = {"loss_fn": self.loss_fn, "num_traces": self.num_traces,
-                                   "num_datums": self.num_datums, "num_tokens": self.num_tokens,
-                                   "learning_rate": learning_rate}
+        summary: dict[str, Any] = {
+            "loss_fn": self.loss_fn,
+            "num_traces": self.num_traces,
+            "num_datums": self.num_datums,
+            "num_tokens": self.num_tokens,
+            "learning_rate": learning_rate,
+        }
         if self.rewards:
             summary["mean_reward"] = sum(self.rewards) / len(self.rewards)
             summary["reward_min"], summary["reward_max"] = min(self.rewards), max(self.rewards)
@@ -153,8 +172,15 @@ class HudFront(HttpServer):
         store: The stack's object store (runs and jobs are recorded in its trace store).
     """
 
-    def __init__(self, client: Client, store: ObjectStore, host: str = "127.0.0.1", port: int = 0,
-                 transport: TransportConfig = DEFAULT_TRANSPORT, auth: bool = True) -> None:
+    def __init__(
+        self,
+        client: Client,
+        store: ObjectStore,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transport: TransportConfig = DEFAULT_TRANSPORT,
+        auth: bool = True,
+    ) -> None:
         super().__init__(host, port, transport)
         self.client = client
         self.store = store
@@ -180,8 +206,9 @@ class HudFront(HttpServer):
             import ssl as ssl_module
 
             ssl = ssl_module.create_default_context(cafile=self.transport.tls_ca)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl, limit=0),
-                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=ssl, limit=0), timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)
+        )
         return await super().start()
 
     async def stop(self) -> None:
@@ -222,8 +249,11 @@ class HudFront(HttpServer):
 
         async def handle(request: Any) -> Any:
             try:
-                body = json_object(await read_json(request, self.transport.http_body_timeout_s)) \
-                    if request.method in ("POST", "PUT") and request.can_read_body else {}
+                body = (
+                    json_object(await read_json(request, self.transport.http_body_timeout_s))
+                    if request.method in ("POST", "PUT") and request.can_read_body
+                    else {}
+                )
                 reply = await fn(request, body, self._caller(request))
             except BodyTimeout as err:
                 return timeout_response(err)
@@ -246,9 +276,15 @@ class HudFront(HttpServer):
 
     @staticmethod
     def _entry(info: ModelInfo) -> dict[str, Any]:
-        return {"id": info.slug, "name": info.slug, "model_name": info.slug, "sdk_agent_type": AGENT_TYPE,
-                "is_trainable": info.trainable, "provider": {"name": "yieldloop"},
-                "created_at": _iso(info.created_time) if info.created_time else None}
+        return {
+            "id": info.slug,
+            "name": info.slug,
+            "model_name": info.slug,
+            "sdk_agent_type": AGENT_TYPE,
+            "is_trainable": info.trainable,
+            "provider": {"name": "yieldloop"},
+            "created_at": _iso(info.created_time) if info.created_time else None,
+        }
 
     async def _models(self, client: Client) -> list[ModelInfo]:
         from yieldloop.convert import model_from_pb
@@ -265,7 +301,7 @@ class HudFront(HttpServer):
         if not 1 <= limit <= 1000 or offset < 0:
             raise invalid_field("limit", "limit must be in [1, 1000] and offset >= 0")
         models = await self._models(client)  # the ones this key may see
-        return {"items": [self._entry(m) for m in models[offset:offset + limit]], "total": len(models)}
+        return {"items": [self._entry(m) for m in models[offset : offset + limit]], "total": len(models)}
 
     async def _resolve_model(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         name = request.query.get("model", "")
@@ -292,13 +328,22 @@ class HudFront(HttpServer):
             stats = metadata.get("hud", {}) if isinstance(metadata.get("hud"), dict) else {}
             numbers = {**{k: v for k, v in metadata.items() if k != "hud"}, **stats}
             row: dict[str, Any] = {
-                "id": summary.checkpoint_id, "name": summary.checkpoint_id, "checkpoint_name": summary.checkpoint_id,
-                "prev_model_checkpoint_id": summary.parent_checkpoint_id or None, "is_active": summary.is_head,
+                "id": summary.checkpoint_id,
+                "name": summary.checkpoint_id,
+                "checkpoint_name": summary.checkpoint_id,
+                "prev_model_checkpoint_id": summary.parent_checkpoint_id or None,
+                "is_active": summary.is_head,
                 "created_at": _iso(summary.created_time),
                 "metrics": _finite_metrics({k: v for k, v in numbers.items() if not isinstance(v, bool)}),
             }
-            for key, kind in (("num_traces", int), ("num_datums", int), ("num_tokens", int),
-                              ("mean_reward", float), ("learning_rate", float), ("loss_fn", str)):
+            for key, kind in (
+                ("num_traces", int),
+                ("num_datums", int),
+                ("num_tokens", int),
+                ("mean_reward", float),
+                ("learning_rate", float),
+                ("loss_fn", str),
+            ):
                 if isinstance(stats.get(key), (int, float, str)) and not isinstance(stats.get(key), bool):
                     row[key] = kind(stats[key])
             rows.append(row)
@@ -320,20 +365,23 @@ class HudFront(HttpServer):
         await client.get_model(request.match_info["model"])  # NOT_FOUND for an unknown model
         return {"losses": [spec.name for spec in (await client.list_losses()).losses]}
 
-    async def _runs(self, inputs: Any, group_size: Any, reward_scale: Any, client: Client
-                    ) -> tuple[list[Run], int]:
+    async def _runs(self, inputs: Any, group_size: Any, reward_scale: Any, client: Client) -> tuple[list[Run], int]:
         """The request's inputs as runs, in order (trace ids read from the trace store with the caller's key),
         grouped in contiguous slices of ``group_size`` (all one group without it), rewards scaled."""
         if not isinstance(inputs, list) or not inputs:
             raise invalid_field("inputs", "inputs must be a non-empty list of trace ids and trajectories")
-        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
-                                       or group_size < 1):
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+        ):
             raise invalid_field("group_size", "group_size must be an integer >= 1")
         scale = _number(1.0 if reward_scale is None else reward_scale, "reward_scale")
         size = group_size or len(inputs)
         if len(inputs) % size:
-            raise InvalidArgumentError(f"{len(inputs)} inputs do not divide into groups of {size}",
-                                       reason="GROUP_INCOMPLETE", field="group_size")
+            raise InvalidArgumentError(
+                f"{len(inputs)} inputs do not divide into groups of {size}",
+                reason="GROUP_INCOMPLETE",
+                field="group_size",
+            )
         ids = [item for item in inputs if isinstance(item, str)]
         recorded = {run.trace_id: run for run in await client.get_runs(ids)} if ids else {}
         runs = []
@@ -351,8 +399,11 @@ class HudFront(HttpServer):
         return runs, size
 
     async def _forward_backward(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
-        _fields(body, {"inputs", "loss_fn", "loss_fn_config", "group_size", "reward_scale", "num_substeps"},
-                "a forward-backward")
+        _fields(
+            body,
+            {"inputs", "loss_fn", "loss_fn_config", "group_size", "reward_scale", "num_substeps"},
+            "a forward-backward",
+        )
         model = request.match_info["model"]
         runs, size = await self._runs(body.get("inputs"), body.get("group_size"), body.get("reward_scale"), client)
         loss_fn = body.get("loss_fn", "importance_sampling")
@@ -366,17 +417,23 @@ class HudFront(HttpServer):
         if isinstance(substeps, bool) or not isinstance(substeps, int) or not 1 <= substeps <= len(runs) // size:
             raise invalid_field("num_substeps", "num_substeps must be an integer from 1 to the number of groups")
         # Substeps split the batch at group boundaries into passes that accumulate the same gradient in less memory.
-        groups = [runs[i:i + size] for i in range(0, len(runs), size)]
+        groups = [runs[i : i + size] for i in range(0, len(runs), size)]
         totals: collections.Counter[str] = collections.Counter()
         num_datums = 0
         for part in range(substeps):
             batch = [run for group in groups[part::substeps] for run in group]
-            response = await client.forward_backward(runs=batch, loss_fn=loss_fn, loss_fn_config=config,
-                                                     group_size=size, model=model)
+            response = await client.forward_backward(
+                runs=batch, loss_fn=loss_fn, loss_fn_config=config, group_size=size, model=model
+            )
             num_datums += response.num_datums
-            totals.update({"loss": response.loss_sum, "num_action_tokens": response.num_action_tokens,
-                           "num_groups": response.num_groups,
-                           "num_groups_without_signal": response.num_groups_without_signal})
+            totals.update(
+                {
+                    "loss": response.loss_sum,
+                    "num_action_tokens": response.num_action_tokens,
+                    "num_groups": response.num_groups,
+                    "num_groups_without_signal": response.num_groups_without_signal,
+                }
+            )
             for key, value in response.metrics.items():  # means over the batch: weighted by datums
                 totals[key] += value * response.num_datums
         metrics = {k: v for k, v in totals.items()}
@@ -400,10 +457,17 @@ class HudFront(HttpServer):
         while len(self._forwards) > FORWARDS:
             self._forwards.popitem(last=False)
         grouped = body.get("group_size") is not None
-        data = [{"reward": run.reward, "traj_idx": i, "group_idx": i // size if grouped else None,
-                 "logprobs": logprobs, "sampling_logprobs": list(datum.sampling_logprobs),
-                 "mask": list(datum.weights)}
-                for i, (run, (datum, logprobs)) in enumerate(zip(runs, scored, strict=True))]
+        data = [
+            {
+                "reward": run.reward,
+                "traj_idx": i,
+                "group_idx": i // size if grouped else None,
+                "logprobs": logprobs,
+                "sampling_logprobs": list(datum.sampling_logprobs),
+                "mask": list(datum.weights),
+            }
+            for i, (run, (datum, logprobs)) in enumerate(zip(runs, scored, strict=True))
+        ]
         return {"forward_id": forward_id, "data": data}
 
     async def _backward(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
@@ -413,47 +477,70 @@ class HudFront(HttpServer):
         if not isinstance(forward_id, str):
             raise invalid_field("forward_id", "forward_id must be the id a forward pass answered")
         forward = self._forwards.get(forward_id)
-        if forward is None or forward.model != model or (self.auth and forward.team != self._team()
-                                                          and not current_principal().is_admin):
-            raise NotFoundError("no forward pass with this forward_id for this model (each is used once, and the "
-                                f"last {FORWARDS} are kept)", reason="FORWARD_NOT_FOUND", field="forward_id")
+        if (
+            forward is None
+            or forward.model != model
+            or (self.auth and forward.team != self._team() and not current_principal().is_admin)
+        ):
+            raise NotFoundError(
+                "no forward pass with this forward_id for this model (each is used once, and the "
+                f"last {FORWARDS} are kept)",
+                reason="FORWARD_NOT_FOUND",
+                field="forward_id",
+            )
         weights = body.get("weights")
         if not isinstance(weights, list) or len(weights) != len(forward.datums):
-            raise invalid_field("weights", f"weights must have one list per datum of the forward pass "
-                                           f"({len(forward.datums)})")
+            raise invalid_field(
+                "weights", f"weights must have one list per datum of the forward pass ({len(forward.datums)})"
+            )
         datums = []
         for d, (datum, row) in enumerate(zip(forward.datums, weights, strict=True)):
             row = _floats(row, f"weights[{d}]")
             if len(row) != len(datum.target_tokens):
-                raise invalid_field(f"weights[{d}]", f"weights[{d}] has {len(row)} values for "
-                                                     f"{len(datum.target_tokens)} tokens")
+                raise invalid_field(
+                    f"weights[{d}]", f"weights[{d}] has {len(row)} values for {len(datum.target_tokens)} tokens"
+                )
             datums.append(dataclasses.replace(datum, weights=row))
         metrics = body.get("metrics") or {}
         if not isinstance(metrics, dict):
             raise invalid_field("metrics", "metrics must be an object of numbers")
         response = await client.backward(datums, model=model)
         del self._forwards[forward_id]
-        return {"metrics": _finite_metrics({**metrics, "num_tokens": response.num_tokens}),
-                "num_datums": response.num_datums}
+        return {
+            "metrics": _finite_metrics({**metrics, "num_tokens": response.num_tokens}),
+            "num_datums": response.num_datums,
+        }
 
     async def _optim_step(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         _fields(body, {"learning_rate", "beta1", "beta2", "eps", "weight_decay"}, "an optimizer step")
         model = request.match_info["model"]
-        adam = {"beta1": _number(body.get("beta1", 0.9), "beta1", above=0.0),
-                "beta2": _number(body.get("beta2", 0.95), "beta2", above=0.0),
-                "eps": _number(body.get("eps", 1e-8), "eps", above=0.0),
-                "weight_decay": _number(body.get("weight_decay", 0.0), "weight_decay", minimum=0.0)}
+        adam = {
+            "beta1": _number(body.get("beta1", 0.9), "beta1", above=0.0),
+            "beta2": _number(body.get("beta2", 0.95), "beta2", above=0.0),
+            "eps": _number(body.get("eps", 1e-8), "eps", above=0.0),
+            "weight_decay": _number(body.get("weight_decay", 0.0), "weight_decay", minimum=0.0),
+        }
         learning_rate = _number(body.get("learning_rate"), "learning_rate", above=0.0)
         stats = self._stats.get(model, _StepStats())
-        response = await client.optim_step(learning_rate, model=model, set_head=True,
-                                           metadata_json=json.dumps({"hud": stats.metadata(learning_rate)}), **adam)
+        response = await client.optim_step(
+            learning_rate,
+            model=model,
+            set_head=True,
+            metadata_json=json.dumps({"hud": stats.metadata(learning_rate)}),
+            **adam,
+        )
         self._stats.pop(model, None)
         checkpoint_id = response.checkpoint.checkpoint_id
         # The SDK samples the model right after: answer once the rollout service serves the new weights.
         await client.get_serving_info(wait_for_checkpoint_id=checkpoint_id, model=model)
         path = f"yieldloop://models/{model}/checkpoints/{checkpoint_id}"
-        return {"step": int(response.step), "checkpoint_id": checkpoint_id, "sampler_path": f"{path}/sampler",
-                "state_path": f"{path}/state" if response.has_state else "", "model": model}
+        return {
+            "step": int(response.step),
+            "checkpoint_id": checkpoint_id,
+            "sampler_path": f"{path}/sampler",
+            "state_path": f"{path}/state" if response.has_state else "",
+            "model": model,
+        }
 
     # Jobs, traces and the gateway --------------------------------------------------------------------------
 
@@ -461,9 +548,13 @@ class HudFront(HttpServer):
         job_id = request.match_info["job_id"]
         group = body.get("group")
         name = check_text(body["name"], "name") if isinstance(body.get("name"), str) else ""
-        await self._job(job_id, "", name=name,
-                        group_size=group if isinstance(group, int) and not isinstance(group, bool) else 0,
-                        metadata_json=json.dumps({"source": "hud", "taskset_id": body.get("taskset_id")}))
+        await self._job(
+            job_id,
+            "",
+            name=name,
+            group_size=group if isinstance(group, int) and not isinstance(group, bool) else 0,
+            metadata_json=json.dumps({"source": "hud", "taskset_id": body.get("taskset_id")}),
+        )
         return {"job_id": job_id}
 
     async def _job(self, job_id: str, model: str, **record: Any) -> JobInfo:
@@ -512,8 +603,11 @@ class HudFront(HttpServer):
                 owner = await self._owner(trace_id)
             if owner is not None and owner[1] >= 0:
                 self._require(owner[0], trace_id)
-                raise FailedPreconditionError(f"trace {trace_id} was exited and recorded: a new trace needs a new id",
-                                              reason="TRACE_ALREADY_RECORDED", field="trace_id")
+                raise FailedPreconditionError(
+                    f"trace {trace_id} was exited and recorded: a new trace needs a new id",
+                    reason="TRACE_ALREADY_RECORDED",
+                    field="trace_id",
+                )
             trace = self._pending.get(trace_id)  # opened meanwhile by a request of the same trace
             if trace is None:
                 trace = self._pending[trace_id] = _Trace(self._team())
@@ -551,9 +645,16 @@ class HudFront(HttpServer):
         error = body.get("error") if isinstance(body.get("error"), str) else ""
         info = {key: body[key] for key in ("status", "stop_reason", "evaluation_result", "metadata") if key in body}
         run = Run(
-            task=TaskRef(scenario=trace.task_slug), group_id=trace.group_id, turns=trace.samples, reward=reward,
-            info_json=json.dumps(info, default=str), status=RunStatus.INFRA_ERROR if error else RunStatus.GRADED,
-            error=error, model=trace.model, trace_id=trace_id, team=trace.team,
+            task=TaskRef(scenario=trace.task_slug),
+            group_id=trace.group_id,
+            turns=trace.samples,
+            reward=reward,
+            info_json=json.dumps(info, default=str),
+            status=RunStatus.INFRA_ERROR if error else RunStatus.GRADED,
+            error=error,
+            model=trace.model,
+            trace_id=trace_id,
+            team=trace.team,
         )
         job_id = trace.job_id or self._default_job()
         await self._job(job_id, trace.model)
@@ -603,8 +704,11 @@ class HudFront(HttpServer):
         from aiohttp import ClientConnectorError, ClientError
 
         if not self.gateway_url:
-            return error_response(UnavailableError("the rollout service serves no HTTP endpoint (--http-port -1)",
-                                                   reason="GATEWAY_UNAVAILABLE"))
+            return error_response(
+                UnavailableError(
+                    "the rollout service serves no HTTP endpoint (--http-port -1)", reason="GATEWAY_UNAVAILABLE"
+                )
+            )
         key = presented_key_of(request)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if "traceparent" in request.headers:
@@ -620,17 +724,21 @@ class HudFront(HttpServer):
             except ClientError as err:
                 failure = err
                 break
-        return error_response(UnavailableError(f"the rollout service's endpoint did not answer: {failure}",
-                                               reason="GATEWAY_UNAVAILABLE"))
+        return error_response(
+            UnavailableError(f"the rollout service's endpoint did not answer: {failure}", reason="GATEWAY_UNAVAILABLE")
+        )
 
-    async def _forward_once(self, request: Any, method: str, path: str, body: Any, headers: dict[str, str],
-                            trace: _Trace | None) -> Any:
+    async def _forward_once(
+        self, request: Any, method: str, path: str, body: Any, headers: dict[str, str], trace: _Trace | None
+    ) -> Any:
         from aiohttp import web
 
         async with self._session.request(method, self.gateway_url + path, json=body, headers=headers) as upstream:
             if body and body.get("stream"):  # streamed through as it comes (not recorded as a sample)
-                response = web.StreamResponse(status=upstream.status, headers={
-                    "Content-Type": upstream.headers.get("Content-Type", "text/event-stream")})
+                response = web.StreamResponse(
+                    status=upstream.status,
+                    headers={"Content-Type": upstream.headers.get("Content-Type", "text/event-stream")},
+                )
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
@@ -648,8 +756,13 @@ def hud_settings(base_url: str, api_key: str, ca_file: str = "") -> dict[str, st
     """The HUD SDK's settings that point it at the front at ``base_url``: its four base URLs (the telemetry one
     too, or the SDK would upload its spans to HUD's cloud) and the key it sends (``none`` for a stack without
     auth; the SDK needs one), plus the stack's CA for https."""
-    settings = {"HUD_API_URL": base_url, "HUD_RL_URL": base_url, "HUD_GATEWAY_URL": f"{base_url}/v1",
-                "HUD_TELEMETRY_URL": f"{base_url}/v3/api", "HUD_API_KEY": api_key or "none"}
+    settings = {
+        "HUD_API_URL": base_url,
+        "HUD_RL_URL": base_url,
+        "HUD_GATEWAY_URL": f"{base_url}/v1",
+        "HUD_TELEMETRY_URL": f"{base_url}/v3/api",
+        "HUD_API_KEY": api_key or "none",
+    }
     if ca_file:
         settings["SSL_CERT_FILE"] = ca_file
     return settings
@@ -658,19 +771,22 @@ def hud_settings(base_url: str, api_key: str, ca_file: str = "") -> dict[str, st
 def presented_key_of(request: Any) -> str:
     from yieldloop.transport import CallInfo
 
-    return presented_key(CallInfo(method="", metadata=tuple((k.lower(), v) for k, v in request.headers.items()),
-                                  protocol="http"))
+    return presented_key(
+        CallInfo(method="", metadata=tuple((k.lower(), v) for k, v in request.headers.items()), protocol="http")
+    )
 
 
 def _sample(answer: dict[str, Any]) -> Turn:
     """The turn one chat completion sampled: the prompt ids, the sampled ids and their logprobs."""
     choice = answer["choices"][0]
     content = (choice.get("logprobs") or {}).get("content") or []
-    return Turn(prompt_token_ids=list(choice.get("prompt_token_ids") or answer.get("prompt_token_ids") or []),
-                completion_token_ids=list(choice.get("token_ids") or []),
-                completion_logprobs=[float(item["logprob"]) for item in content],
-                weight_version=choice.get("weight_version", ""),
-                completion_text=(choice.get("message") or {}).get("content") or "")
+    return Turn(
+        prompt_token_ids=list(choice.get("prompt_token_ids") or answer.get("prompt_token_ids") or []),
+        completion_token_ids=list(choice.get("token_ids") or []),
+        completion_logprobs=[float(item["logprob"]) for item in content],
+        weight_version=choice.get("weight_version", ""),
+        completion_text=(choice.get("message") or {}).get("content") or "",
+    )
 
 
 def _payload_run(item: dict[str, Any], field: str) -> Run:
@@ -686,15 +802,22 @@ def _payload_run(item: dict[str, Any], field: str) -> Run:
             raise invalid_field(where, "a sample is an object")
         _fields(sample, {"prompt_token_ids", "prompt_chunks", "output_token_ids", "output_logprobs"}, where)
         if sample.get("prompt_token_ids") is None:
-            raise invalid_field(f"{where}.prompt_token_ids", "these models take text prompts: prompt_token_ids is "
-                                                             "required (prompt_chunks carry images)")
+            raise invalid_field(
+                f"{where}.prompt_token_ids",
+                "these models take text prompts: prompt_token_ids is required (prompt_chunks carry images)",
+            )
         tokens = _ints(sample.get("output_token_ids"), f"{where}.output_token_ids")
         logprobs = _floats(sample.get("output_logprobs") or [0.0] * len(tokens), f"{where}.output_logprobs")
         if len(logprobs) != len(tokens):
             raise invalid_field(f"{where}.output_logprobs", f"{len(logprobs)} logprobs for {len(tokens)} tokens")
-        turns.append(Turn(prompt_token_ids=_ints(sample["prompt_token_ids"], f"{where}.prompt_token_ids"),
-                          completion_token_ids=tokens, completion_logprobs=logprobs))
+        turns.append(
+            Turn(
+                prompt_token_ids=_ints(sample["prompt_token_ids"], f"{where}.prompt_token_ids"),
+                completion_token_ids=tokens,
+                completion_logprobs=logprobs,
+            )
+        )
     trace_id = item.get("trace_id") if isinstance(item.get("trace_id"), str) else ""
-    return Run(turns=turns, reward=_number(item.get("reward"), f"{field}.reward"), trace_id=trace_id,
-               status=RunStatus.GRADED)
-
+    return Run(
+        turns=turns, reward=_number(item.get("reward"), f"{field}.reward"), trace_id=trace_id, status=RunStatus.GRADED
+    )

@@ -106,8 +106,8 @@ def continuation_ids(
             "the model's chat template does not render a conversation as an extension of its prefix",
             reason="EPISODE_PROTOCOL",
         )
-    closing = closed[closed.rindex(_SENTINEL) + len(_SENTINEL):]  # what the template writes after a turn
+    closing = closed[closed.rindex(_SENTINEL) + len(_SENTINEL) :]  # what the template writes after a turn
     eos_text = engine.decode([engine.eos_token_id], skip_special_tokens=False)
     if completion_ids and completion_ids[-1] == engine.eos_token_id and closing.startswith(eos_text):
-        closing = closing[len(eos_text):]  # the model already closed its turn
-    return engine.encode(closing + extended[len(closed):])
+        closing = closing[len(eos_text) :]  # the model already closed its turn
+    return engine.encode(closing + extended[len(closed) :])

@@ -7,8 +7,8 @@ fork's head like any slug (an adapter reload never touches the base weights).
 Beyond ``max_models`` engines, or beyond ``memory_budget_bytes`` of loaded weights (each slug counts its
 base checkpoint's size as recorded at import), the least recently used engine that no request holds is
 unloaded (see :class:`~yieldloop_server.common.pool.Pool`); a model larger than the whole budget is
-RESOURCE_EXHAUSTED/MODEL_TOO_LARGE. A load holds the admission lock for its duration (seconds for a small model): requests for
-loaded models wait that long to enter.
+RESOURCE_EXHAUSTED/MODEL_TOO_LARGE. A load holds the admission lock for its duration (seconds for a small
+model): requests for loaded models wait that long to enter.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class ServedModel:
     slug: str
     engine: Engine
     follower: Any
-    """A :class:`WeightFollower` (or, for a fixed engine, anything with ``wait_for``, ``head_sequence``, ``last_error``)."""
+    """A :class:`WeightFollower` (or, for a fixed engine, anything with ``wait_for``, ``head_sequence``,
+    ``last_error``)."""
     pinned: PinnedEngines | None = None
     task: asyncio.Task | None = None
     adapter_base: str = ""
@@ -97,14 +98,22 @@ class ServedModels:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
-        self.fetcher = (CheckpointFetcher(store, checkpoints, cache_dir, weights_from, device, self._serving)
-                        if store is not None and checkpoints is not None and cache_dir is not None else None)
+        self.fetcher = (
+            CheckpointFetcher(store, checkpoints, cache_dir, weights_from, device, self._serving)
+            if store is not None and checkpoints is not None and cache_dir is not None
+            else None
+        )
         self.on_default_reload = on_default_reload
         self.memory_budget_bytes = memory_budget_bytes
         self._infos: dict[str, ModelInfo] = {}
         self._pool: Pool[ServedModel] = Pool(
-            default, self._load, ServedModel.close, max_models, check=self._check,
-            budget_bytes=memory_budget_bytes, owner="this rollout service",
+            default,
+            self._load,
+            ServedModel.close,
+            max_models,
+            check=self._check,
+            budget_bytes=memory_budget_bytes,
+            owner="this rollout service",
         )
 
     @classmethod
@@ -155,8 +164,9 @@ class ServedModels:
     @property
     def loaded(self) -> list[ServedModel]:
         """Every slug served now: engines, and the LoRA forks their adapters serve."""
-        return [served for item in self._pool.items for served in (item, *item.adapters.values())
-                if "@" not in served.slug]
+        return [
+            served for item in self._pool.items for served in (item, *item.adapters.values()) if "@" not in served.slug
+        ]
 
     async def _check(self, name: str) -> int:
         """The size of a slug (or of ``slug@checkpoint``, a LoRA forks' base); NOT_FOUND (MODEL_NOT_FOUND,
@@ -175,7 +185,8 @@ class ServedModels:
         if size > self.memory_budget_bytes:
             raise ResourceExhaustedError(
                 f"model {slug!r} needs {size / 1e6:.1f} MB of weights, more than this rollout service's whole "
-                f"budget of {self.memory_budget_bytes / 1e6:.1f} MB", reason="MODEL_TOO_LARGE",
+                f"budget of {self.memory_budget_bytes / 1e6:.1f} MB",
+                reason="MODEL_TOO_LARGE",
             )
         return size
 

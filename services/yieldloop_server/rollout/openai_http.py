@@ -29,12 +29,18 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from yieldloop.convert import model_from_pb
 from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field, parse_json
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
-from yieldloop.convert import model_from_pb
 from yieldloop_server.common.auth import ModelAccess, current_principal, may
-from yieldloop_server.common.http import (BodyTimeout, HttpServer, error_response, json_object, read_json,
-                                          timeout_response)
+from yieldloop_server.common.http import (
+    BodyTimeout,
+    HttpServer,
+    error_response,
+    json_object,
+    read_json,
+    timeout_response,
+)
 from yieldloop_server.rollout.agent import MalformedToolCall, continuation_ids, parse_tool_calls, strip_tool_calls
 from yieldloop_server.rollout.engines import SamplingConfig, TokenDelta, whole_completion
 from yieldloop_server.rollout.engines.base import chat_chars
@@ -107,7 +113,7 @@ def _message_text(message: dict[str, Any], index: int = 0) -> str:
         arguments = parse_json(arguments, f"{field}.tool_calls") if isinstance(arguments, str) else arguments
         if not isinstance(arguments, dict):
             raise invalid_field(f"{field}.tool_calls", "a tool call's arguments must be a JSON object")
-        parts.append(f'<tool_call>\n{json.dumps({"name": function["name"], "arguments": arguments})}\n</tool_call>')
+        parts.append(f"<tool_call>\n{json.dumps({'name': function['name'], 'arguments': arguments})}\n</tool_call>")
     return "\n".join(parts)
 
 
@@ -118,18 +124,25 @@ def _continuation(body: dict[str, Any], rendered: list[dict[str, Any]]) -> tuple
     prompt to every request; either way the message before the new ones is the assistant turn those ids end
     with, which is how the two are told apart. INVALID_ARGUMENT naming the field otherwise."""
     previous = body["prompt_token_ids"]
-    if not isinstance(previous, list) or not previous or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in previous):
+    if (
+        not isinstance(previous, list)
+        or not previous
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in previous)
+    ):
         raise invalid_field("prompt_token_ids", "prompt_token_ids must be a non-empty list of token ids")
     start = body.get("continuation_from")
     if isinstance(start, bool) or not isinstance(start, int):
-        raise invalid_field("continuation_from", "prompt_token_ids needs continuation_from: the index of the first "
-                                                 "message after the turn those ids end with")
+        raise invalid_field(
+            "continuation_from",
+            "prompt_token_ids needs continuation_from: the index of the first "
+            "message after the turn those ids end with",
+        )
     if rendered[0]["role"] == "system" and 0 < start < len(rendered) and rendered[start]["role"] == "assistant":
         start += 1  # counted without the system prompt
     if not 1 <= start <= len(rendered) or rendered[start - 1]["role"] != "assistant":
-        raise invalid_field("continuation_from", f"messages[{start - 1}] must be the assistant turn the "
-                                                 "prompt_token_ids end with")
+        raise invalid_field(
+            "continuation_from", f"messages[{start - 1}] must be the assistant turn the prompt_token_ids end with"
+        )
     if start == len(rendered):
         raise invalid_field("continuation_from", "there are no messages after the assistant turn to continue with")
     return previous, start
@@ -141,8 +154,12 @@ class OpenAIEndpoint(HttpServer):
     path_prefix = "/v1"
 
     def __init__(
-        self, models: ServedModels, host: str = "127.0.0.1", port: int = 0,
-        transport: TransportConfig = DEFAULT_TRANSPORT, stream_interval_s: float = 0.0,
+        self,
+        models: ServedModels,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transport: TransportConfig = DEFAULT_TRANSPORT,
+        stream_interval_s: float = 0.0,
         access: ModelAccess | None = None,
     ) -> None:
         super().__init__(host, port, transport)
@@ -176,8 +193,13 @@ class OpenAIEndpoint(HttpServer):
         loaded = {served.slug: served.engine for served in self.models.loaded}
         cards = []
         for slug in slugs:
-            card: dict[str, Any] = {"id": slug, "object": "model", "created": 0, "owned_by": "yieldloop",
-                                    "weight_version": loaded[slug].weight_version if slug in loaded else ""}
+            card: dict[str, Any] = {
+                "id": slug,
+                "object": "model",
+                "created": 0,
+                "owned_by": "yieldloop",
+                "weight_version": loaded[slug].weight_version if slug in loaded else "",
+            }
             if slug in loaded and loaded[slug].weight_version:
                 card["max_model_len"] = loaded[slug].max_model_len
             cards.append(card)
@@ -237,10 +259,16 @@ class OpenAIEndpoint(HttpServer):
             raise invalid_field("messages", "messages must be a non-empty list of message objects")
         rendered = [{"role": m.get("role", "user"), "content": _message_text(m, i)} for i, m in enumerate(messages)]
         tools = body.get("tools") or None
-        if tools is not None and (not isinstance(tools, list) or not all(
-                isinstance(t, dict) and isinstance(t.get("function"), dict)
-                and isinstance(t["function"].get("name"), str) for t in tools)):
-            raise invalid_field("tools", "tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if tools is not None and (
+            not isinstance(tools, list)
+            or not all(
+                isinstance(t, dict)
+                and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str)
+                for t in tools
+            )
+        ):
+            raise invalid_field("tools", 'tools must be a list of {"type": "function", "function": {"name": ...}}')
         if body.get("prompt_token_ids") is None:
             return await served.engine.render_chat_async(rendered, tools)
         previous, start = _continuation(body, rendered)
@@ -248,8 +276,12 @@ class OpenAIEndpoint(HttpServer):
         added = chat_chars(rendered[start:], None)
         engine.check_text(added)  # the whole prompt is checked (length, vocabulary) where every prompt is
         # The new messages' tokens after the previous ids, exactly as the agent loop extends its own turns.
-        return [*previous, *await engine.off_loop(added, continuation_ids, engine, rendered[:start - 1], tools,
-                                                  previous[-1:], rendered[start:])]
+        return [
+            *previous,
+            *await engine.off_loop(
+                added, continuation_ids, engine, rendered[: start - 1], tools, previous[-1:], rendered[start:]
+            ),
+        ]
 
     async def _collect(
         self, served: ServedModel, prompt_ids: list[int], sampling: SamplingConfig, index: int
@@ -263,16 +295,28 @@ class OpenAIEndpoint(HttpServer):
             logprobs += delta.logprobs
             versions.add(delta.weight_version)
             reason = delta.stop_reason or reason
-        return {"index": index, "token_ids": tokens, "logprobs": logprobs, "stop": reason,
-                "weight_version": ",".join(sorted(versions))}
+        return {
+            "index": index,
+            "token_ids": tokens,
+            "logprobs": logprobs,
+            "stop": reason,
+            "weight_version": ",".join(sorted(versions)),
+        }
 
     def _choice(self, served: ServedModel, chat: bool, body: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
         text = served.engine.decode(sampled["token_ids"])
         finish = _FINISH.get(sampled["stop"], "stop")
-        choice: dict[str, Any] = {"index": sampled["index"], "finish_reason": finish,
-                                  "token_ids": sampled["token_ids"], "weight_version": sampled["weight_version"]}
-        pieces = [served.engine.decode([t], skip_special_tokens=False) for t in sampled["token_ids"]] \
-            if body.get("logprobs") not in (None, False) else []
+        choice: dict[str, Any] = {
+            "index": sampled["index"],
+            "finish_reason": finish,
+            "token_ids": sampled["token_ids"],
+            "weight_version": sampled["weight_version"],
+        }
+        pieces = (
+            [served.engine.decode([t], skip_special_tokens=False) for t in sampled["token_ids"]]
+            if body.get("logprobs") not in (None, False)
+            else []
+        )
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             try:
@@ -282,20 +326,32 @@ class OpenAIEndpoint(HttpServer):
             if calls:
                 message["content"] = strip_tool_calls(text) or None
                 message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                    {
+                        "id": f"call_{uuid.uuid4().hex[:12]}",
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                    }
                     for c in calls
                 ]
                 choice["finish_reason"] = "tool_calls"
             choice["message"] = message
-            choice["logprobs"] = {"content": [
-                {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
-                for piece, lp in zip(pieces, sampled["logprobs"], strict=True)
-            ]} if body.get("logprobs") else None
+            choice["logprobs"] = (
+                {
+                    "content": [
+                        {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
+                        for piece, lp in zip(pieces, sampled["logprobs"], strict=True)
+                    ]
+                }
+                if body.get("logprobs")
+                else None
+            )
         else:
             choice["text"] = text
-            choice["logprobs"] = {"tokens": pieces, "token_logprobs": sampled["logprobs"], "top_logprobs": None,
-                                  "text_offset": []} if body.get("logprobs") is not None else None
+            choice["logprobs"] = (
+                {"tokens": pieces, "token_logprobs": sampled["logprobs"], "top_logprobs": None, "text_offset": []}
+                if body.get("logprobs") is not None
+                else None
+            )
         return choice
 
     def _response(
@@ -308,8 +364,11 @@ class OpenAIEndpoint(HttpServer):
             "created": int(time.time()),
             "model": served.slug,
             "choices": [self._choice(served, chat, body, c) for c in choices],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(prompt_ids) + completion_tokens},
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
             "prompt_token_ids": prompt_ids,
         }
         for choice in response["choices"]:  # also on each choice, where vLLM and the HUD SDK read it
@@ -323,7 +382,8 @@ class OpenAIEndpoint(HttpServer):
 
         stream_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         deltas: AsyncIterator[TokenDelta] = served.engine.generate(
-            prompt_ids, dataclasses.replace(sampling, stream_interval_s=self.stream_interval_s))
+            prompt_ids, dataclasses.replace(sampling, stream_interval_s=self.stream_interval_s)
+        )
         first = await anext(deltas)  # errors before the first byte are still a proper HTTP error
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
@@ -334,23 +394,46 @@ class OpenAIEndpoint(HttpServer):
             nonlocal text
             tokens.extend(delta.token_ids)
             full = served.engine.decode(tokens)
-            piece, text = full[len(text):], full
+            piece, text = full[len(text) :], full
             finish = _FINISH.get(delta.stop_reason, "stop") if delta.finished else None
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": delta.token_ids,
-                                      "weight_version": delta.weight_version}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "finish_reason": finish,
+                "token_ids": delta.token_ids,
+                "weight_version": delta.weight_version,
+            }
             if chat:
-                choice["delta"] = {"role": "assistant", "content": piece} if len(tokens) == len(delta.token_ids) \
+                choice["delta"] = (
+                    {"role": "assistant", "content": piece}
+                    if len(tokens) == len(delta.token_ids)
                     else {"content": piece}
-                choice["logprobs"] = {"content": [{"token": served.engine.decode([t], skip_special_tokens=False),
-                                                   "logprob": lp, "bytes": None, "top_logprobs": []}
-                                                  for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)]}
+                )
+                choice["logprobs"] = {
+                    "content": [
+                        {
+                            "token": served.engine.decode([t], skip_special_tokens=False),
+                            "logprob": lp,
+                            "bytes": None,
+                            "top_logprobs": [],
+                        }
+                        for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+                    ]
+                }
             else:
                 choice["text"] = piece
-                choice["logprobs"] = {"tokens": [served.engine.decode([t], skip_special_tokens=False)
-                                                 for t in delta.token_ids],
-                                      "token_logprobs": delta.logprobs, "top_logprobs": None, "text_offset": []}
-            chunk = {"id": stream_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": int(time.time()), "model": served.slug, "choices": [choice]}
+                choice["logprobs"] = {
+                    "tokens": [served.engine.decode([t], skip_special_tokens=False) for t in delta.token_ids],
+                    "token_logprobs": delta.logprobs,
+                    "top_logprobs": None,
+                    "text_offset": [],
+                }
+            chunk = {
+                "id": stream_id,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": served.slug,
+                "choices": [choice],
+            }
             if len(tokens) == len(delta.token_ids):
                 chunk["prompt_token_ids"] = prompt_ids
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -365,4 +448,3 @@ class OpenAIEndpoint(HttpServer):
         finally:
             await deltas.aclose()
         return response
-

@@ -31,6 +31,9 @@ from yieldloop.errors import (
     UnavailableError,
     YieldloopError,
 )
+from yieldloop.retry import Backoff
+from yieldloop.types import AgentStopReason, PromptFormat, Run, RunStatus, StopReason, TaskRef, Turn
+from yieldloop_server.common import telemetry
 from yieldloop_server.rollout.agent import (
     MalformedToolCall,
     continuation_ids,
@@ -38,9 +41,6 @@ from yieldloop_server.rollout.agent import (
     strip_tool_calls,
     tools_for_template,
 )
-from yieldloop.retry import Backoff
-from yieldloop.types import AgentStopReason, PromptFormat, Run, RunStatus, StopReason, TaskRef, Turn
-from yieldloop_server.common import telemetry
 from yieldloop_server.rollout.engines import Engine, SamplingConfig, whole_completion
 from yieldloop_server.rollout.engines.base import chat_chars
 
@@ -117,14 +117,16 @@ async def sample_turn(engine: Engine, prompt_ids: list[int], sampling: SamplingC
     except Exception as exc:  # an engine failure is infrastructure: retried, never scored
         raise UnavailableError(f"engine error: {type(exc).__name__}: {exc}", reason="ENGINE_ERROR") from exc
     turn.completion_text = engine.decode(turn.completion_token_ids)
-    telemetry.count("yieldloop.rollout.tokens", len(turn.completion_token_ids), {"kind": "completion"},
-                    description="tokens sampled (rate: tokens/s)")
+    telemetry.count(
+        "yieldloop.rollout.tokens",
+        len(turn.completion_token_ids),
+        {"kind": "completion"},
+        description="tokens sampled (rate: tokens/s)",
+    )
     return turn
 
 
-async def agent_loop(
-    engine: Engine, episode, started, run: Run, sampling: SamplingConfig, config: AgentConfig
-) -> str:
+async def agent_loop(engine: Engine, episode, started, run: Run, sampling: SamplingConfig, config: AgentConfig) -> str:
     """Drives the model through one started episode; fills ``run.turns``; returns the answer to submit.
 
     Raw text (the scenario yielded RawText, or the model has no chat template) is one completion: no chat
@@ -139,8 +141,11 @@ async def agent_loop(
     if not engine.fits_text(chars):  # too long to fit whatever its tokens: not worth tokenizing
         run.agent_stop_reason = AgentStopReason.CONTEXT
         return ""
-    prompt_ids = await (engine.off_loop(chars, engine.render_raw, started.prompt) if raw
-                        else engine.off_loop(chars, engine.render_chat, messages, tools))
+    prompt_ids = await (
+        engine.off_loop(chars, engine.render_raw, started.prompt)
+        if raw
+        else engine.off_loop(chars, engine.render_chat, messages, tools)
+    )
     answer = ""
     for step in range(1 if raw else config.max_steps):
         if len(prompt_ids) >= engine.max_model_len:
@@ -183,9 +188,11 @@ async def agent_loop(
             run.agent_stop_reason = AgentStopReason.CONTEXT
             return answer
         prompt_ids = [
-            *turn.prompt_token_ids, *turn.completion_token_ids,
-            *await engine.off_loop(added, continuation_ids, engine, messages, tools, turn.completion_token_ids,
-                                   results),
+            *turn.prompt_token_ids,
+            *turn.completion_token_ids,
+            *await engine.off_loop(
+                added, continuation_ids, engine, messages, tools, turn.completion_token_ids, results
+            ),
         ]
         messages += [{"role": "assistant", "content": text}, *results]
     run.agent_stop_reason = AgentStopReason.MAX_STEPS
@@ -210,13 +217,20 @@ async def run_episode(
     one), which is also the Run's.
     """
     trace_id = trace_id or uuid.uuid4().hex
-    attributes = {"yieldloop.env": task.env, "yieldloop.scenario": task.scenario, "yieldloop.group_id": group_id,
-                  "yieldloop.model": model}
-    with telemetry.episode_span(trace_id, attributes) as span, \
-            telemetry.in_flight("yieldloop.rollout.episodes", {"model": model}, "episodes running"):
+    attributes = {
+        "yieldloop.env": task.env,
+        "yieldloop.scenario": task.scenario,
+        "yieldloop.group_id": group_id,
+        "yieldloop.model": model,
+    }
+    with (
+        telemetry.episode_span(trace_id, attributes) as span,
+        telemetry.in_flight("yieldloop.rollout.episodes", {"model": model}, "episodes running"),
+    ):
         for attempt in range(1, config.max_attempts + 1):
-            run = Run(run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt,
-                      trace_id=trace_id)
+            run = Run(
+                run_id=uuid.uuid4().hex, task=task, group_id=group_id, model=model, attempts=attempt, trace_id=trace_id
+            )
             with telemetry.span("attempt", {"yieldloop.attempt": attempt}):
                 await _attempt(engine, env, run, sampling, config)
             if run.status != RunStatus.INFRA_ERROR or attempt == config.max_attempts:
@@ -239,8 +253,9 @@ async def _attempt(engine: Engine, env: Client, run: Run, sampling: SamplingConf
         run.answer = await agent_loop(engine, episode, started, run, sampling, config)
         last = run.turns[-1] if run.turns else Turn()
         with telemetry.span("grade"):
-            graded = await episode.submit(run.answer, stop_reason=last.stop_reason,
-                                          completion_token_ids=last.completion_token_ids)
+            graded = await episode.submit(
+                run.answer, stop_reason=last.stop_reason, completion_token_ids=last.completion_token_ids
+            )
         run.reward, run.info_json, run.status = graded.reward, graded.info_json, RunStatus.GRADED
     except (NotFoundError, InvalidArgumentError):
         raise  # the task itself is bad: fail the request, do not record a run
@@ -285,16 +300,26 @@ async def stream_rollouts(
     async def one(task: TaskRef, group_id: str, episode_sampling: SamplingConfig) -> None:
         async with limit, shared:
             try:
-                await finished.put(await run_episode(engine, env, task, group_id, episode_sampling, model, config,
-                                                     budget, trace_id=prefix + uuid.uuid4().hex[16:]))
+                await finished.put(
+                    await run_episode(
+                        engine,
+                        env,
+                        task,
+                        group_id,
+                        episode_sampling,
+                        model,
+                        config,
+                        budget,
+                        trace_id=prefix + uuid.uuid4().hex[16:],
+                    )
+                )
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await finished.put(exc)
 
     # A seeded request repeats exactly: episode k of the request samples with its own seed derived from the
     # request's (the members of a group still differ), whatever order the episodes finish in.
     workers = [
-        asyncio.create_task(one(task, f"{task.task_id or i}-{nonce}",
-                                seeded(sampling, i * group_size + member)))
+        asyncio.create_task(one(task, f"{task.task_id or i}-{nonce}", seeded(sampling, i * group_size + member)))
         for i, task in enumerate(tasks)
         for member in range(group_size)
     ]

@@ -14,10 +14,10 @@ from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.rollout.engines import create_engine
+from yieldloop_server.rollout.models import ServedModels
 from yieldloop_server.rollout.openai_http import OpenAIEndpoint
 from yieldloop_server.rollout.rollouts import RolloutLimits
 from yieldloop_server.rollout.servicer import RolloutServicer
-from yieldloop_server.rollout.models import ServedModels
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
 
@@ -106,8 +106,9 @@ class RolloutServer:
         **engine_options: object,
     ) -> None:
         # A batch opens its episodes together: they share one StreamEpisodes stream per EnvService replica.
-        self.clients = Client(env=env_address, checkpoint=checkpoint_address, transport=transport,
-                              multiplex_episodes=True)
+        self.clients = Client(
+            env=env_address, checkpoint=checkpoint_address, transport=transport, multiplex_episodes=True
+        )
         # Candidates are evaluated on the light torch engine, beside whatever engine serves the head (in a thread:
         # a child process would cost its start, seconds, at the first candidate).
         device = str(engine_options.get("device", "cpu"))
@@ -119,24 +120,35 @@ class RolloutServer:
             model,
             lambda lora: create_engine((lora_engine or engine) if lora else engine, lora=lora, **engine_options),
             lambda: create_engine("torch", device=device, max_batch_size=int(engine_options.get("max_batch_size", 0))),
-            store, self.clients, cache_dir, max_models=max_models, on_default_reload=report,
-            memory_budget_bytes=memory_budget_bytes, weights_from=weights_from, device=device,
+            store,
+            self.clients,
+            cache_dir,
+            max_models=max_models,
+            on_default_reload=report,
+            memory_budget_bytes=memory_budget_bytes,
+            weights_from=weights_from,
+            device=device,
         )
         self.grpc = GrpcServer(host, port, transport)
         self.servicer = RolloutServicer(
             self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), limits, stream_interval_s
         )
         self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
-        self.http = None if http_port is None else OpenAIEndpoint(
-            self.models, host, http_port, transport, stream_interval_s, access=self.servicer.access)
+        self.http = (
+            None
+            if http_port is None
+            else OpenAIEndpoint(self.models, host, http_port, transport, stream_interval_s, access=self.servicer.access)
+        )
 
     async def start(self) -> str:
         """Loads the default model (its first head), then serves."""
         from yieldloop_server.common import telemetry
 
-        telemetry.observe("yieldloop.engine.queue_depth",
-                          lambda: sum(served.engine.num_unfinished() for served in self.models.loaded),
-                          description="requests waiting or decoding in the engines")
+        telemetry.observe(
+            "yieldloop.engine.queue_depth",
+            lambda: sum(served.engine.num_unfinished() for served in self.models.loaded),
+            description="requests waiting or decoding in the engines",
+        )
         try:
             await self.models.start()
         except BaseException:
@@ -168,8 +180,13 @@ class _NoFollower:
 
 
 async def serve_engine(
-    model: str, engine, host: str = "127.0.0.1", port: int = 0, stream_interval_s: float = 0.0,
-    transport: TransportConfig = DEFAULT_TRANSPORT, watch_s: float = ENGINE_WATCH_S,
+    model: str,
+    engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    stream_interval_s: float = 0.0,
+    transport: TransportConfig = DEFAULT_TRANSPORT,
+    watch_s: float = ENGINE_WATCH_S,
 ) -> GrpcServer:
     """Serves an already-loaded engine's ``Generate`` over gRPC, with no head to follow and no EnvService.
 

@@ -13,10 +13,10 @@ import grpc
 
 from yieldloop.client import Client
 from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
-from yieldloop.types import JobInfo
 from yieldloop.errors import NotFoundError, check_json_object, check_text, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
+from yieldloop.types import JobInfo
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess, current_principal, require_job, require_run, sees_job
 from yieldloop_server.common.grpc_server import rpc
@@ -42,7 +42,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     """Serves every model by slug (``models``); episodes run against EnvService through ``env``."""
 
     def __init__(
-        self, models: ServedModels, env: Client, traces: TraceStore | None, limits: RolloutLimits = RolloutLimits(),
+        self,
+        models: ServedModels,
+        env: Client,
+        traces: TraceStore | None,
+        limits: RolloutLimits = RolloutLimits(),
         stream_interval_s: float = 0.0,
     ) -> None:
         self.models = models
@@ -71,7 +75,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 if not engine.weight_version:
                     engine.validate_prompt([])  # raises ENGINE_NOT_READY
                 prompt_ids = await engine.render_chat_async(
-                    [{"role": m.role, "content": m.content} for m in request.chat.messages])
+                    [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                )
             else:
                 prompt_ids = list(request.prompt_token_ids.token_ids)
             first = True
@@ -99,8 +104,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             raise invalid_field("tasks", "no tasks given")
         runs = len(request.tasks) * request.group_size
         if runs > limits.max_runs:
-            raise invalid_field("group_size", f"{len(request.tasks)} tasks x group_size {request.group_size} = {runs} "
-                                              f"episodes; this service runs at most {limits.max_runs} per request")
+            raise invalid_field(
+                "group_size",
+                f"{len(request.tasks)} tasks x group_size {request.group_size} = {runs} "
+                f"episodes; this service runs at most {limits.max_runs} per request",
+            )
         if request.max_concurrent < 0:
             raise invalid_field("max_concurrent", "max_concurrent must be >= 0")
         for name in ("max_steps", "max_attempts", "episode_timeout_s"):
@@ -169,10 +177,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         except NotFoundError:
             pass  # spans of a trace whose run was not recorded (yet): nothing names a team
         spans = await asyncio.to_thread(telemetry.read_spans, self.traces.store, request.trace_id)
-        return pb.GetTraceSpansResponse(spans=[pb.TraceSpan(
-            span_id=s["span_id"], parent_span_id=s["parent_span_id"], name=s["name"], service=s["service"],
-            start_time_unix_nano=s["start_ns"], end_time_unix_nano=s["end_ns"], status=s["status"], error=s["error"],
-            attributes={k: str(v) for k, v in s["attributes"].items()}) for s in spans])
+        return pb.GetTraceSpansResponse(
+            spans=[
+                pb.TraceSpan(
+                    span_id=s["span_id"],
+                    parent_span_id=s["parent_span_id"],
+                    name=s["name"],
+                    service=s["service"],
+                    start_time_unix_nano=s["start_ns"],
+                    end_time_unix_nano=s["end_ns"],
+                    status=s["status"],
+                    error=s["error"],
+                    attributes={k: str(v) for k, v in s["attributes"].items()},
+                )
+                for s in spans
+            ]
+        )
 
     @rpc
     async def GetServingInfo(
@@ -206,8 +226,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if request.group_size < 0:
             raise invalid_field("group_size", "group_size must be >= 0")
         check_json_object(request.metadata_json, "metadata_json")
-        job = JobInfo(model=model, name=check_text(request.name, "name"), group_size=request.group_size,
-                      metadata_json=request.metadata_json, team=current_principal().team)
+        job = JobInfo(
+            model=model,
+            name=check_text(request.name, "name"),
+            group_size=request.group_size,
+            metadata_json=request.metadata_json,
+            team=current_principal().team,
+        )
         return pb.CreateJobResponse(job=job_to_pb(await asyncio.to_thread(self.traces.create_job, job)))
 
     @rpc

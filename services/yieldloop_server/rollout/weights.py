@@ -29,10 +29,9 @@ from yieldloop.errors import (
 )
 from yieldloop.retry import Backoff
 from yieldloop.types import Head, Manifest, ObjectInfo
-from yieldloop_server.common import telemetry
-from yieldloop_server.common import collective
-from yieldloop_server.common.collective import broadcast_files, close_group, make_group, open_store
 from yieldloop_server.checkpoint.files import download_verified, host_id, link_objects, staged, verify_folder
+from yieldloop_server.common import collective, telemetry
+from yieldloop_server.common.collective import broadcast_files, close_group, make_group, open_store
 from yieldloop_server.rollout.engines import Engine
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.base import check_name
@@ -77,9 +76,15 @@ class CheckpointFetcher:
             those engines serve).
     """
 
-    def __init__(self, store: ObjectStore, checkpoints: Client, cache_dir: pathlib.Path,
-                 weights_from: str = "auto", device: str = "cpu",
-                 in_use: Callable[[], Collection[tuple[str, str]]] = tuple) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        checkpoints: Client,
+        cache_dir: pathlib.Path,
+        weights_from: str = "auto",
+        device: str = "cpu",
+        in_use: Callable[[], Collection[tuple[str, str]]] = tuple,
+    ) -> None:
         self.store = store
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
@@ -117,10 +122,12 @@ class CheckpointFetcher:
             except (UnavailableError, NotFoundError, DeadlineExceededError) as err:
                 # NOT_FOUND: the trainer released it, durable by now; UNAVAILABLE: the trainer is away.
                 if attempt + 1 >= PULL_ATTEMPTS or (
-                        while_head and (await self.checkpoints.get_head(model)).checkpoint_id != checkpoint_id):
+                    while_head and (await self.checkpoints.get_head(model)).checkpoint_id != checkpoint_id
+                ):
                     raise FailedPreconditionError(
                         f"checkpoint {model}/{checkpoint_id} is not in the store yet and its trainer "
-                        f"({manifest.weights_source}) does not serve it: {err}", reason="CHECKPOINT_PENDING",
+                        f"({manifest.weights_source}) does not serve it: {err}",
+                        reason="CHECKPOINT_PENDING",
                     ) from None
                 await asyncio.sleep(RETRY.delay(attempt))
         raise AssertionError("unreachable")
@@ -133,15 +140,15 @@ class CheckpointFetcher:
         if self._pruning is None or self._pruning.done():
             model = folder.parent.name
             keep = {folder.name, *(cid for slug, cid in self.in_use() if slug == model)}
-            self._pruning = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(prune_cache, folder.parent, keep))
+            self._pruning = asyncio.get_running_loop().create_task(asyncio.to_thread(prune_cache, folder.parent, keep))
         return folder
 
     def _trainer(self, address: str) -> Client:
         trainer = self._trainers.get(address)
         if trainer is None:
-            trainer = self._trainers[address] = Client(trainer=address, transport=self.checkpoints.transport,
-                                                       retry_within_s=0)
+            trainer = self._trainers[address] = Client(
+                trainer=address, transport=self.checkpoints.transport, retry_within_s=0
+            )
         return trainer
 
     async def _pull(self, manifest: Manifest, folder: pathlib.Path) -> pathlib.Path:
@@ -152,8 +159,11 @@ class CheckpointFetcher:
                 for other in [k for k in self._subscriptions if k[1] == manifest.model]:  # its trainer moved
                     await self._subscriptions.pop(other).close()
                 subscription = self._subscriptions[key] = WeightSubscription(
-                    self._trainer(manifest.weights_source), manifest.model, self.cache_dir / manifest.model,
-                    self.group_backend)
+                    self._trainer(manifest.weights_source),
+                    manifest.model,
+                    self.cache_dir / manifest.model,
+                    self.group_backend,
+                )
             elif (arrived := await subscription.arrival(manifest.checkpoint_id)) is not None:
                 return arrived
         trainer = self._trainer(manifest.weights_source)
@@ -165,16 +175,19 @@ class CheckpointFetcher:
             try:
                 async for message in trainer.pull_weights(manifest.model, manifest.checkpoint_id, here):
                     if message.local_folder:  # the same host: its files, in place
-                        await asyncio.to_thread(link_objects, pathlib.Path(message.local_folder), staging,
-                                                list(objects.values()))
+                        await asyncio.to_thread(
+                            link_objects, pathlib.Path(message.local_folder), staging, list(objects.values())
+                        )
                         break
                     if file is None or file.name != str(staging / message.name):
                         if message.name not in objects or (staging / message.name).exists():
-                            raise FailedPreconditionError(f"{what}: the trainer sent an unexpected object "
-                                                          f"{message.name[:80]!r}", reason="CHECKPOINT_CORRUPT")
+                            raise FailedPreconditionError(
+                                f"{what}: the trainer sent an unexpected object {message.name[:80]!r}",
+                                reason="CHECKPOINT_CORRUPT",
+                            )
                         if file is not None:
                             file.close()
-                        file = open(staging / message.name, "wb")  # noqa: SIM115, ASYNC230  (closed below)
+                        file = open(staging / message.name, "wb")
                     file.write(message.data)
             finally:
                 if file is not None:
@@ -246,8 +259,9 @@ class WeightSubscription:
             # While a group is being joined the announcements behind it wait: so does this, a while longer.
             while self.subscribed and checkpoint_id not in self._arrivals:
                 # A group just joined: the announcement behind it is the stream's next message.
-                left = (started + JOIN_GRACE_S if self._joining
-                        else max(started, self._joined_at) + ANNOUNCE_GRACE_S) - loop.time()
+                left = (
+                    started + JOIN_GRACE_S if self._joining else max(started, self._joined_at) + ANNOUNCE_GRACE_S
+                ) - loop.time()
                 if left <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
@@ -276,14 +290,17 @@ class WeightSubscription:
                         group = None
                         await self._set_joining(True)
                         try:
-                            group = (await asyncio.to_thread(_join, message.group, self._stopped),
-                                     message.group.backend)
+                            group = (
+                                await asyncio.to_thread(_join, message.group, self._stopped),
+                                message.group.backend,
+                            )
                         finally:
                             await self._set_joining(False)
                     elif event == "broadcast":
                         if group is None:
-                            raise UnavailableError("a broadcast was announced before any group",
-                                                   reason="WEIGHT_GROUP_UNAVAILABLE")
+                            raise UnavailableError(
+                                "a broadcast was announced before any group", reason="WEIGHT_GROUP_UNAVAILABLE"
+                            )
                         await self._receive(group, message.broadcast)
                 raise UnavailableError("the weight group's stream ended", reason="WEIGHT_GROUP_UNAVAILABLE")
             except asyncio.CancelledError:
@@ -321,16 +338,21 @@ class WeightSubscription:
         try:
             with staged(self.cache / checkpoint_id) as staging:
                 try:
-                    digests = await asyncio.to_thread(broadcast_files, group[0], group[1], objects,
-                                                      max(1, announcement.chunk_bytes), target=staging)
+                    digests = await asyncio.to_thread(
+                        broadcast_files, group[0], group[1], objects, max(1, announcement.chunk_bytes), target=staging
+                    )
                 except Exception as err:  # the group is broken: every member subscribes again
                     raise _GroupBroken(f"{what}: {err}") from err
                 await asyncio.to_thread(verify_folder, staging, objects, what, digests)
         except _GroupBroken as err:
             raise _settle(future, UnavailableError(str(err), reason="WEIGHT_GROUP_UNAVAILABLE")) from None
         except Exception as err:  # this checkpoint only (it failed verification): it is pulled instead
-            _settle(future, err if isinstance(err, YieldloopError)
-                    else UnavailableError(f"{what}: {err}", reason="WEIGHT_GROUP_UNAVAILABLE"))
+            _settle(
+                future,
+                err
+                if isinstance(err, YieldloopError)
+                else UnavailableError(f"{what}: {err}", reason="WEIGHT_GROUP_UNAVAILABLE"),
+            )
             return
         self.received += 1
         future.set_result(self.cache / checkpoint_id)
@@ -448,14 +470,20 @@ class WeightFollower:
     async def load(self, head: Head) -> None:
         """Loads one head (or records why it was refused)."""
         try:
-            with telemetry.span("weights.reload", {"yieldloop.model": self.model,
-                                                   "yieldloop.checkpoint_id": head.checkpoint_id}), \
-                    telemetry.timed("yieldloop.rollout.reload.duration", {"model": self.model},
-                                    "head move seen -> new weights serving"):
+            with (
+                telemetry.span(
+                    "weights.reload", {"yieldloop.model": self.model, "yieldloop.checkpoint_id": head.checkpoint_id}
+                ),
+                telemetry.timed(
+                    "yieldloop.rollout.reload.duration", {"model": self.model}, "head move seen -> new weights serving"
+                ),
+            ):
                 await self.engine.load_weights(await self.fetch(head.checkpoint_id, True), head.checkpoint_id)
             self.last_error = ""
         except Exception as err:  # deliberate degrade: refuse this head, keep serving the old weights
-            log.error("refused checkpoint %s: %s", head.checkpoint_id, err, exc_info=not isinstance(err, YieldloopError))
+            log.error(
+                "refused checkpoint %s: %s", head.checkpoint_id, err, exc_info=not isinstance(err, YieldloopError)
+            )
             self.last_error = self.refused[head.checkpoint_id] = str(err)
         self.head_sequence = head.sequence
         if self.on_reload is not None:

@@ -15,10 +15,10 @@ def open_store(url: str) -> ObjectStore:
     if url.startswith("s3://"):
         from yieldloop_server.store.s3 import S3Store
 
-        bucket, _, prefix = url[len("s3://"):].partition("/")
+        bucket, _, prefix = url[len("s3://") :].partition("/")
         return S3Store(bucket, prefix)
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     if "://" in url:
         raise ValueError(f"unsupported object store URL {url!r} (supported: a path, file://, s3://)")
     from yieldloop_server.store.fs import FsStore

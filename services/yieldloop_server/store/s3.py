@@ -134,14 +134,17 @@ class S3Store(ObjectStore):
                 return None
             raise
         return ObjectStat(
-            key=key, size=response["ContentLength"], etag=response["ETag"], modified=response["LastModified"].timestamp()
+            key=key,
+            size=response["ContentLength"],
+            etag=response["ETag"],
+            modified=response["LastModified"].timestamp(),
         )
 
     def list(self, prefix: str) -> Iterator[str]:
         paginator = self.client.get_paginator("list_objects_v2")
         keys = []
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-            keys += [item["Key"][len(self.prefix):] for item in page.get("Contents", [])]
+            keys += [item["Key"][len(self.prefix) :] for item in page.get("Contents", [])]
         return iter(sorted(keys))
 
     def delete(self, key: str) -> None:

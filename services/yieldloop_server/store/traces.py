@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 
 from yieldloop.errors import NotFoundError
 from yieldloop.types import JobInfo, Run
-from yieldloop_server.store.base import ObjectNotFound, ObjectStore, PreconditionFailed, check_name as _check
+from yieldloop_server.store.base import ObjectNotFound, ObjectStore, PreconditionFailed
+from yieldloop_server.store.base import check_name as _check
 
 SEGMENT_ID_CHARS = 16
 CACHE_BYTES = 64 << 20
@@ -67,7 +68,7 @@ def decode_segment(blob: bytes) -> dict[str, bytes]:
     offset = 4 + size
     runs = {}
     for trace_id, length in json.loads(blob[4:offset])["runs"]:
-        runs[trace_id] = blob[offset:offset + length]
+        runs[trace_id] = blob[offset : offset + length]
         offset += length
     return runs
 
@@ -108,15 +109,24 @@ class TraceStore:
             pass
         return job
 
-    def ensure_job(self, job_id: str, model: str, team: str = "", *, name: str = "", group_size: int = 0,
-                   metadata_json: str = "") -> JobInfo:
+    def ensure_job(
+        self, job_id: str, model: str, team: str = "", *, name: str = "", group_size: int = 0, metadata_json: str = ""
+    ) -> JobInfo:
         """The job ``job_id``, recorded as a job of ``model`` by ``team`` unless it exists (rollouts name their
         job freely)."""
         try:
             return self._read_job(job_id)
         except NotFoundError:
-            self.create_job(JobInfo(job_id=job_id, model=model, name=name or job_id, team=team, group_size=group_size,
-                                    metadata_json=metadata_json))
+            self.create_job(
+                JobInfo(
+                    job_id=job_id,
+                    model=model,
+                    name=name or job_id,
+                    team=team,
+                    group_size=group_size,
+                    metadata_json=metadata_json,
+                )
+            )
             return self._read_job(job_id)
 
     def _read_job(self, job_id: str) -> JobInfo:
@@ -136,11 +146,11 @@ class TraceStore:
         runs: collections.Counter[str] = collections.Counter()
         recorded = []
         for key in self.store.list("jobs/"):
-            job_id, _, rest = key[len("jobs/"):].partition("/")
+            job_id, _, rest = key[len("jobs/") :].partition("/")
             if rest == "job.json":
                 recorded.append(job_id)
             elif rest.startswith("runs/"):
-                runs[job_id] += parse_marker(rest[len("runs/"):])[1]
+                runs[job_id] += parse_marker(rest[len("runs/") :])[1]
         jobs = [self._read_job(job_id) for job_id in recorded]
         for job in jobs:
             job.num_runs = runs[job.job_id]
@@ -163,8 +173,9 @@ class TraceStore:
             by_prefix.setdefault(run.trace_id[:SEGMENT_ID_CHARS], []).append(run)
         for prefix, batch in by_prefix.items():
             segment = prefix if prefix == fresh else f"{prefix}.{uuid.uuid4().hex[:8]}"
-            self.store.put_bytes(_segment_key(segment),
-                                 encode_segment([(r.trace_id, self.encode(r)) for r in batch]), if_none_match=True)
+            self.store.put_bytes(
+                _segment_key(segment), encode_segment([(r.trace_id, self.encode(r)) for r in batch]), if_none_match=True
+            )
             self.store.put_bytes(f"jobs/{job_id}/runs/{time.time_ns():020d}-{segment}-{len(batch)}", b"")
         return [run.trace_id for run in runs]
 
@@ -209,7 +220,9 @@ class TraceStore:
             runs = self._segment(segment)
             if runs is not None and trace_id in runs:
                 return runs[trace_id]
-        listed = [f"{prefix}.{key.rsplit('/', 1)[1].removesuffix('.seg')}" for key in self.store.list(f"traces/{prefix}/")]
+        listed = [
+            f"{prefix}.{key.rsplit('/', 1)[1].removesuffix('.seg')}" for key in self.store.list(f"traces/{prefix}/")
+        ]
         with self._lock:
             self._batches[prefix] = listed
             self._batches.move_to_end(prefix)
@@ -224,12 +237,12 @@ class TraceStore:
     def _markers(self, job_id: str) -> list[tuple[str, int]]:
         """(segment or old-style trace id, run count) of each marker of a job, in recording order."""
         prefix = f"jobs/{_check(job_id, 'job_id')}/runs/"
-        return [parse_marker(key[len(prefix):]) for key in sorted(self.store.list(prefix))]
+        return [parse_marker(key[len(prefix) :]) for key in sorted(self.store.list(prefix))]
 
     def job_runs(self, job_id: str) -> list[str]:
         """Trace ids of a job's runs, in the order they were recorded."""
         ids = []
-        for name, count in self._markers(job_id):
+        for name, _ in self._markers(job_id):
             if len(name) == SEGMENT_ID_CHARS or "." in name:
                 runs = self._segment(name)
                 ids += list(runs) if runs is not None else []

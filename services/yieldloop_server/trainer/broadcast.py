@@ -34,7 +34,6 @@ CHUNK_BYTES = {"gloo": 4 << 20, "nccl": 64 << 20}
 moves small pieces faster: one is written while the next arrives; NCCL wants large ones)."""
 
 
-
 @dataclasses.dataclass(eq=False)
 class _Member:
     backend: str
@@ -106,31 +105,52 @@ class WeightGroups:
         previous = self._generations.get(manifest.model)
         generation = previous
         if previous is None or previous.failed or previous.members != members:
-            cuda = (self.cuda and manifest.model not in self._nccl_failed
-                    and all(m.backend == "nccl" for m in members))
-            generation = _Generation(manifest.model, f"{manifest.model}/{next(self._numbers)}/", members,
-                                     "nccl" if cuda else "gloo")
+            cuda = self.cuda and manifest.model not in self._nccl_failed and all(m.backend == "nccl" for m in members)
+            generation = _Generation(
+                manifest.model, f"{manifest.model}/{next(self._numbers)}/", members, "nccl" if cuda else "gloo"
+            )
             self._generations[manifest.model] = generation
             self._unopened.add(generation)
             address = f"{self._host().rsplit(':', 1)[0]}:{self._store.port}"
             for rank, member in enumerate(members, 1):
-                member.queue.put_nowait(pb.SubscribeWeightsResponse(group=pb.WeightGroup(
-                    address=address, name=generation.name, rank=rank, size=len(members) + 1,
-                    backend=generation.backend, wait_until_open=True)))
+                member.queue.put_nowait(
+                    pb.SubscribeWeightsResponse(
+                        group=pb.WeightGroup(
+                            address=address,
+                            name=generation.name,
+                            rank=rank,
+                            size=len(members) + 1,
+                            backend=generation.backend,
+                            wait_until_open=True,
+                        )
+                    )
+                )
         assert generation is not None
         objects = list(manifest.sampler_objects)
-        announcement = pb.SubscribeWeightsResponse(broadcast=pb.WeightBroadcast(
-            checkpoint_id=manifest.checkpoint_id, chunk_bytes=CHUNK_BYTES[generation.backend],
-            objects=[pb.WeightObject(name=o.name, size=o.size, sha256=o.sha256) for o in objects]))
+        announcement = pb.SubscribeWeightsResponse(
+            broadcast=pb.WeightBroadcast(
+                checkpoint_id=manifest.checkpoint_id,
+                chunk_bytes=CHUNK_BYTES[generation.backend],
+                objects=[pb.WeightObject(name=o.name, size=o.size, sha256=o.sha256) for o in objects],
+            )
+        )
         for member in generation.members:
             member.queue.put_nowait(announcement)
         before = self._sending.get(manifest.model)
         retired = previous if previous is not generation else None
         self._sending[manifest.model] = asyncio.get_running_loop().create_task(
-            self._send(before, retired, generation, folder, objects, manifest.checkpoint_id))
+            self._send(before, retired, generation, folder, objects, manifest.checkpoint_id)
+        )
 
-    async def _send(self, before: asyncio.Task | None, retired: _Generation | None, generation: _Generation,
-                    folder: pathlib.Path, objects: list[ObjectInfo], checkpoint_id: str) -> None:
+    async def _send(
+        self,
+        before: asyncio.Task | None,
+        retired: _Generation | None,
+        generation: _Generation,
+        folder: pathlib.Path,
+        objects: list[ObjectInfo],
+        checkpoint_id: str,
+    ) -> None:
         if before is not None:
             await asyncio.wait([before])  # its outcome is its own (this task's cancellation still comes through)
         if retired is not None:
@@ -141,19 +161,30 @@ class WeightGroups:
             if generation.group is None:
                 self._unopened.discard(generation)
                 generation.group = await asyncio.to_thread(self._form, generation)
-            await asyncio.to_thread(broadcast_files, generation.group, generation.backend, objects,
-                                    CHUNK_BYTES[generation.backend], source=folder)
+            await asyncio.to_thread(
+                broadcast_files,
+                generation.group,
+                generation.backend,
+                objects,
+                CHUNK_BYTES[generation.backend],
+                source=folder,
+            )
         except Exception as err:  # deliberate degrade: the members pull instead, and subscribe again
-            log.warning("broadcasting checkpoint %s to %d members failed (%s); they pull it instead",
-                        checkpoint_id, len(generation.members), err)
+            log.warning(
+                "broadcasting checkpoint %s to %d members failed (%s); they pull it instead",
+                checkpoint_id,
+                len(generation.members),
+                err,
+            )
             self._fail(generation, f"the weight group's broadcast of {checkpoint_id} failed: {err}")
 
     def _form(self, generation: _Generation) -> Any:
         """Opens the generation's group to its members (told of it when it was announced, they wait for this: the
         broadcast before it may have lasted longer than a join may take) and joins it as rank 0."""
         collective.open_group(self._store, generation.name)
-        return make_group(self._store, generation.name, 0, len(generation.members) + 1, generation.backend,
-                          collective.GROUP_TIMEOUT_S)
+        return make_group(
+            self._store, generation.name, 0, len(generation.members) + 1, generation.backend, collective.GROUP_TIMEOUT_S
+        )
 
     def _fail(self, generation: _Generation, why: str) -> None:
         """Ends the group and its members' streams; they are out at once (the next group is formed without them,

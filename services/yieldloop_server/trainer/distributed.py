@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, YieldloopError, invalid_field
-from yieldloop_server.trainer import losses
 from yieldloop.types import Datum
+from yieldloop_server.trainer import losses
 from yieldloop_server.trainer.trainer import (
     AdamConfig,
     AdapterSetup,
@@ -199,7 +199,12 @@ def _follow(trainer: Trainer, groups: _Groups) -> str:
 
 
 def worker_main(
-    rank: int, world_size: int, folder: str, config: TrainerConfig, address: str, port: int,
+    rank: int,
+    world_size: int,
+    folder: str,
+    config: TrainerConfig,
+    address: str,
+    port: int,
     adapter: AdapterSetup | None = None,
 ) -> None:
     """Ranks 1..N-1 on rank 0's host: load the weights, then follow rank 0's commands until told to stop."""
@@ -268,8 +273,11 @@ class DistributedTrainer:
             address, port = "127.0.0.1", free_port()
             context = mp.get_context("spawn")
             self._workers = [
-                context.Process(target=worker_main, args=(rank, world_size, str(folder), config, address, port,
-                                                          adapter), daemon=True)
+                context.Process(
+                    target=worker_main,
+                    args=(rank, world_size, str(folder), config, address, port, adapter),
+                    daemon=True,
+                )
                 for rank in range(1, world_size)
             ]
             for worker in self._workers:
@@ -314,7 +322,9 @@ class DistributedTrainer:
 
         dist.broadcast_object_list([command], src=0, group=self._groups.control)
 
-    def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]) -> dict[str, float]:
+    def forward_backward(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
+    ) -> dict[str, float]:
         losses.resolve(loss_fn, loss_config)  # fail here, before any rank starts
         if not datums:
             raise invalid_field("items", "the batch is empty")

@@ -75,16 +75,20 @@ LOSSES: dict[str, LossSpec] = {
             ppo,
             {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
             "-min(r * A, clamp(r, lo, hi) * A).sum() with r = exp(lp - q).",
-            {"clip_low_threshold": "lower bound on the ratio (absolute, not epsilon)",
-             "clip_high_threshold": "upper bound on the ratio (absolute, not epsilon)"},
+            {
+                "clip_low_threshold": "lower bound on the ratio (absolute, not epsilon)",
+                "clip_high_threshold": "upper bound on the ratio (absolute, not epsilon)",
+            },
         ),
         LossSpec(
             "cispo",
             cispo,
             {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
             "-(clamp(r, lo, hi).detach() * lp * A).sum(): clipped IS weights, every token keeps its gradient.",
-            {"clip_low_threshold": "lower bound on the detached ratio",
-             "clip_high_threshold": "upper bound on the detached ratio"},
+            {
+                "clip_low_threshold": "lower bound on the detached ratio",
+                "clip_high_threshold": "upper bound on the detached ratio",
+            },
         ),
         LossSpec(
             "dro",
@@ -114,9 +118,15 @@ def resolve(name: str, config: dict[str, float]) -> tuple[LossSpec, dict[str, fl
     knobs = {**spec.knobs, **config}
     for knob, value in knobs.items():
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise InvalidArgumentError(f"loss knob {knob} must be a finite number >= 0, got {value!r}",
-                                       reason="INVALID_FIELD", field=f"config.loss_fn_config.{knob}")
+            raise InvalidArgumentError(
+                f"loss knob {knob} must be a finite number >= 0, got {value!r}",
+                reason="INVALID_FIELD",
+                field=f"config.loss_fn_config.{knob}",
+            )
     if knobs.get("clip_low_threshold", 0.0) > knobs.get("clip_high_threshold", math.inf):
-        raise InvalidArgumentError("clip_low_threshold must not exceed clip_high_threshold",
-                                   reason="INVALID_FIELD", field="config.loss_fn_config.clip_low_threshold")
+        raise InvalidArgumentError(
+            "clip_low_threshold must not exceed clip_high_threshold",
+            reason="INVALID_FIELD",
+            field="config.loss_fn_config.clip_low_threshold",
+        )
     return spec, knobs

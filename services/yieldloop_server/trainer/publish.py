@@ -45,8 +45,9 @@ class WeightPublisher:
             checkpoints are then written to the store before they are committed).
     """
 
-    def __init__(self, root: pathlib.Path, address: Callable[[], str] = lambda: "",
-                 groups: WeightGroups | None = None) -> None:
+    def __init__(
+        self, root: pathlib.Path, address: Callable[[], str] = lambda: "", groups: WeightGroups | None = None
+    ) -> None:
         self.root = root / "published"
         # Folders a previous process of this trainer left (killed before it released them): nobody serves them.
         shutil.rmtree(self.root, ignore_errors=True)

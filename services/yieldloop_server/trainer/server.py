@@ -49,7 +49,9 @@ async def build(
     server.on_stop(groups.close)
     sessions = TrainingSessions(
         lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc, publisher, state_every),
-        default=model, max_sessions=1 if nproc > 1 else max_sessions, checkpoints=checkpoints,
+        default=model,
+        max_sessions=1 if nproc > 1 else max_sessions,
+        checkpoints=checkpoints,
     )
     await sessions.start()
     server.add(pb_grpc.add_TrainerServiceServicer_to_server, TrainerServicer(sessions, publisher), SERVICE_NAME)

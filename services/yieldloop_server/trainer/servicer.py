@@ -14,17 +14,16 @@ from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, Run, RunStatus
+from yieldloop_server.checkpoint.files import host_id
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess, require_run
 from yieldloop_server.common.collective import BACKENDS
 from yieldloop_server.common.grpc_server import rpc
-from yieldloop_server.trainer import losses
-from yieldloop_server.checkpoint.files import host_id
 from yieldloop_server.store.base import check_name
+from yieldloop_server.trainer import losses
 from yieldloop_server.trainer.publish import WeightPublisher
 from yieldloop_server.trainer.session import LossOptions, TrainingSessions
 from yieldloop_server.trainer.trainer import AdamConfig
-
 
 PULL_CHUNK_BYTES = 1 << 20
 
@@ -59,8 +58,11 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 if item == "config":
                     raise invalid_field("config", "the config was sent twice")
                 if item == "datum":
-                    datums.append(datum_from_pb(request.datum).validate(
-                        session.vocab_size, f"datums[{len(datums)}]", session.max_tokens))
+                    datums.append(
+                        datum_from_pb(request.datum).validate(
+                            session.vocab_size, f"datums[{len(datums)}]", session.max_tokens
+                        )
+                    )
                 elif item == "run":
                     runs.append(run_from_pb(request.run))
                 elif item == "trace_id":
@@ -70,8 +72,9 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 else:
                     raise invalid_field("item", "empty request")
             if not math.isfinite(config.reward_scale) or config.reward_scale < 0:
-                raise invalid_field("config.reward_scale", f"reward_scale must be finite and >= 0 (0: 1), got "
-                                                           f"{config.reward_scale}")
+                raise invalid_field(
+                    "config.reward_scale", f"reward_scale must be finite and >= 0 (0: 1), got {config.reward_scale}"
+                )
             if config.group_size < 0:
                 raise invalid_field("config.group_size", f"group_size must be >= 0, got {config.group_size}")
             options = LossOptions(
@@ -84,21 +87,35 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 allow_incomplete_groups=config.allow_incomplete_groups,
             )
             # The step's span links to the trace of every run it trains on (one trace per episode).
-            with telemetry.span("forward_backward", {"yieldloop.model": session.model, "yieldloop.runs": len(runs),
-                                                     "yieldloop.datums": len(datums)},
-                                links=telemetry.run_links([run.trace_id for run in runs])):
+            with telemetry.span(
+                "forward_backward",
+                {"yieldloop.model": session.model, "yieldloop.runs": len(runs), "yieldloop.datums": len(datums)},
+                links=telemetry.run_links([run.trace_id for run in runs]),
+            ):
                 metrics, num_datums, stats = await session.forward_backward(datums, runs, options)
             session.trained_traces += [run.trace_id for run in runs if run.trace_id]
             labels = {"model": session.model, "loss_fn": config.loss_fn}
-            telemetry.set_gauge("yieldloop.train.loss", metrics["loss_sum"] / max(1.0, metrics["num_action_tokens"]),
-                                labels, description="loss per action token of the last forward_backward")
+            telemetry.set_gauge(
+                "yieldloop.train.loss",
+                metrics["loss_sum"] / max(1.0, metrics["num_action_tokens"]),
+                labels,
+                description="loss per action token of the last forward_backward",
+            )
             if "kl_sampler_learner" in metrics:
-                telemetry.set_gauge("yieldloop.train.kl", metrics["kl_sampler_learner"], labels,
-                                    description="KL(sampler || learner) per action token, last forward_backward")
+                telemetry.set_gauge(
+                    "yieldloop.train.kl",
+                    metrics["kl_sampler_learner"],
+                    labels,
+                    description="KL(sampler || learner) per action token, last forward_backward",
+                )
             rewards = [run.reward for run in runs if run.status == RunStatus.GRADED]
             if rewards:
-                telemetry.set_gauge("yieldloop.train.reward", sum(rewards) / len(rewards), {"model": session.model},
-                                    description="mean reward of the runs of the last forward_backward")
+                telemetry.set_gauge(
+                    "yieldloop.train.reward",
+                    sum(rewards) / len(rewards),
+                    {"model": session.model},
+                    description="mean reward of the runs of the last forward_backward",
+                )
         return pb.ForwardBackwardResponse(
             loss_sum=metrics.pop("loss_sum"),
             num_datums=num_datums,
@@ -173,28 +190,42 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         await self.access.require(request.model or self.sessions.default, "train")
         async with self.sessions.use(request.model) as session:
             trained = list(session.trained_traces)
-            with telemetry.span("optim_step", {"yieldloop.model": session.model},
-                                links=telemetry.run_links(trained)) as span:
+            with telemetry.span(
+                "optim_step", {"yieldloop.model": session.model}, links=telemetry.run_links(trained)
+            ) as span:
                 outcome = await session.optim_step(
-                    config.validate(), skip_checkpoint=request.skip_checkpoint, set_head=request.set_head,
-                    metadata_json=request.metadata_json, idempotency_key=request.idempotency_key,
-                    drop_gradients_if_refused=request.drop_gradients_if_refused, save_state=request.save_state,
+                    config.validate(),
+                    skip_checkpoint=request.skip_checkpoint,
+                    set_head=request.set_head,
+                    metadata_json=request.metadata_json,
+                    idempotency_key=request.idempotency_key,
+                    drop_gradients_if_refused=request.drop_gradients_if_refused,
+                    save_state=request.save_state,
                     wait_durable=request.wait_durable,
                 )
-                del session.trained_traces[:len(trained)]  # applied: a refused step keeps them for the next
+                del session.trained_traces[: len(trained)]  # applied: a refused step keeps them for the next
                 if span is not None:
                     span.set_attribute("yieldloop.checkpoint_id", outcome.checkpoint_id)
                     span.set_attribute("yieldloop.step", outcome.step)
-        response = pb.OptimStepResponse(step=outcome.step, grad_norm=outcome.grad_norm,
-                                        parent_checkpoint_id=outcome.parent_checkpoint_id, timings=outcome.timings,
-                                        durable=outcome.durable, has_state=outcome.has_state)
+        response = pb.OptimStepResponse(
+            step=outcome.step,
+            grad_norm=outcome.grad_norm,
+            parent_checkpoint_id=outcome.parent_checkpoint_id,
+            timings=outcome.timings,
+            durable=outcome.durable,
+            has_state=outcome.has_state,
+        )
         if outcome.checkpoint_id:
-            response.checkpoint.CopyFrom(common_pb.CheckpointRef(model=session.model, checkpoint_id=outcome.checkpoint_id))
+            response.checkpoint.CopyFrom(
+                common_pb.CheckpointRef(model=session.model, checkpoint_id=outcome.checkpoint_id)
+            )
             response.head_sequence = outcome.head.sequence if outcome.head is not None else 0
         return response
 
     @rpc
-    async def ListLosses(self, request: pb.ListLossesRequest, context: grpc.aio.ServicerContext) -> pb.ListLossesResponse:
+    async def ListLosses(
+        self, request: pb.ListLossesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLossesResponse:
         return pb.ListLossesResponse(
             losses=[
                 pb.LossSpec(
@@ -231,7 +262,8 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 num_pending_datums=session.trainer.num_pending_datums,
                 device=session.config.device,
                 weight_group_members=self.publisher.groups.members(session.model)
-                if self.publisher is not None and self.publisher.groups is not None else 0,
+                if self.publisher is not None and self.publisher.groups is not None
+                else 0,
             )
 
     @rpc
@@ -240,8 +272,11 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     ) -> AsyncIterator[pb.PullWeightsResponse]:
         held = self.publisher.find(request.model, request.checkpoint_id) if self.publisher else None
         if held is None:
-            raise NotFoundError(f"this trainer does not hold checkpoint {request.model}/{request.checkpoint_id}: "
-                                "read it from the store", reason="CHECKPOINT_NOT_FOUND")
+            raise NotFoundError(
+                f"this trainer does not hold checkpoint {request.model}/{request.checkpoint_id}: "
+                "read it from the store",
+                reason="CHECKPOINT_NOT_FOUND",
+            )
         manifest, folder = held
         if request.probe:
             yield pb.PullWeightsResponse()
@@ -250,7 +285,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             yield pb.PullWeightsResponse(local_folder=str(folder))
             return
         for obj in manifest.sampler_objects:
-            with open(folder / obj.name, "rb") as file:  # noqa: ASYNC230  (opening is cheap; reads go to a thread)
+            with open(folder / obj.name, "rb") as file:
                 while chunk := await asyncio.to_thread(file.read, PULL_CHUNK_BYTES):
                     yield pb.PullWeightsResponse(name=obj.name, data=chunk)
 

@@ -38,12 +38,11 @@ from yieldloop.errors import (
 )
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, ObjectInfo, Run, RunStatus
-from yieldloop_server.common import telemetry
 from yieldloop_server.checkpoint.files import describe_folder, download_verified, upload_objects
+from yieldloop_server.common import lora, telemetry
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
-from yieldloop_server.common import lora
 from yieldloop_server.trainer.publish import WeightPublisher
 from yieldloop_server.trainer.trainer import STATE_FILE, STATE_FILES, AdamConfig, AdapterSetup, Trainer, TrainerConfig
 
@@ -179,8 +178,9 @@ class TrainingSession:
             await self._run(self.trainer.close)
         self.trainer = None
 
-    async def _download(self, manifest: Manifest, objects: list[ObjectInfo] | None = None,
-                        suffix: str = "") -> pathlib.Path:
+    async def _download(
+        self, manifest: Manifest, objects: list[ObjectInfo] | None = None, suffix: str = ""
+    ) -> pathlib.Path:
         """The checkpoint's objects (or ``objects`` of it, cached under ``suffix``: a folder holding part of a
         checkpoint never stands for all of it), verified, in the trainer's cache."""
         folder = self.work_dir / "cache" / manifest.model / (manifest.checkpoint_id + suffix)
@@ -225,10 +225,16 @@ class TrainingSession:
             return folder
         state = None
         if ancestor is not None:
-            log.warning("%s: checkpoint %s (step %d) has no training state; resuming with the optimizer moments of %s "
-                        "(step %d): %d step(s) of moments are missing, the weights are exact", self.model,
-                        manifest.checkpoint_id, manifest.step, ancestor.checkpoint_id, ancestor.step,
-                        manifest.step - ancestor.step)
+            log.warning(
+                "%s: checkpoint %s (step %d) has no training state; resuming with the optimizer moments of %s "
+                "(step %d): %d step(s) of moments are missing, the weights are exact",
+                self.model,
+                manifest.checkpoint_id,
+                manifest.step,
+                ancestor.checkpoint_id,
+                ancestor.step,
+                manifest.step - ancestor.step,
+            )
             state = await self._download(ancestor, [o for o in ancestor.objects if o.state], "+state")
         staging = pathlib.Path(tempfile.mkdtemp(dir=weights.parent, prefix=".resume-"))
         for path in [*weights.iterdir(), *(state.iterdir() if state else ())]:
@@ -264,7 +270,9 @@ class TrainingSession:
             if time.monotonic() > deadline:
                 raise FailedPreconditionError(
                     f"head {manifest.checkpoint_id} of {self.model!r} is still being written to the store by its "
-                    f"trainer ({manifest.weights_source}); try again shortly", reason="CHECKPOINT_PENDING")
+                    f"trainer ({manifest.weights_source}); try again shortly",
+                    reason="CHECKPOINT_PENDING",
+                )
             await asyncio.sleep(0.5)
 
     async def _make_durable(self, manifest: Manifest, folder: pathlib.Path, previous: asyncio.Task | None) -> None:
@@ -275,14 +283,19 @@ class TrainingSession:
         for attempt in itertools.count():
             try:
                 await asyncio.to_thread(
-                    upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects)
-                await self.checkpoints.commit_checkpoint(dataclasses.replace(manifest, pending=False, weights_source=""))
+                    upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects
+                )
+                await self.checkpoints.commit_checkpoint(
+                    dataclasses.replace(manifest, pending=False, weights_source="")
+                )
                 break
             except Exception as err:  # deliberate: the store or CheckpointService is away; try again, unless...
                 error = as_yieldloop_error(err)
-                if (isinstance(error, (NotFoundError, InvalidArgumentError))  # the model was deleted
-                        or error.reason == "CHECKPOINT_ABANDONED"  # CheckpointService gave up on it
-                        or (isinstance(error, DataLossError) and attempt >= 2)):  # bytes damaged, written 3 times
+                if (
+                    isinstance(error, (NotFoundError, InvalidArgumentError))  # the model was deleted
+                    or error.reason == "CHECKPOINT_ABANDONED"  # CheckpointService gave up on it
+                    or (isinstance(error, DataLossError) and attempt >= 2)
+                ):  # bytes damaged, written 3 times
                     log.error("%s: checkpoint %s never becomes durable: %s", self.model, manifest.checkpoint_id, err)
                     raise
                 stalled = self._stalls.get(manifest.checkpoint_id)
@@ -305,13 +318,19 @@ class TrainingSession:
         resuming there exactly needs), once it is durable."""
         await self.flush()
         manifest = self.manifest
-        if self.trainer is None or manifest is None or manifest.has_state or manifest.checkpoint_id not in self._produced:
+        if (
+            self.trainer is None
+            or manifest is None
+            or manifest.has_state
+            or manifest.checkpoint_id not in self._produced
+        ):
             return
         scratch = pathlib.Path(tempfile.mkdtemp(dir=self.work_dir, prefix=".state-"))
         try:
             await self._run(self.trainer.save_state, scratch)
-            added = await asyncio.to_thread(describe_folder, self.model, manifest.checkpoint_id, scratch,
-                                            state_names=STATE_FILES)
+            added = await asyncio.to_thread(
+                describe_folder, self.model, manifest.checkpoint_id, scratch, state_names=STATE_FILES
+            )
             await asyncio.to_thread(upload_objects, self.store, self.model, manifest.checkpoint_id, scratch, added)
             manifest = dataclasses.replace(manifest, objects=[*manifest.objects, *added], pending=False)
             self.manifest, _ = await self.checkpoints.commit_checkpoint(manifest)
@@ -324,8 +343,11 @@ class TrainingSession:
         try:
             await asyncio.wait_for(self.save_state(), CLOSE_FLUSH_S)
         except Exception as err:  # deliberate: closing must go on; what is not durable stays pending (rolled back)
-            log.error("%s: closing without everything durable (%s): a pending head is rolled back by the next "
-                      "trainer", self.model, err or type(err).__name__)
+            log.error(
+                "%s: closing without everything durable (%s): a pending head is rolled back by the next trainer",
+                self.model,
+                err or type(err).__name__,
+            )
         if self._durability is not None:
             self._durability.cancel()
         await self.close_trainer()
@@ -362,8 +384,9 @@ class TrainingSession:
             raise invalid_field("items", "the batch is empty (no datums, or every group was dropped)")
         self._in_flight += 1
         try:
-            metrics = await self._run(self.trainer.forward_backward, all_datums, options.loss_fn,
-                                      dict(options.loss_fn_config))
+            metrics = await self._run(
+                self.trainer.forward_backward, all_datums, options.loss_fn, dict(options.loss_fn_config)
+            )
         finally:
             self._in_flight -= 1
         metrics["num_runs_ungraded"] = len(runs) - len(graded)
@@ -401,8 +424,15 @@ class TrainingSession:
         return dropped
 
     async def optim_step(
-        self, adam: AdamConfig, *, skip_checkpoint: bool = False, set_head: bool = True, metadata_json: str = "",
-        idempotency_key: str = "", drop_gradients_if_refused: bool = False, save_state: bool = False,
+        self,
+        adam: AdamConfig,
+        *,
+        skip_checkpoint: bool = False,
+        set_head: bool = True,
+        metadata_json: str = "",
+        idempotency_key: str = "",
+        drop_gradients_if_refused: bool = False,
+        save_state: bool = False,
         wait_durable: bool = False,
     ) -> StepOutcome:
         """Applies the accumulated gradient; unless ``skip_checkpoint``, saves and commits the step as a
@@ -439,7 +469,8 @@ class TrainingSession:
                 raise FailedPreconditionError(
                     "no gradients accumulated since the last step, and no committed step has this idempotency "
                     "key: if this retries a step whose trainer restarted, that step was not committed and its "
-                    "gradients were lost with the trainer; run forward_backward again", reason="NO_GRADIENTS",
+                    "gradients were lost with the trainer; run forward_backward again",
+                    reason="NO_GRADIENTS",
                 )
         parent = self.checkpoint_id
         started = time.perf_counter()
@@ -456,26 +487,36 @@ class TrainingSession:
         timings = {"optimizer_s": time.perf_counter() - started}
         if skip_checkpoint:
             await self._run(self.trainer.finish_step, True)
-            return self._remember(idempotency_key, StepOutcome(step, grad_norm, parent_checkpoint_id=parent,
-                                                               timings=timings))
+            return self._remember(
+                idempotency_key, StepOutcome(step, grad_norm, parent_checkpoint_id=parent, timings=timings)
+            )
         checkpoint_id = f"step-{step:06d}-{uuid.uuid4().hex[:8]}"
         metadata = {"grad_norm": grad_norm, **(json.loads(metadata_json) if metadata_json else {})}
         if idempotency_key:
             metadata["idempotency_key"] = idempotency_key
         with_state = save_state or (self.state_every > 0 and step % self.state_every == 0)
         pending = not wait_durable and self.publisher is not None and bool(self.publisher.address)
-        folder = (self.publisher.folder(self.model, checkpoint_id) if self.publisher is not None
-                  else self.work_dir / ".save" / checkpoint_id)
+        folder = (
+            self.publisher.folder(self.model, checkpoint_id)
+            if self.publisher is not None
+            else self.work_dir / ".save" / checkpoint_id
+        )
         try:
             started = time.perf_counter()
             await self._run(self.trainer.save, folder, with_state)
             reuse = self.manifest.sampler_objects if self.manifest is not None else []
-            objects = await asyncio.to_thread(describe_folder, self.model, checkpoint_id, folder,
-                                              state_names=STATE_FILES, reuse=reuse)
+            objects = await asyncio.to_thread(
+                describe_folder, self.model, checkpoint_id, folder, state_names=STATE_FILES, reuse=reuse
+            )
             timings["save_s"] = time.perf_counter() - started
             manifest = Manifest(
-                model=self.model, checkpoint_id=checkpoint_id, objects=objects, parent_checkpoint_id=parent,
-                step=step, metadata_json=json.dumps(metadata), pending=pending,
+                model=self.model,
+                checkpoint_id=checkpoint_id,
+                objects=objects,
+                parent_checkpoint_id=parent,
+                step=step,
+                metadata_json=json.dumps(metadata),
+                pending=pending,
                 weights_source=self.publisher.address if pending and self.publisher else "",
             )
             if pending:
@@ -489,7 +530,9 @@ class TrainingSession:
             started = time.perf_counter()
             try:
                 _, head = await self.checkpoints.commit_checkpoint(
-                    manifest, set_head=set_head, expected_head_checkpoint_id=parent if set_head else "",
+                    manifest,
+                    set_head=set_head,
+                    expected_head_checkpoint_id=parent if set_head else "",
                 )
             except AbortedError as err:
                 if err.reason != "HEAD_CONFLICT":
@@ -497,7 +540,9 @@ class TrainingSession:
                 raise AbortedError(
                     f"{err.message}. The step was not applied; its gradients, computed on the weights of {parent}, "
                     "are kept and pin them: DiscardGradients (`yieldloop models discard-gradients MODEL`) drops them, "
-                    "then the next call trains from the new head", reason="HEAD_CONFLICT") from None
+                    "then the next call trains from the new head",
+                    reason="HEAD_CONFLICT",
+                ) from None
         except BaseException:
             await self._run(self.trainer.finish_step, False)  # exactly as before the step, gradients included
             if idempotency_key:
@@ -509,8 +554,10 @@ class TrainingSession:
         await self._run(self.trainer.finish_step, True)
         self.checkpoint_id, self.manifest = checkpoint_id, manifest
         self._produced.add(checkpoint_id)
-        outcome = self._remember(idempotency_key, StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings,
-                                                              durable=True, has_state=with_state))
+        outcome = self._remember(
+            idempotency_key,
+            StepOutcome(step, grad_norm, checkpoint_id, head, parent, timings, durable=True, has_state=with_state),
+        )
         if not pending:
             self._discard(checkpoint_id, folder)
             return outcome
@@ -536,8 +583,7 @@ class TrainingSession:
         if stalled is not None and stalled.done():  # a retry: wait for the upload's next attempt
             stalled = self._stalls[checkpoint_id] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait([task, *([stalled] if stalled is not None else [])],
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([task, *([stalled] if stalled is not None else [])], return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 raise stalled.result()
             task.result()
@@ -574,12 +620,23 @@ class TrainingSession:
             return None
         if not isinstance(metadata, dict) or metadata.get("idempotency_key") != key:
             return None
-        if manifest.pending and (self.publisher is None or self.publisher.find(self.model, manifest.checkpoint_id) is None):
+        if manifest.pending and (
+            self.publisher is None or self.publisher.find(self.model, manifest.checkpoint_id) is None
+        ):
             return None  # another live trainer's (GetHead settled it otherwise): not this step's commit to finish
         # (Pending and ours: the commit went through but its answer was lost; reloading the head finishes it.)
-        return self._remember(key, StepOutcome(manifest.step, float(metadata.get("grad_norm", 0.0)),
-                                               manifest.checkpoint_id, head, manifest.parent_checkpoint_id,
-                                               durable=True, has_state=manifest.has_state))
+        return self._remember(
+            key,
+            StepOutcome(
+                manifest.step,
+                float(metadata.get("grad_norm", 0.0)),
+                manifest.checkpoint_id,
+                head,
+                manifest.parent_checkpoint_id,
+                durable=True,
+                has_state=manifest.has_state,
+            ),
+        )
 
 
 class TrainingSessions:
@@ -597,16 +654,24 @@ class TrainingSessions:
     """
 
     def __init__(
-        self, make: Callable[[str], TrainingSession], default: str, max_sessions: int = 2,
+        self,
+        make: Callable[[str], TrainingSession],
+        default: str,
+        max_sessions: int = 2,
         checkpoints: Client | None = None,
     ) -> None:
         self.make = make
         self.default = default
         self.checkpoints = checkpoints
         self._pool: Pool[TrainingSession] = Pool(
-            default, self._load, TrainingSession.close, max_sessions, check=self._check,
+            default,
+            self._load,
+            TrainingSession.close,
+            max_sessions,
+            check=self._check,
             busy=lambda session: bool(session.trainer and session.trainer.num_pending_datums),
-            owner="the trainer", busy_hint="run their optimizer steps first",
+            owner="the trainer",
+            busy_hint="run their optimizer steps first",
         )
 
     async def start(self) -> None:

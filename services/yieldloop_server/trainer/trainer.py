@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, invalid_field
-from yieldloop_server.trainer import losses
 from yieldloop.types import Datum
+from yieldloop_server.trainer import losses
 
 MAX_LEARNING_RATE = 10.0
 OPTIMIZER_FILE = "optimizer.pt"
@@ -55,8 +55,9 @@ class AdamConfig:
     def validate(self) -> AdamConfig:
         """INVALID_ARGUMENT naming the field for any NaN, infinite or out-of-range value."""
         if not (math.isfinite(self.learning_rate) and 0 < self.learning_rate <= MAX_LEARNING_RATE):
-            raise invalid_field("adam.learning_rate",
-                                f"learning_rate must be in (0, {MAX_LEARNING_RATE}], got {self.learning_rate}")
+            raise invalid_field(
+                "adam.learning_rate", f"learning_rate must be in (0, {MAX_LEARNING_RATE}], got {self.learning_rate}"
+            )
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:  # False for NaN
                 raise invalid_field(f"adam.{name}", f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -65,8 +66,10 @@ class AdamConfig:
         if not 0 <= self.weight_decay <= 1:
             raise invalid_field("adam.weight_decay", f"weight_decay must be in [0, 1], got {self.weight_decay}")
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
-            raise invalid_field("adam.max_grad_norm", f"max_grad_norm must be finite and >= 0 (0: no clipping), "
-                                                      f"got {self.max_grad_norm}")
+            raise invalid_field(
+                "adam.max_grad_norm",
+                f"max_grad_norm must be finite and >= 0 (0: no clipping), got {self.max_grad_norm}",
+            )
         return self
 
 
@@ -118,7 +121,8 @@ def attach_adapter(model: Any, adapter: AdapterSetup) -> Any:
         if missing or result.unexpected_keys:
             raise FailedPreconditionError(
                 f"adapter {adapter.folder.name} does not fit its base: missing {missing[:3]}, unexpected "
-                f"{list(result.unexpected_keys)[:3]}", reason="CHECKPOINT_CORRUPT",
+                f"{list(result.unexpected_keys)[:3]}",
+                reason="CHECKPOINT_CORRUPT",
             )
     return model
 
@@ -200,7 +204,7 @@ class Trainer:
         output layer where the model takes ``logits_to_keep`` (transformers' causal LMs do)."""
         if kept < tokens_BT.shape[1] and takes_logits_to_keep(self.model):
             return self.model(input_ids=tokens_BT, logits_to_keep=kept).logits
-        return self.model(input_ids=tokens_BT).logits[:, tokens_BT.shape[1] - kept:]
+        return self.model(input_ids=tokens_BT).logits[:, tokens_BT.shape[1] - kept :]
 
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Per-token learner logprobs of each datum (no gradient)."""
@@ -212,11 +216,13 @@ class Trainer:
                 logprobs_N, _ = self._logprobs_N(batch)
                 flat, start = logprobs_N.tolist(), 0
                 for datum in batch:
-                    out.append(flat[start:start + len(datum.input_tokens)])
+                    out.append(flat[start : start + len(datum.input_tokens)])
                     start += len(datum.input_tokens)
         return out
 
-    def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]) -> dict[str, float]:
+    def forward_backward(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
+    ) -> dict[str, float]:
         """Accumulates the gradient of the summed loss over ``datums``; returns metrics.
 
         Raises:
@@ -242,7 +248,9 @@ class Trainer:
             raise InvalidArgumentError(
                 "the loss or a gradient of this batch is NaN or infinite, or adding it would make the accumulated "
                 "gradient's norm overflow (e.g. sampling logprobs far below the learner's, or huge advantages or "
-                "weights): nothing was accumulated, earlier gradients are kept", reason="NON_FINITE", field="items",
+                "weights): nothing was accumulated, earlier gradients are kept",
+                reason="NON_FINITE",
+                field="items",
             )
 
     def _merge(self) -> bool:
@@ -284,7 +292,9 @@ class Trainer:
             self._settle(keep=False)  # the earlier gradients as they were; the error itself goes up
             raise
 
-    def _accumulate(self, datums: Sequence[Datum], loss_fn: str, spec: Any, knobs: dict[str, float]) -> dict[str, float]:
+    def _accumulate(
+        self, datums: Sequence[Datum], loss_fn: str, spec: Any, knobs: dict[str, float]
+    ) -> dict[str, float]:
         """Forward/backward over the micro-batches with every total kept on the device: the host queues work
         and waits once, at the end (a non-finite loss shows in the totals and the gradients)."""
         import torch
@@ -300,8 +310,9 @@ class Trainer:
             lp_N, entropy_N = self._logprobs_N(batch, with_entropy=True, start=start)
 
             def flat(name: str) -> Any:
-                return self._to_device(torch.tensor([v for d in batch for v in getattr(d, name)[start:]],
-                                                    dtype=lp_N.dtype))
+                return self._to_device(
+                    torch.tensor([v for d in batch for v in getattr(d, name)[start:]], dtype=lp_N.dtype)
+                )
 
             q_N, A_N, w_N = flat("sampling_logprobs"), flat("advantages"), flat("weights")
             loss = spec.fn(lp_N, q_N, A_N, w_N, **knobs)
@@ -313,12 +324,17 @@ class Trainer:
                 def over_actions(values_N: Any) -> Any:
                     return torch.where(action_N, values_N, 0).sum()
 
-                parts = [loss.detach().reshape(()), action_N.sum(), over_actions(ratio_N), over_actions(q_N - lp_N),
-                         over_actions(entropy_N)]
+                parts = [
+                    loss.detach().reshape(()),
+                    action_N.sum(),
+                    over_actions(ratio_N),
+                    over_actions(q_N - lp_N),
+                    over_actions(entropy_N),
+                ]
                 if "clip_low_threshold" in knobs:
                     outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
                     parts.append((outside & action_N).sum())
-                sums[:len(parts)] += torch.stack([p.to(torch.float64) for p in parts])
+                sums[: len(parts)] += torch.stack([p.to(torch.float64) for p in parts])
         finite = all_finite([sums[:1]])  # the loss; the gradients are checked merged (_merge)
         totals = zero_totals()
         totals.update(zip(_DEVICE_TOTALS, sums.tolist(), strict=True))
@@ -353,12 +369,16 @@ class Trainer:
         if not math.isfinite(grad_norm):
             raise FailedPreconditionError(
                 "the accumulated gradient's norm is NaN or infinite: the step was not applied (the gradients are "
-                "kept: DiscardGradients, `yieldloop models discard-gradients MODEL`, drops them)", reason="NON_FINITE")
+                "kept: DiscardGradients, `yieldloop models discard-gradients MODEL`, drops them)",
+                reason="NON_FINITE",
+            )
         self._before_step = self._snapshot() if keep else None
         if adam.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, adam.max_grad_norm, torch.tensor(grad_norm))
         for group in self.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+            group.update(
+                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+            )
         self.optimizer.step()
         self.step += 1
         if not all_finite(params):
@@ -366,11 +386,15 @@ class Trainer:
                 self.spoiled = True
                 raise FailedPreconditionError(
                     "the step made weights NaN or infinite: the trainer goes back to the model's last checkpoint "
-                    "(steps and gradients since it are lost)", reason="NON_FINITE")
+                    "(steps and gradients since it are lost)",
+                    reason="NON_FINITE",
+                )
             self.finish_step(committed=False)
             raise FailedPreconditionError(
                 "the step made weights NaN or infinite: it was reverted (weights, optimizer state and gradients "
-                "are as before it)", reason="NON_FINITE")
+                "are as before it)",
+                reason="NON_FINITE",
+            )
         return grad_norm
 
     def finish_step(self, committed: bool) -> None:
@@ -404,10 +428,11 @@ class Trainer:
 
         params = self._trainable()
         state = self.optimizer.state_dict()
-        state = {"state": {k: {n: host(v) for n, v in s.items()} for k, s in state["state"].items()},
-                 "param_groups": [dict(g) for g in state["param_groups"]]}
-        return ([host(p) for p in params], [None if p.grad is None else host(p.grad) for p in params], state,
-                self.step)
+        state = {
+            "state": {k: {n: host(v) for n, v in s.items()} for k, s in state["state"].items()},
+            "param_groups": [dict(g) for g in state["param_groups"]],
+        }
+        return ([host(p) for p in params], [None if p.grad is None else host(p.grad) for p in params], state, self.step)
 
     def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path:
         """Writes the sampler weights: an HF checkpoint (safetensors, config, tokenizer), or for a LoRA fork
@@ -480,10 +505,10 @@ def target_logprobs() -> Any:
             logprobs_N = torch.empty(logits_NV.shape[0], dtype=dtype, device=logits_NV.device)
             entropy_N = torch.empty_like(logprobs_N) if with_entropy else None
             for s in range(0, logits_NV.shape[0], rows):
-                logp = torch.log_softmax(logits_NV[s:s + rows], dim=-1, dtype=dtype)  # one pass, cast inside
-                logprobs_N[s:s + rows] = logp.gather(-1, targets_N[s:s + rows, None])[:, 0]
+                logp = torch.log_softmax(logits_NV[s : s + rows], dim=-1, dtype=dtype)  # one pass, cast inside
+                logprobs_N[s : s + rows] = logp.gather(-1, targets_N[s : s + rows, None])[:, 0]
                 if entropy_N is not None:
-                    entropy_N[s:s + rows] = -torch.linalg.vecdot(logp.exp(), logp)
+                    entropy_N[s : s + rows] = -torch.linalg.vecdot(logp.exp(), logp)
             ctx.save_for_backward(logits_NV, targets_N)
             if entropy_N is not None:
                 ctx.mark_non_differentiable(entropy_N)
@@ -495,10 +520,10 @@ def target_logprobs() -> Any:
             grad_NV = torch.empty_like(logits_NV)
             rows = _chunk_rows(logits_NV.shape[-1])
             for s in range(0, logits_NV.shape[0], rows):
-                g = grad_N[s:s + rows, None]
+                g = grad_N[s : s + rows, None]
                 # d logprob[t] / d logit[v] = 1[v == t] - softmax[v]
-                probs = torch.softmax(logits_NV[s:s + rows], dim=-1, dtype=grad_N.dtype).mul_(-g)
-                grad_NV[s:s + rows] = probs.scatter_add_(-1, targets_N[s:s + rows, None], g)
+                probs = torch.softmax(logits_NV[s : s + rows], dim=-1, dtype=grad_N.dtype).mul_(-g)
+                grad_NV[s : s + rows] = probs.scatter_add_(-1, targets_N[s : s + rows, None], g)
             return grad_NV, None, None
 
     return _TargetLogprobs

@@ -44,13 +44,19 @@ class SamplingConfig:
     def validate(self) -> SamplingConfig:
         """INVALID_ARGUMENT naming the field for a value no engine can sample with (checked before a request
         reaches an engine, so one bad request never fails the batch it would have joined)."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or \
-                not 0 < self.max_tokens <= MAX_TOKENS:
-            raise invalid_field("sampling.max_tokens", f"max_tokens must be an integer in [1, {MAX_TOKENS}], "
-                                                       f"got {self.max_tokens!r}")
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or not 0 < self.max_tokens <= MAX_TOKENS
+        ):
+            raise invalid_field(
+                "sampling.max_tokens", f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}"
+            )
         if not _finite_number(self.temperature) or self.temperature < 0 or 0 < self.temperature < MIN_TEMPERATURE:
-            raise invalid_field("sampling.temperature", f"temperature must be 0 (greedy) or a finite number >= "
-                                                        f"{MIN_TEMPERATURE}, got {self.temperature!r}")
+            raise invalid_field(
+                "sampling.temperature",
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {self.temperature!r}",
+            )
         if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise invalid_field("sampling.top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
@@ -62,9 +68,12 @@ class SamplingConfig:
         if not isinstance(self.stream_interval_s, (int, float)) or not self.stream_interval_s >= 0:
             raise invalid_field("sampling.stream_interval_s", "stream_interval_s must be >= 0")
         if len(self.stop) > MAX_STOP_STRINGS or any(
-                not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop):
-            raise invalid_field("sampling.stop", f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at "
-                                                 f"most {MAX_STOP_LENGTH} characters")
+            not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop
+        ):
+            raise invalid_field(
+                "sampling.stop",
+                f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters",
+            )
         return self
 
 
@@ -109,8 +118,13 @@ def whole_completion(sampling: SamplingConfig) -> SamplingConfig:
 
 def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta:
     """One delta saying what ``first`` and then ``then`` said."""
-    return TokenDelta(first.token_ids + then.token_ids, first.logprobs + then.logprobs, then.weight_version,
-                      then.finished, then.stop_reason)
+    return TokenDelta(
+        first.token_ids + then.token_ids,
+        first.logprobs + then.logprobs,
+        then.weight_version,
+        then.finished,
+        then.stop_reason,
+    )
 
 
 async def coalesce(deltas: AsyncIterator[TokenDelta], interval_s: float) -> AsyncIterator[TokenDelta]:
@@ -163,10 +177,12 @@ class ChatRenders:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._ids: collections.OrderedDict[str, tuple[int, ...]] | None = (
-            None if "strftime_now" in str(tokenizer.chat_template) else collections.OrderedDict())
+            None if "strftime_now" in str(tokenizer.chat_template) else collections.OrderedDict()
+        )
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-               add_generation_prompt: bool) -> list[int]:
+    def render(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> list[int]:
         key = ""
         if self._ids is not None:
             with contextlib.suppress(TypeError, ValueError):
@@ -174,10 +190,15 @@ class ChatRenders:
         key = key if len(key) < OFFLOAD_CHARS else ""
         ids = self._ids.pop(key, None) if key else None  # pop, then put back last: the most recently used
         if ids is None:
-            ids = tuple(self.tokenizer.apply_chat_template(
-                list(messages), tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-            ))
+            ids = tuple(
+                self.tokenizer.apply_chat_template(
+                    list(messages),
+                    tools=list(tools) if tools else None,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
         if key:
             self._ids[key] = ids
             if len(self._ids) > RENDER_CACHE_SIZE:
@@ -228,8 +249,7 @@ class Engine(abc.ABC):
 
     async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:
         """Loads (or replaces) the adapter ``name`` from a peft adapter folder; returns once new requests use it."""
-        raise FailedPreconditionError(f"the {self.name} engine does not serve LoRA adapters",
-                                      reason="ENGINE_NOT_READY")
+        raise FailedPreconditionError(f"the {self.name} engine does not serve LoRA adapters", reason="ENGINE_NOT_READY")
 
     async def unload_adapter(self, name: str) -> None:
         """Forgets the adapter (requests already running finish with it)."""
@@ -274,7 +294,8 @@ class Engine(abc.ABC):
         if not self.fits_text(chars):
             raise InvalidArgumentError(
                 f"a prompt of {chars} characters cannot fit the {self.max_model_len}-token context",
-                reason="PROMPT_TOO_LONG", field="prompt",
+                reason="PROMPT_TOO_LONG",
+                field="prompt",
             )
 
     @staticmethod
@@ -286,7 +307,9 @@ class Engine(abc.ABC):
         return fn(*args)
 
     async def render_chat_async(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """:meth:`render_chat` for a request: PROMPT_TOO_LONG first when the text cannot fit, off the loop."""
         chars = chat_chars(messages, tools)
@@ -306,7 +329,10 @@ class Engine(abc.ABC):
         return list(self._require_tokenizer()(text, add_special_tokens=True)["input_ids"])
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, *,
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """Prompt ids for chat messages (and tools, OpenAI function format) through the chat template.
@@ -317,21 +343,29 @@ class Engine(abc.ABC):
         if not messages:
             raise invalid_field("messages", "a chat needs at least one message")
         if not self.has_chat_template:
-            raise InvalidArgumentError("this model's tokenizer has no chat template: send raw text or token ids",
-                                       reason="NO_CHAT_TEMPLATE", field="messages")
+            raise InvalidArgumentError(
+                "this model's tokenizer has no chat template: send raw text or token ids",
+                reason="NO_CHAT_TEMPLATE",
+                field="messages",
+            )
         tokenizer = self._require_tokenizer()
         if self._renders is None or self._renders.tokenizer is not tokenizer:  # a load brought another tokenizer
             self._renders = ChatRenders(tokenizer)
         return self._renders.render(messages, tools, add_generation_prompt)
 
     def render_chat_text(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, *,
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
         add_generation_prompt: bool = False,
     ) -> str:
         """The chat template's text for ``messages`` (the agent loop diffs two of these)."""
         return self._require_tokenizer().apply_chat_template(
-            list(messages), tools=list(tools) if tools else None,
-            add_generation_prompt=add_generation_prompt, tokenize=False,
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
 
     def encode(self, text: str) -> list[int]:

@@ -144,8 +144,15 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    return _Weights(model, tokenizer, version, frozenset(eos_ids), model.config.max_position_embeddings,
-                    signature=signature, plain=plain)
+    return _Weights(
+        model,
+        tokenizer,
+        version,
+        frozenset(eos_ids),
+        model.config.max_position_embeddings,
+        signature=signature,
+        plain=plain,
+    )
 
 
 def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Weights | None:
@@ -276,7 +283,11 @@ class TorchEngine(Engine):
     """Reloads that copied new weights into the previous model instead of building one (:func:`reload_in_place`)."""
 
     def __init__(
-        self, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 256, batch_wait_s: float = 0.005,
+        self,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 256,
+        batch_wait_s: float = 0.005,
         spare_max_bytes: int = 4 << 30,
     ) -> None:
         self.device = device
@@ -388,8 +399,9 @@ class TorchEngine(Engine):
         finally:
             request.cancelled = True
 
-    def submit(self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str, sink: Sink,
-               key: Any) -> _Request:
+    def submit(
+        self, prompt_ids: Sequence[int], sampling: SamplingConfig, adapter: str, sink: Sink, key: Any
+    ) -> _Request:
         """Queues a validated request whose items go to ``sink`` under ``key``; returns it (setting its
         ``cancelled`` cancels it)."""
         import torch
@@ -561,10 +573,12 @@ class _Batch:
         allowed = mask_BT.bool()[:, None, None, :]
         if queries > 1:  # causal among the new positions
             allowed = allowed & torch.ones(queries, columns, dtype=torch.bool, device=mask_BT.device).tril(
-                columns - queries)
+                columns - queries
+            )
         dtype = self.engine._weights.model.dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=mask_BT.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min)
+            ~allowed, torch.finfo(dtype).min
+        )
 
     def _forward(self, rows: list[_Row], **inputs: Any) -> Any:
         import torch
@@ -598,8 +612,15 @@ class _Batch:
                 request.emit(UnavailableError(f"adapter {request.adapter!r} was unloaded", reason="ENGINE_NOT_READY"))
                 continue
             budget = min(request.sampling.max_tokens, weights.max_model_len - len(request.prompt_ids))
-            new.append(_Row(request, adapter.version if adapter else weights.version,
-                            adapter.layers if adapter else {}, budget, len(request.prompt_ids)))
+            new.append(
+                _Row(
+                    request,
+                    adapter.version if adapter else weights.version,
+                    adapter.layers if adapter else {},
+                    budget,
+                    len(request.prompt_ids),
+                )
+            )
         if not new:
             return
         # Identical prompts (a GRPO group's episodes) are prefilled once; their rows then share its cache and logits.
@@ -617,15 +638,19 @@ class _Batch:
         tokens_BL = torch.full((len(firsts), length), weights.tokenizer.pad_token_id or 0, dtype=torch.long)
         mask_BL = torch.zeros((len(firsts), length), dtype=torch.long)
         for i, row in enumerate(firsts):
-            tokens_BL[i, length - len(row.request.prompt_ids):] = torch.tensor(row.request.prompt_ids)
-            mask_BL[i, length - len(row.request.prompt_ids):] = 1
+            tokens_BL[i, length - len(row.request.prompt_ids) :] = torch.tensor(row.request.prompt_ids)
+            mask_BL[i, length - len(row.request.prompt_ids) :] = 1
         positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=weights.model.config)
         mask_BL = mask_BL.to(device)
         with torch.inference_mode():
-            logits_BV = self._forward(firsts, input_ids=tokens_BL.to(device),
-                                      attention_mask=self._attention(mask_BL, length),
-                                      position_ids=positions_BL.to(device), past_key_values=cache)
+            logits_BV = self._forward(
+                firsts,
+                input_ids=tokens_BL.to(device),
+                attention_mask=self._attention(mask_BL, length),
+                position_ids=positions_BL.to(device),
+                past_key_values=cache,
+            )
             if len(firsts) < len(new):
                 index = torch.tensor(source, device=device)
                 cache.batch_select_indices(index)
@@ -653,8 +678,9 @@ class _Batch:
     def _sample(self) -> tuple[list[int | None], list[float], list[BaseException | None]]:
         rows = self.rows
         try:
-            tokens_B, logprobs_B = sample_batch(self.logits_BV, [r.request.sampling for r in rows],
-                                                [r.request.generator for r in rows])
+            tokens_B, logprobs_B = sample_batch(
+                self.logits_BV, [r.request.sampling for r in rows], [r.request.generator for r in rows]
+            )
             return tokens_B.tolist(), logprobs_B.tolist(), [None] * len(rows)
         except Exception:  # deliberate degrade: sample row by row, so that only a failing request fails
             tokens, logprobs, failures = [], [], []
@@ -686,7 +712,9 @@ class _Batch:
             if failures[i] is None and not math.isfinite(logprobs[i]):
                 failures[i] = ValueError(f"the sampled token's logprob is {logprobs[i]}")
             if failures[i] is not None:
-                outgoing.append((request, UnavailableError(f"torch engine error: {failures[i]}", reason="ENGINE_ERROR")))
+                outgoing.append(
+                    (request, UnavailableError(f"torch engine error: {failures[i]}", reason="ENGINE_ERROR"))
+                )
                 continue
             row.generated.append(tokens[i])
             reason = engine._stop_reason(weights, request, row.generated, row.budget)
@@ -714,8 +742,12 @@ class _Batch:
         self.mask_BT = torch.cat([self.mask_BT, self.mask_BT.new_ones((len(self.rows), 1))], dim=1)
         positions_B1 = torch.tensor([row.position for row in self.rows], device=engine.device)[:, None]
         with torch.inference_mode():
-            self.logits_BV = self._forward(self.rows, input_ids=torch.tensor(step_tokens, device=engine.device)[:, None],
-                                           attention_mask=self._attention(self.mask_BT, 1), position_ids=positions_B1,
-                                           past_key_values=self.cache)
+            self.logits_BV = self._forward(
+                self.rows,
+                input_ids=torch.tensor(step_tokens, device=engine.device)[:, None],
+                attention_mask=self._attention(self.mask_BT, 1),
+                position_ids=positions_B1,
+                past_key_values=self.cache,
+            )
         for row in self.rows:
             row.position += 1

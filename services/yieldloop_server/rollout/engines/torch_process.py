@@ -77,12 +77,14 @@ class TorchProcessEngine(Engine):
         """Starts the child process and the thread reading its pipe."""
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(child, *self._child_args),
-                                        name="yieldloop-torch-engine", daemon=True)
+        self._process = context.Process(
+            target=_child_main, args=(child, *self._child_args), name="yieldloop-torch-engine", daemon=True
+        )
         self._process.start()
         child.close()
-        self._reader = threading.Thread(target=self._read, args=(self._conn, self._process), name="torch-engine-reader",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, args=(self._conn, self._process), name="torch-engine-reader", daemon=True
+        )
         self._reader.start()
 
     @property
@@ -104,8 +106,9 @@ class TorchProcessEngine(Engine):
             with self._send_lock:
                 self._conn.send(message)
         except (OSError, EOFError) as exc:
-            gone = UnavailableError(f"the torch engine process is gone ({exc}; exit code {self._process.exitcode})",
-                                    reason="ENGINE_ERROR")
+            gone = UnavailableError(
+                f"the torch engine process is gone ({exc}; exit code {self._process.exitcode})", reason="ENGINE_ERROR"
+            )
             if not reviving and self._dead is None:
                 # A pipe that broke is a child lost, whether or not its process has exited yet (is_alive can lag
                 # behind): the next call starts a new one instead of writing to this pipe again.
@@ -138,7 +141,8 @@ class TorchProcessEngine(Engine):
                 return  # revived while this call waited
             # Dead, though its reader may not have seen the pipe close yet.
             dead = self._dead or UnavailableError(
-                f"the torch engine process exited (code {self._process.exitcode})", reason="ENGINE_ERROR")
+                f"the torch engine process exited (code {self._process.exitcode})", reason="ENGINE_ERROR"
+            )
             if time.monotonic() < self._revive_after:
                 raise dead
             log.warning("%s: starting a new torch engine process with weights %s", dead, self._version or "(none)")
@@ -174,8 +178,11 @@ class TorchProcessEngine(Engine):
 
     async def load_weights(self, folder: pathlib.Path, version: str) -> None:
         signature = await asyncio.to_thread(folder_signature, folder)
-        tokenizer = None if signature is not None and signature == self._signature else \
-            asyncio.create_task(asyncio.to_thread(_tokenizer_and_code, folder))
+        tokenizer = (
+            None
+            if signature is not None and signature == self._signature
+            else asyncio.create_task(asyncio.to_thread(_tokenizer_and_code, folder))
+        )
         try:
             facts = await self._call("load_weights", str(folder), version)
         finally:
@@ -255,8 +262,9 @@ class TorchProcessEngine(Engine):
                 entry = self._calls.get(call_id)
                 if entry is not None:
                     _settle_soon(entry[0], entry[1], error, result)
-        self._dead = UnavailableError(f"the torch engine process exited (code {process.exitcode})",
-                                      reason="ENGINE_ERROR")
+        self._dead = UnavailableError(
+            f"the torch engine process exited (code {process.exitcode})", reason="ENGINE_ERROR"
+        )
         for loop, out in list(self._streams.values()):
             LoopSink.of(loop).deliver([(out, self._dead)])
         for loop, future in list(self._calls.values()):
@@ -273,9 +281,11 @@ def _tokenizer_and_code(folder: pathlib.Path) -> Any:
     return tokenizer
 
 
-def _settle_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None,
-                 result: Any) -> None:
+def _settle_soon(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None, result: Any
+) -> None:
     """Settles a call's future on its loop (from the reader thread)."""
+
     def settle() -> None:
         if not future.done():
             future.set_exception(error) if error is not None else future.set_result(result)
@@ -352,8 +362,9 @@ class _Child:
         if kind == "generate":
             _, request_id, prompt_ids, sampling, adapter = message
             with self.sink.lock:
-                self.sink.requests[request_id] = self.engine.submit(prompt_ids, sampling, adapter, self.sink,
-                                                                    request_id)
+                self.sink.requests[request_id] = self.engine.submit(
+                    prompt_ids, sampling, adapter, self.sink, request_id
+                )
         elif kind == "cancel":
             with self.sink.lock:
                 request = self.sink.requests.pop(message[1], None)

@@ -81,7 +81,7 @@ def rpc_dir() -> pathlib.Path | None:
         return None
     base = pathlib.Path(tempfile.gettempdir())
     for old in base.glob(RPC_DIR_PREFIX + "*"):
-        pid = old.name[len(RPC_DIR_PREFIX):]
+        pid = old.name[len(RPC_DIR_PREFIX) :]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     folder = base / f"{RPC_DIR_PREFIX}{os.getpid()}"
@@ -181,8 +181,9 @@ class VllmEngine(Engine):
         if max_batch_size:
             self.engine_options.setdefault("max_num_seqs", max_batch_size)
         if lora:
-            self.engine_options.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                       max_cpu_loras=max(4 * max_loras, 32))
+            self.engine_options.update(
+                enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max(4 * max_loras, 32)
+            )
         self._loras: dict[str, tuple[Any, str]] = {}
         """Adapter name -> (LoRARequest, or None for a fresh adapter that samples like the base; version)."""
         self._lora_ids = itertools.count(1)
@@ -323,7 +324,9 @@ class VllmEngine(Engine):
             try:
                 await self._llm.add_lora(request)
             except Exception as exc:
-                raise FailedPreconditionError(f"vLLM refused adapter {name}: {exc}", reason="CHECKPOINT_CORRUPT") from exc
+                raise FailedPreconditionError(
+                    f"vLLM refused adapter {name}: {exc}", reason="CHECKPOINT_CORRUPT"
+                ) from exc
         # The previous version is not removed: requests still running use it; vLLM's LRU cache of
         # max_cpu_loras adapters lets old versions go.
         self._loras[name] = (request, version)
@@ -382,7 +385,9 @@ class VllmEngine(Engine):
         budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
         request_id = uuid.uuid4().hex
         outputs = llm.generate(
-            TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling_params(sampling, budget), request_id,
+            TokensPrompt(prompt_token_ids=list(prompt_ids)),
+            self._sampling_params(sampling, budget),
+            request_id,
             lora_request=lora_request,
         )
         produced = 0
