@@ -47,12 +47,12 @@ def store_bytes(root: pathlib.Path) -> int:
 
 async def bench(args: argparse.Namespace) -> dict:
     from yieldloop.client import Client, sampling_params
-    from yieldloop_server.checkpoint.files import upload_folder
     from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
     from yieldloop_server.config import EnvOptions, RolloutOptions, ServeOptions, TrainerOptions
     from yieldloop_server.serve import build_service
     from yieldloop_server.stack import ensure_model, ensure_stack_keys
     from yieldloop_server.store import open_store
+    from yieldloop_server.weights.files import upload_folder
 
     root = scratch_dir("yl-syncbench-")
     url = str(root / "store")

@@ -122,12 +122,12 @@ async def bench(args: argparse.Namespace) -> dict:
     from yieldloop.client import Client
     from yieldloop.proto.common.v1 import common_pb2 as common_pb
     from yieldloop_server.checkpoint import server as checkpoint_server
-    from yieldloop_server.checkpoint.files import upload_folder
     from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
     from yieldloop_server.common.hf import load_causal_lm
     from yieldloop_server.store import open_store
     from yieldloop_server.trainer import server as trainer_server
     from yieldloop_server.trainer.trainer import TrainerConfig
+    from yieldloop_server.weights.files import upload_folder
 
     root = scratch_dir("yl-trainerbench-")
     folder = build_model(

@@ -192,10 +192,10 @@ async def test_two_teams_on_one_stack(stack, client: Client, keys: Keys) -> None
             await a.fork_model("tiny", "team-a-for-b", owner="team-b")
         assert caught.value.reason == "ROLE_NOT_ALLOWED"
         # Visibility: A sees its fork and the public base; B sees the base only; the admin sees both.
-        assert {"tiny", "team-a-private"} <= {m.slug for m in (await a.list_models()).models}
-        b_sees = {m.slug for m in (await b.list_models()).models}
+        assert {"tiny", "team-a-private"} <= {m.slug for m in (await a.list_models())}
+        b_sees = {m.slug for m in (await b.list_models())}
         assert "tiny" in b_sees and "team-a-private" not in b_sees
-        assert "team-a-private" in {m.slug for m in (await client.list_models()).models}
+        assert "team-a-private" in {m.slug for m in (await client.list_models())}
         # A runs a job on its fork and trains it.
         job = await a.create_job(model="team-a-private", name="a-job")
         runs = [

@@ -391,7 +391,7 @@ async def fuzz_client(tmp_path_factory):
 
 
 async def _call(client: Client, service: str, method: str, messages: list[Any]) -> None:
-    stub = getattr(client, f"{service}_stub")
+    stub = getattr(client.raw, service)
     rpc = getattr(stub, method)
     streaming_request = method in (
         "StreamEpisode",

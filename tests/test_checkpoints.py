@@ -10,9 +10,9 @@ import pathlib
 import pytest
 
 from yieldloop import errors
-from yieldloop_server.checkpoint.files import download_verified
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo, ObjectInfo
 from yieldloop_server.store import PreconditionFailed
+from yieldloop_server.weights.files import download_verified
 
 
 def test_conditional_puts(any_store) -> None:
@@ -298,7 +298,7 @@ def test_retention_never_deletes_objects_a_fork_references(any_store) -> None:
 
 UPLOADER = """
 import pathlib, sys, time
-from yieldloop_server.checkpoint.files import upload_folder
+from yieldloop_server.weights.files import upload_folder
 from yieldloop_server.store import open_store
 from yieldloop_server.store.s3 import S3Store
 url, endpoint, folder = sys.argv[1:4]

@@ -115,7 +115,7 @@ def test_up_serves_tls_and_auth(up: pathlib.Path) -> None:
             with pytest.raises(errors.UnavailableError):
                 await plaintext.list_models()
         async with connect(up, timeout=30) as client:
-            assert client.transport.tls_ca and (await client.list_models()).models
+            assert client.transport.tls_ca and (await client.list_models())
         keyless_transport = dataclasses.replace(client.transport, api_key="")
         async with Client(**addresses, transport=keyless_transport, timeout=30) as keyless:
             with pytest.raises(errors.UnauthenticatedError):

@@ -14,7 +14,7 @@ import pathlib
 import pytest
 
 from yieldloop.types import ObjectInfo
-from yieldloop_server.common.collective import broadcast_files, close_group, make_group, open_store
+from yieldloop_server.weights.collective import broadcast_files, close_group, make_group, open_store
 
 SIZES = {"model.safetensors": 10 * (1 << 20) + 123, "config.json": 321, "empty.txt": 0}
 

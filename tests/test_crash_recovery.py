@@ -30,11 +30,11 @@ from test_training_safety import fingerprint, good_batch
 from yieldloop import errors
 from yieldloop.client import Client
 from yieldloop.transport import TransportConfig
-from yieldloop_server.checkpoint.files import download_verified
 from yieldloop_server.config import ServeOptions, StackConfig
 from yieldloop_server.serve import build_service
 from yieldloop_server.stack import ServiceProcess, ensure_model, ensure_stack_keys
 from yieldloop_server.store import open_store
+from yieldloop_server.weights.files import download_verified
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -163,7 +163,7 @@ async def crashing(request, tmp_path_factory):
 async def committed_with(client: Client, key: str) -> list[str]:
     """The checkpoints whose metadata carries idempotency key ``key``."""
     found = []
-    for summary in (await client.list_checkpoints("tiny")).checkpoints:
+    for summary in await client.list_checkpoints("tiny"):
         manifest = await client.get_checkpoint("tiny", summary.checkpoint_id)
         if json.loads(manifest.metadata_json or "{}").get("idempotency_key") == key:
             found.append(manifest.checkpoint_id)
@@ -270,10 +270,7 @@ async def test_kill_9_anywhere_in_a_step_loses_no_acknowledged_step(crashing) ->
     # final head downloads and verifies.
     manifests = {
         m.checkpoint_id: m
-        for m in [
-            await client.get_checkpoint("tiny", s.checkpoint_id)
-            for s in (await client.list_checkpoints("tiny")).checkpoints
-        ]
+        for m in [await client.get_checkpoint("tiny", s.checkpoint_id) for s in (await client.list_checkpoints("tiny"))]
     }
     assert not [cid for cid, m in manifests.items() if m.pending]
     referenced = {o.key for m in manifests.values() for o in m.objects}

@@ -12,13 +12,12 @@ from test_training_safety import good_batch
 
 from yieldloop import errors
 from yieldloop.client import Client
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.transport import MAX_MESSAGE_BYTES
-from yieldloop.types import Run, RunStatus, TaskRef
+from yieldloop.types import Promotion, Run, RunStatus, TaskRef
 
 
 async def test_unknown_enum_values_are_invalid_arguments(client: Client) -> None:
-    promotion = ckpt_pb.Promotion(state=99, reason="from the future")
+    promotion = Promotion(state=99, reason="from the future")
     with pytest.raises(errors.InvalidArgumentError) as err:
         await client.record_promotion("tiny", "base", promotion)
     assert err.value.field == "promotion.state"
@@ -100,7 +99,7 @@ async def test_a_full_disk_is_resource_exhausted_and_retryable(tmp_path, monkeyp
                 with pytest.raises(errors.ResourceExhaustedError) as err:
                     await call()
                 assert err.value.reason == "NO_SPACE", (name, err.value)
-            assert [m.slug for m in (await client.list_models()).models].count("disk-2") == 0
+            assert [m.slug for m in (await client.list_models())].count("disk-2") == 0
             # The step's commit went through (HEAD moved, the fleet pulls from the trainer) but its objects cannot
             # be written: it answers NO_SPACE while its upload keeps trying.
             full["on"] = "objects"
@@ -110,7 +109,7 @@ async def test_a_full_disk_is_resource_exhausted_and_retryable(tmp_path, monkeyp
             full["on"] = ""
             step = await client.optim_step(1e-2, model="disk", idempotency_key="stalled-step")
             assert step.durable and (await client.get_head("disk")).checkpoint_id == step.checkpoint.checkpoint_id
-            assert [c.step for c in (await client.list_checkpoints("disk")).checkpoints] == [0, 1]
+            assert [c.step for c in (await client.list_checkpoints("disk"))] == [0, 1]
             await client.fork_model("tiny", "disk-2")
             assert (await client.create_job("tiny", name="space again")).name == "space again"
     finally:

@@ -82,7 +82,7 @@ async def test_import_records_the_model_and_stores_safetensors_as_they_are(stack
     assert by_name["model.safetensors"].sha256 == _sha(llama / "model.safetensors")  # the same bytes
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(by_name)
     assert model.size_bytes == sum(o.size for o in manifest.objects)
-    listed = {m.slug: m for m in (await client.list_models()).models}
+    listed = {m.slug: m for m in (await client.list_models())}
     assert listed["imported-llama"].architecture == "LlamaForCausalLM"
     assert listed["tiny"].architecture == "Qwen2ForCausalLM" and listed["tiny"].source == "built-in"
     forked = await client.fork_model("imported-llama", "imported-llama-fork")
@@ -144,11 +144,11 @@ async def test_bad_imports_fail_typed_and_write_nothing(
         name, expected = "tiny", (errors.AlreadyExistsError, "MODEL_ALREADY_EXISTS")
     elif case == "invalid-slug":
         name, expected = "../escape", (errors.InvalidArgumentError, "INVALID_FIELD")
-    before = {m.slug: m for m in (await client.list_models()).models}
+    before = {m.slug: m for m in (await client.list_models())}
     with pytest.raises(expected[0]) as err:
         await client.import_model(str(source), name)
     assert err.value.reason == expected[1], err.value
-    assert {m.slug: m for m in (await client.list_models()).models} == before
+    assert {m.slug: m for m in (await client.list_models())} == before
     if case not in ("invalid-slug", "slug-exists"):
         assert _keys(stack, name) == []  # nothing written for a failed import
 
@@ -231,7 +231,7 @@ async def test_the_rollout_memory_budget_unloads_idle_models_and_refuses_one_too
     await stack.start()
     try:
         async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
-            tiny = next(m for m in (await client.list_models()).models if m.slug == "tiny")
+            tiny = next(m for m in (await client.list_models()) if m.slug == "tiny")
             big = build_llama(tmp_path_factory.mktemp("src") / "big-llama", num_hidden_layers=8)
             await client.import_model(str(big), "big-llama")
             await client.fork_model("tiny", "budget-fork")
@@ -329,7 +329,7 @@ async def test_nobody_imports_what_is_not_theirs(tmp_path_factory, llama) -> Non
                 assert isinstance(err, errors.PermissionDeniedError) and err.reason == reason, (path, err)
             assert await _import_on_server(admin, str(roots / "allowed"), "by-path") is None
             assert (await admin.get_model("by-path")).source == str(roots / "allowed")
-            assert "stolen" not in {m.slug for m in (await admin.list_models()).models}
+            assert "stolen" not in {m.slug for m in (await admin.list_models())}
     finally:
         await stack.stop()
 
@@ -339,13 +339,13 @@ async def test_an_upload_is_checked_file_by_file(stack, client: Client, llama) -
     a file name that is a path are INVALID_ARGUMENT; nothing is written for any of them."""
     from yieldloop._status import error_from_rpc
     from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as pb
-    from yieldloop.uploads import upload_header, upload_requests
+    from yieldloop.wire.uploads import upload_header, upload_requests
 
     header = upload_header(llama, "upload-checked")
 
     async def send(requests) -> errors.YieldloopError:
         try:
-            await client.checkpoint_stub.UploadModel(iter(list(requests)), timeout=60)
+            await client.raw.checkpoint.UploadModel(iter(list(requests)), timeout=60)
         except Exception as err:
             return error_from_rpc(err)
         raise AssertionError("accepted")
@@ -362,6 +362,6 @@ async def test_an_upload_is_checked_file_by_file(stack, client: Client, llama) -
         evil = pb.UploadModelHeader(name="upload-evil", files=[pb.UploadedFile(name=name, size=0, sha256="0" * 64)])
         err = await send([pb.UploadModelRequest(header=evil)])
         assert isinstance(err, errors.InvalidArgumentError) and err.field == "header.files[0].name", err
-    listed = {m.slug for m in (await client.list_models()).models}
+    listed = {m.slug for m in (await client.list_models())}
     assert not {"upload-checked", "upload-evil"} & listed
     assert _keys(stack, "upload-checked") == [] and _keys(stack, "upload-evil") == []

@@ -10,24 +10,26 @@ ROOTS = {
     "yieldloop": REPO / "clients" / "python" / "yieldloop",
     "yieldloop_server": REPO / "services" / "yieldloop_server",
 }
-DOMAIN_MODULES = [
-    "yieldloop_server.trainer.trainer",
-    "yieldloop_server.trainer.losses",
-    "yieldloop_server.trainer.session",
-    "yieldloop_server.checkpoint.registry",
-    "yieldloop_server.checkpoint.files",
-    "yieldloop_server.rollout.rollouts",
-    "yieldloop_server.rollout.agent",
-    "yieldloop_server.rollout.weights",
-    "yieldloop_server.store.base",
-    "yieldloop_server.store.fs",
-    "yieldloop_server.store.s3",
-    "yieldloop_server.store.traces",
-    "yieldloop.groups",
-    "yieldloop.types",
-    "yieldloop.environment",
-    "yieldloop.episode",
-]
+SERVER_EDGE_PACKAGES = {"common", "hud"}
+"""Packages of the server that are transport (the gRPC server, auth, telemetry) or an HTTP gateway."""
+CLIENT_EDGE_PACKAGES = {"proto", "wire"}
+"""Generated code, and the plumbing under the Client (calls, episode streams, raw stubs, upload streams)."""
+CLIENT_EDGE_MODULES = {"client", "convert", "transport", "_status", "cli"}
+"""The Client's own module (domain in, domain out: checked by signature below), the converter, the transport seam,
+the error wire format, the command line."""
+WIRE = ("grpc", "grpc_status", "grpc_health", "grpc_reflection", "google")
+
+
+def is_domain(name: str) -> bool:
+    """Domain modules go by folder: in the server, every module of a service package (checkpoint, env, rollout,
+    store, trainer, weights, ...) but its ``server``, ``servicer`` and ``*_http`` edges (top-level modules are
+    process wiring); in the client, every module outside the wire packages and the edge modules."""
+    package, *parts = name.split(".")
+    if package == "yieldloop_server":
+        if len(parts) < 2 or parts[0] in SERVER_EDGE_PACKAGES:
+            return False
+        return parts[-1] not in ("server", "servicer") and not parts[-1].endswith("_http")
+    return bool(parts) and parts[0] not in CLIENT_EDGE_PACKAGES and parts[0] not in CLIENT_EDGE_MODULES
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -116,27 +118,117 @@ def test_imports_go_one_way() -> None:
         assert not foreign, f"{module} imports another service's servicer: {foreign}"
 
 
+def _imported_names(tree: ast.AST) -> set[str]:
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return imported
+
+
 def test_domain_modules_import_neither_grpc_nor_generated_code() -> None:
-    modules = _modules()
-    for name in DOMAIN_MODULES:
-        tree = ast.parse(modules[name].read_text())
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    """Every domain module (by folder, :func:`is_domain`) speaks domain types: no grpc, no generated code, no
+    converter, no wire plumbing; the Client (which returns domain types) is how it reaches another service."""
+    domain = [name for name in _modules() if is_domain(name)]
+    for name in domain:
+        imported = _imported_names(ast.parse(_modules()[name].read_text()))
         wire = sorted(
             m
             for m in imported
-            if m.split(".")[0] in ("grpc", "grpc_status", "google")
-            or m.startswith("yieldloop.proto")
-            or m in ("yieldloop.convert", "yieldloop.client")
+            if m.split(".")[0] in WIRE
+            or m.startswith(("yieldloop.proto", "yieldloop.wire", "yieldloop.convert", "yieldloop._status"))
         )
-        allowed = (
-            {"yieldloop.client"}
-            if name
-            in (
-                "yieldloop_server.rollout.rollouts",
-                "yieldloop_server.rollout.weights",
-                "yieldloop_server.trainer.session",
+        assert not wire, f"{name} imports the wire: {wire}"
+    assert "yieldloop_server.weights.group" in domain and "yieldloop.training" in domain
+
+
+def _wire_names(tree: ast.Module) -> set[str]:
+    """Names a module binds to generated code (``from yieldloop.proto... import x_pb2 as pb``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("yieldloop.proto"):
+            names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.asname or alias.name for alias in node.names if alias.name.startswith("yieldloop.proto"))
+    return names
+
+
+def _public_signatures(tree: ast.Module) -> list[tuple[str, ast.AST]]:
+    """(qualified name, annotation) of every parameter and return of public module functions and public methods
+    of public classes."""
+    found = []
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                visit(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                args = node.args
+                for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+                    if arg is not None and arg.annotation is not None:
+                        found.append((f"{prefix}{node.name}({arg.arg})", arg.annotation))
+                if node.returns is not None:
+                    found.append((f"{prefix}{node.name} ->", node.returns))
+
+    visit(tree.body, "")
+    return found
+
+
+def test_no_domain_signature_carries_protobuf() -> None:
+    """What domain code and the Client's callers see is domain types: no public signature of a domain module, of
+    the Client or of the episode sessions it hands out names a generated message."""
+    modules = _modules()
+    checked = [name for name in modules if is_domain(name)] + ["yieldloop.client", "yieldloop.wire.episodes"]
+    leaks = []
+    for name in checked:
+        tree = ast.parse(modules[name].read_text())
+        wire = _wire_names(tree)
+        for where, annotation in _public_signatures(tree):
+            if name == "yieldloop.wire.episodes" and not where.startswith(("EpisodeSession.", "MultiplexedEpisode.")):
+                continue
+            if (
+                where.endswith("__init__(stub)")
+                or where.endswith("__init__(task)")
+                or where.endswith("__init__(streams)")
+            ):
+                continue  # built by the Client, not by its callers
+            used = {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)}
+            text = ast.unparse(annotation)
+            if used & wire or "_pb2" in text or "_pb." in text:
+                leaks.append(f"{name}.{where} {text}")
+    assert not leaks, "protobuf in domain signatures:\n" + "\n".join(leaks)
+
+
+ROOM = "yieldloop_server.weights"
+ROOM_DOORS = {ROOM, f"{ROOM}.base", f"{ROOM}.files"}
+"""What the rest of the server may import of the weights room: the factory, the interfaces, the folder format."""
+
+
+def test_weights_in_flight_live_in_one_room() -> None:
+    """Every way of moving weights is in ``yieldloop_server.weights``: the rest of the server reaches it through
+    the factory, the WeightSource/WeightSink interfaces and the checkpoint folder format only; process groups
+    for weights (the collective transport) exist nowhere else; the room imports no service (it is below them)."""
+    graph = _graph()
+    for module, deps in graph.items():
+        inside = module == ROOM or module.startswith(ROOM + ".")
+        room_deps = {d for d in deps if d == ROOM or d.startswith(ROOM + ".")}
+        if module.startswith("yieldloop_server.") and not inside:
+            assert room_deps <= ROOM_DOORS, f"{module} reaches into the weights room: {sorted(room_deps - ROOM_DOORS)}"
+        if inside:
+            services = {
+                d
+                for d in deps
+                if d.split(".")[1:2] and d.split(".")[1] in ("trainer", "rollout", "checkpoint", "env", "hud")
+            }
+            assert not services, f"{module} imports a service: {sorted(services)}"
+    for module, path in _modules().items():
+        if (
+            module.startswith("yieldloop_server.")
+            and not module.startswith(ROOM)
+            and module != "yieldloop_server.trainer.distributed"
+        ):
+            text = path.read_text()
+            assert "ProcessGroupGloo" not in text and "ProcessGroupNCCL" not in text and "TCPStore" not in text, (
+                f"{module} builds process groups of its own: weights move through {ROOM}"
             )
-            else set()
-        )
-        assert not set(wire) - allowed, f"{name} imports the wire: {wire}"

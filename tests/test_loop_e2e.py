@@ -36,7 +36,7 @@ async def test_one_iteration_commits_moves_head_and_reloads(client: Client) -> N
     head = await client.get_head(MODEL)
     assert head.checkpoint_id == report.checkpoint_id
     assert head.sequence == head_before.sequence + 1
-    listed = (await client.list_checkpoints(MODEL)).checkpoints
+    listed = await client.list_checkpoints(MODEL)
     assert [c.checkpoint_id for c in listed if c.is_head] == [report.checkpoint_id]
 
     # The next Generate reports that checkpoint as its weight version.

@@ -128,7 +128,7 @@ async def test_two_forks_trained_concurrently_from_two_clients(stack, client: Cl
     full_steps, lora_steps = await asyncio.gather(train("duo-full"), train("duo-lora"))
     rollout_cache = pathlib.Path(stack.config.data_dir) / "work" / "rollout"
     for slug, steps in (("duo-full", full_steps), ("duo-lora", lora_steps)):
-        tree = (await client.list_checkpoints(slug)).checkpoints
+        tree = await client.list_checkpoints(slug)
         assert [c.checkpoint_id for c in tree][-2:] == steps and tree[-1].is_head
         assert (await client.get_checkpoint(slug, steps[1])).parent_checkpoint_id == steps[0]
         served = await client.get_serving_info(wait_for_checkpoint_id=steps[1], model=slug)
@@ -152,11 +152,11 @@ async def test_two_forks_trained_concurrently_from_two_clients(stack, client: Cl
     ],
 )
 async def test_bad_lora_forks_are_refused_and_write_nothing(client: Client, source, name, lora, reason) -> None:
-    before = {m.slug for m in (await client.list_models()).models}
+    before = {m.slug for m in (await client.list_models())}
     with pytest.raises(errors.YieldloopError) as err:
         await client.fork_model(source, name, lora=lora)
     assert err.value.reason == reason, err.value
-    assert {m.slug for m in (await client.list_models()).models} == before
+    assert {m.slug for m in (await client.list_models())} == before
 
 
 async def test_forks_of_a_lora_fork_keep_its_adapter(client: Client) -> None:

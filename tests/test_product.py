@@ -153,7 +153,7 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
     for report in reports:
         manifest = await client.get_checkpoint(MODEL, report.checkpoint_id)
         assert manifest.parent_checkpoint_id == report.parent_checkpoint_id
-    decided = {c.checkpoint_id: c.promotion for c in (await client.list_checkpoints(MODEL)).checkpoints}
+    decided = {c.checkpoint_id: c.promotion for c in (await client.list_checkpoints(MODEL))}
     for report in reports:
         state = ckpt_pb.PROMOTION_STATE_PROMOTED if report.promoted else ckpt_pb.PROMOTION_STATE_REJECTED
         assert decided[report.checkpoint_id].state == state and decided[report.checkpoint_id].reason == report.reason
@@ -167,7 +167,7 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
     assert "<" in bad.reason and bad.head_checkpoint_id == head.checkpoint_id
     assert (await client.get_head(MODEL)).checkpoint_id == head.checkpoint_id
     assert (await client.get_serving_info()).weight_version == head.checkpoint_id, "the fleet never served it"
-    listed = {c.checkpoint_id: c for c in (await client.list_checkpoints(MODEL)).checkpoints}
+    listed = {c.checkpoint_id: c for c in (await client.list_checkpoints(MODEL))}
     kept = listed[bad.checkpoint_id]
     assert not kept.is_head and kept.promotion.state == ckpt_pb.PROMOTION_STATE_REJECTED
     assert kept.promotion.reason == bad.reason and kept.promotion.baseline_checkpoint_id == head.checkpoint_id

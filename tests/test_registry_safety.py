@@ -111,7 +111,7 @@ async def test_names_and_huge_inputs_over_grpc(client: Client) -> None:
     assert len(huge.value.message) < 1200
     with pytest.raises(errors.NotFoundError):
         await client.get_head("z" * 100)
-    assert "evil" not in {m.slug.strip() for m in (await client.list_models()).models}
+    assert "evil" not in {m.slug.strip() for m in (await client.list_models())}
 
 
 async def test_watchers_of_a_model_share_one_head_poller(tmp_path) -> None:

@@ -48,7 +48,7 @@ async def test_closed_loop_over_s3(s3_client) -> None:
     assert forked.head.checkpoint_id == "base"
     manifest = await client.get_checkpoint("tiny-fork", "base")
     assert all(o.key.startswith("models/tiny/") for o in manifest.objects)
-    listed = (await client.list_checkpoints("tiny")).checkpoints
+    listed = await client.list_checkpoints("tiny")
     assert [c.checkpoint_id for c in listed] == ["base", report.checkpoint_id]
     assert [c.is_head for c in listed] == [True, False]
 

@@ -199,7 +199,7 @@ async def test_a_failed_commit_leaves_the_trainer_as_before_and_a_retry_commits_
     retried = await sc.optim_step(1e-2, model="flaky", idempotency_key="step-A")
     again = await sc.optim_step(1e-2, model="flaky", idempotency_key="step-A")
     assert retried.checkpoint.checkpoint_id == again.checkpoint.checkpoint_id
-    tree = (await sc.list_checkpoints("flaky")).checkpoints
+    tree = await sc.list_checkpoints("flaky")
     assert [c.step for c in tree] == [0, 1] and tree[-1].checkpoint_id == retried.checkpoint.checkpoint_id
     assert (await sc.get_trainer_info(model="flaky")).num_pending_datums == 0  # applied once, in that step
     assert await fingerprint(sc, "flaky") != before
@@ -217,7 +217,7 @@ async def test_two_trainers_racing_on_one_model_one_step_per_parent(sc: Client) 
         await sc.optim_step(1e-2, model="raced")
     assert err.value.reason == "HEAD_CONFLICT"
     assert (await sc.get_head("raced")).checkpoint_id == "base"
-    assert [c.checkpoint_id for c in (await sc.list_checkpoints("raced")).checkpoints] == ["base", first]
+    assert [c.checkpoint_id for c in (await sc.list_checkpoints("raced"))] == ["base", first]
     info = await sc.get_trainer_info(model="raced")
     assert (info.num_pending_datums, info.step) == (2, 1)
     # The way out the error names: discard the stale gradients; the next call trains from the new head.
@@ -277,8 +277,8 @@ async def test_the_rollout_refuses_non_finite_weights(sc: Client, safety_stack, 
     from safetensors.torch import load_file, save_file
 
     from yieldloop.types import Manifest
-    from yieldloop_server.checkpoint.files import download_verified, upload_folder
     from yieldloop_server.store import open_store
+    from yieldloop_server.weights.files import download_verified, upload_folder
 
     await sc.fork_model("tiny", "nan-model")
     await sc.get_serving_info(wait_for_checkpoint_id="base", model="nan-model")  # served before the bad step

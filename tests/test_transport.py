@@ -15,13 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from yieldloop import client as client_module
 from yieldloop import errors
 from yieldloop._status import to_rpc_status
-from yieldloop.client import Client, _CallStatus, sampling_params
+from yieldloop.client import Client, sampling_params
 from yieldloop.environment import Task
 from yieldloop.transport import CallInfo, TransportConfig, open_channel
 from yieldloop.types import Datum
+from yieldloop.wire import calls as client_module
+from yieldloop.wire.calls import CallStatus as _CallStatus
 from yieldloop_server.config import EnvOptions, StackConfig
 from yieldloop_server.stack import InProcessStack
 

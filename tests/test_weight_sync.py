@@ -120,9 +120,9 @@ async def test_the_fleet_serves_a_step_before_the_store_has_it(synced) -> None:
 
 
 async def test_pull_weights_in_place_or_streamed(synced, monkeypatch) -> None:
-    from yieldloop_server.checkpoint.files import host_id
-    from yieldloop_server.rollout import weights
-    from yieldloop_server.trainer import servicer as trainer_servicer
+    from yieldloop_server.weights import sink as weights
+    from yieldloop_server.weights import source as trainer_servicer
+    from yieldloop_server.weights.files import host_id
 
     client, _, data_dir = synced
     await client.forward_backward(datums=good_batch(3), model="sync")
@@ -159,7 +159,7 @@ async def test_pull_weights_in_place_or_streamed(synced, monkeypatch) -> None:
 
 async def test_a_checkpoint_without_state_resumes_with_its_ancestors_moments(synced) -> None:
     client, _, _ = synced
-    summaries = (await client.list_checkpoints("sync")).checkpoints
+    summaries = await client.list_checkpoints("sync")
     stateless = [s for s in summaries if not s.has_state and not s.pending and s.step > 0]
     assert stateless and any(s.has_state for s in summaries)
     target = stateless[-1]
@@ -175,7 +175,7 @@ async def test_a_checkpoint_without_state_resumes_with_its_ancestors_moments(syn
 
 async def test_state_added_on_close_is_what_the_next_session_resumes_from(synced) -> None:
     client, _, _ = synced
-    summaries = (await client.list_checkpoints("sync")).checkpoints
+    summaries = await client.list_checkpoints("sync")
     target = [s for s in summaries if not s.has_state and not s.pending and s.step > 0][-1]
     await client.set_head("sync", target.checkpoint_id)
     await fingerprint(client, "sync")  # the trainer reloads there (its weights cached without state)

@@ -114,14 +114,15 @@ class RolloutOptions:
     0: the engine's default: 256 for the torch engine, vLLM's own otherwise): more wait their turn. A GRPO batch
     larger than this decodes in waves, each decode step paying the model's fixed cost for fewer rows; a smaller one
     bounds the KV cache's memory."""
-    weights_from: Literal["auto", "stream", "group"] = dataclasses.field(
+    weights_from: Literal["auto", "stream", "group", "store"] = dataclasses.field(
         default="auto", metadata={"flag": "--rollout-weights-from"}
     )
     """How a step's weights come from the trainer before the store has them: auto (on the trainer's host its
     files in place, from another host a chunked gRPC stream per rollout service), stream (always the stream), or
     group (the trainer broadcasts each checkpoint once to every rollout service of the model in its weight group,
     over torch.distributed: NCCL where every side has CUDA, gloo otherwise; a checkpoint not broadcast to this
-    service is pulled as auto)."""
+    service is pulled as auto), or store (only what the store has: a pending checkpoint waits until it is durable;
+    for rollout services that cannot reach the trainer, beside a trainer whose steps wait for the store)."""
     stream_interval_ms: float = 20.0
     """Streams (gRPC Generate, OpenAI ``stream: true``) send the first and the last tokens at once and in between
     at most one message per this many milliseconds, holding the tokens sampled meanwhile (0: one message per

@@ -17,7 +17,6 @@ import os
 import pathlib
 import tempfile
 
-from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.checkpoint.importer import BASE_CHECKPOINT, inspect_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest
 from yieldloop_server.common.auth import SERVICE_TEAM
@@ -25,6 +24,7 @@ from yieldloop_server.config import SERVICES, ServeOptions, StackConfig
 from yieldloop_server.serve import Stopper, build_service
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.supervisor import ServiceProcess
+from yieldloop_server.weights.files import upload_folder
 
 log = logging.getLogger(__name__)
 

@@ -451,8 +451,6 @@ async def _models(args: argparse.Namespace) -> None:
     console = Console()
     async with _client(args, timeout=3600 if args.models_command == "import" else 60) as client:
         if args.models_command == "list":
-            from yieldloop.convert import model_from_pb
-
             table = Table(
                 "model",
                 "base",
@@ -467,7 +465,7 @@ async def _models(args: argparse.Namespace) -> None:
                 "chat template",
                 "size",
             )
-            for m in map(model_from_pb, (await client.list_models()).models):
+            for m in await client.list_models():
                 table.add_row(
                     m.slug,
                     m.base,
@@ -504,7 +502,7 @@ async def _models(args: argparse.Namespace) -> None:
             kind = (
                 f"LoRA r={forked.model.lora.rank} over {forked.model.adapter_base_model}@"
                 f"{forked.model.adapter_base_checkpoint_id}"
-                if forked.model.HasField("lora")
+                if forked.model.lora is not None
                 else "full"
             )
             console.print(
@@ -515,9 +513,9 @@ async def _models(args: argparse.Namespace) -> None:
             console.print(f"deleted {args.model}", markup=False)
         elif args.models_command == "checkpoints":
             table = Table("", "checkpoint", "parent", "step", "stored", "promotion")
-            for c in (await client.list_checkpoints(args.model)).checkpoints:
-                decision = {1: "promoted", 2: "not promoted"}.get(c.promotion.state, "")
-                if c.promotion.reason:
+            for c in await client.list_checkpoints(args.model):
+                decision = {1: "promoted", 2: "not promoted"}.get(c.promotion.state, "") if c.promotion else ""
+                if c.promotion and c.promotion.reason:
                     decision += f": {c.promotion.reason}"
                 stored = "pending" if c.pending else "weights + state" if c.has_state else "weights"
                 table.add_row(

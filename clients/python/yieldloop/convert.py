@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TypeVar
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from google.protobuf import message_factory
 
 from yieldloop.errors import invalid_field
 from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
+from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
 from yieldloop.types import (
     AgentStopReason,
     Datum,
@@ -28,9 +34,65 @@ from yieldloop.types import (
     StopReason,
     TaskRef,
     Turn,
+    WeightBroadcast,
+    WeightEvent,
+    WeightGroup,
+    WeightPiece,
+    WeightSubscribed,
 )
 
 E = TypeVar("E", bound=enum.IntEnum)
+T = TypeVar("T")
+
+_READERS: dict[type, list[tuple[str, Callable[[Any], Any]]]] = {}
+
+
+def from_pb(cls: type[T], message: Any) -> T:
+    """The domain dataclass ``cls`` from a message with the same field names: nested messages (None when an
+    optional one is unset), repeated fields, maps and enums (checked: :func:`_enum`) follow the dataclass's
+    annotations. The plan per class is made once."""
+    readers = _READERS.get(cls)
+    if readers is None:
+        hints = typing.get_type_hints(cls)
+        readers = _READERS[cls] = [(f.name, _reader(f.name, hints[f.name])) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return cls(**{name: read(message) for name, read in readers})
+
+
+def _reader(name: str, hint: Any) -> Callable[[Any], Any]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):  # X | None: an optional message
+        read = _reader(name, next(a for a in args if a is not type(None)))
+        return lambda m: read(m) if m.HasField(name) else None
+    if origin in (list, tuple):
+        inner = args[0]
+        if dataclasses.is_dataclass(inner):
+            return lambda m: origin(from_pb(inner, item) for item in getattr(m, name))  # type: ignore[arg-type]
+        return lambda m: origin(getattr(m, name))
+    if origin is dict:
+        return lambda m: dict(getattr(m, name))
+    if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
+        return lambda m: _enum(hint, getattr(m, name), name)
+    if dataclasses.is_dataclass(hint):
+        return lambda m: from_pb(hint, getattr(m, name))  # type: ignore[arg-type]
+    return lambda m: getattr(m, name)
+
+
+def to_pb(message_cls: type[T], obj: Any) -> T:
+    """The message ``message_cls`` from a domain dataclass with the same field names (the inverse of
+    :func:`from_pb`)."""
+    fields = message_cls.DESCRIPTOR.fields_by_name  # type: ignore[attr-defined]
+    values = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value):
+            value = to_pb(message_factory.GetMessageClass(fields[f.name].message_type), value)
+        elif isinstance(value, (list, tuple)) and value and dataclasses.is_dataclass(value[0]):
+            item_cls = message_factory.GetMessageClass(fields[f.name].message_type)
+            value = [to_pb(item_cls, item) for item in value]
+        values[f.name] = value
+    return message_cls(**values)
 
 
 def head_to_pb(head: Head) -> ckpt_pb.Head:
@@ -77,6 +139,45 @@ def manifest_from_pb(message: ckpt_pb.Manifest) -> Manifest:
         pending=message.pending,
         weights_source=message.weights_source,
     )
+
+
+def weight_event_to_pb(event: WeightEvent) -> trainer_pb.SubscribeWeightsResponse:
+    if isinstance(event, WeightGroup):
+        return trainer_pb.SubscribeWeightsResponse(group=trainer_pb.WeightGroup(**dataclasses.asdict(event)))
+    if isinstance(event, WeightBroadcast):
+        objects = [trainer_pb.WeightObject(name=o.name, size=o.size, sha256=o.sha256) for o in event.objects]
+        broadcast = trainer_pb.WeightBroadcast(
+            checkpoint_id=event.checkpoint_id, chunk_bytes=event.chunk_bytes, objects=objects
+        )
+        return trainer_pb.SubscribeWeightsResponse(broadcast=broadcast)
+    return trainer_pb.SubscribeWeightsResponse(subscribed=True)
+
+
+def weight_event_from_pb(message: trainer_pb.SubscribeWeightsResponse) -> WeightEvent:
+    kind = message.WhichOneof("event")
+    if kind == "group":
+        g = message.group
+        return WeightGroup(g.address, g.name, g.rank, g.size, g.backend, g.wait_until_open)
+    if kind == "broadcast":
+        b = message.broadcast
+        objects = tuple(ObjectInfo(o.name, o.size, o.sha256, key="") for o in b.objects)
+        return WeightBroadcast(b.checkpoint_id, b.chunk_bytes, objects)
+    if kind == "subscribed":
+        return WeightSubscribed()
+    raise invalid_field("event", "a weight group message with no event")
+
+
+def weight_piece_to_pb(piece: WeightPiece) -> trainer_pb.PullWeightsResponse:
+    return trainer_pb.PullWeightsResponse(local_folder=piece.local_folder, name=piece.name, data=piece.data)
+
+
+def weight_piece_from_pb(message: trainer_pb.PullWeightsResponse) -> WeightPiece:
+    return WeightPiece(message.local_folder, message.name, message.data)
+
+
+def task_to_pb(task: Any) -> common_pb.Task:
+    """The wire form of a task (:class:`yieldloop.environment.Task` or :class:`TaskRef`)."""
+    return common_pb.Task(env=task.env, scenario=task.scenario, args_json=task.args_json, task_id=task.task_id)
 
 
 def task_ref_from_pb(message: common_pb.Task) -> TaskRef:

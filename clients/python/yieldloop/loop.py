@@ -39,9 +39,8 @@ from typing import Any
 from yieldloop.client import Client
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 from yieldloop.training import Agent, Job, mean_reward, off_policy, report_groups_without_spread, run_tasks
-from yieldloop.types import Run, RunStatus, TaskRef
+from yieldloop.types import CheckpointSummary, Promotion, PromotionState, Run, RunStatus, TaskRef
 
 CONFIG_ERROR = "BAD_CONFIG"
 
@@ -275,11 +274,18 @@ class RunRecorder:
             )
 
     async def checkpoint_tree(self, client: Client, model: str) -> None:
-        from google.protobuf import json_format
-
-        listed = (await client.list_checkpoints(model)).checkpoints
-        rows = [json_format.MessageToDict(c, preserving_proto_field_name=True) for c in listed]
+        rows = [_summary_record(c) for c in await client.list_checkpoints(model)]
         (self.run_dir / "checkpoints.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _summary_record(summary: CheckpointSummary) -> dict:
+    """A checkpoint of the tree as ``checkpoints.json`` keeps it (the promotion state by its wire name)."""
+    record = dataclasses.asdict(summary)
+    if summary.promotion is None:
+        del record["promotion"]
+    else:
+        record["promotion"]["state"] = f"PROMOTION_STATE_{summary.promotion.state.name}"
+    return record
 
 
 async def closed_loop(
@@ -395,8 +401,8 @@ async def closed_loop(
                 await client.record_promotion(
                     config.model,
                     candidate,
-                    ckpt_pb.Promotion(
-                        state=ckpt_pb.PROMOTION_STATE_PROMOTED if promoted else ckpt_pb.PROMOTION_STATE_REJECTED,
+                    Promotion(
+                        state=PromotionState.PROMOTED if promoted else PromotionState.REJECTED,
                         reason=reason,
                         heldout_reward=score,
                         baseline_checkpoint_id=head.checkpoint_id,

@@ -39,11 +39,17 @@ from typing import Any
 from yieldloop.client import SERVICES, Client, sampling_params
 from yieldloop.errors import FailedPreconditionError, NotFoundError, invalid_field
 from yieldloop.groups import check_group_sizes, groups_without_spread
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
-from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
-from yieldloop.proto.trainer.v1 import trainer_service_pb2 as trainer_pb
 from yieldloop.transport import TransportConfig
-from yieldloop.types import Datum, Head, JobInfo, Run, RunStatus
+from yieldloop.types import (
+    CheckpointSummary,
+    Datum,
+    ForwardBackwardResult,
+    Head,
+    JobInfo,
+    Run,
+    RunStatus,
+    SamplingParams,
+)
 
 log = logging.getLogger("yieldloop")
 
@@ -138,7 +144,7 @@ class Agent:
     episode_timeout_s: float = 0.0
     max_attempts: int = 0
 
-    def sampling(self) -> rollout_pb.SamplingParams:
+    def sampling(self) -> SamplingParams:
         return sampling_params(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -368,7 +374,7 @@ class TrainingClient:
             self._checked = True
 
     async def available_losses(self) -> list[str]:
-        return [loss.name for loss in (await self.client.list_losses()).losses]
+        return [loss.name for loss in (await self.client.list_losses())]
 
     async def forward_backward(
         self,
@@ -378,7 +384,7 @@ class TrainingClient:
         group_size: int = 0,
         loss_fn_config: dict[str, float] | None = None,
         **options: Any,
-    ) -> trainer_pb.ForwardBackwardResponse:
+    ) -> ForwardBackwardResult:
         """Accumulates the gradient of a built-in loss on the runs (GRPO advantages per group)."""
         await self._check_model()
         report_groups_without_spread(runs)
@@ -489,9 +495,9 @@ class TrainingClient:
             has_state=step.has_state,
         )
 
-    async def checkpoints(self) -> list[ckpt_pb.CheckpointSummary]:
+    async def checkpoints(self) -> list[CheckpointSummary]:
         """The model's checkpoint tree, oldest first (head marked, promotion decisions attached)."""
-        return list((await self.client.list_checkpoints(self.model)).checkpoints)
+        return await self.client.list_checkpoints(self.model)
 
     async def head(self) -> Head:
         return await self.client.get_head(self.model)

@@ -180,6 +180,50 @@ class Head:
     updated_time: float
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightSubscribed:
+    """A weight group took the subscriber in (it is a member for as long as it reads the stream)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGroup:
+    """A process group to join for a model's broadcasts: rank 0 is the trainer, the members ranks 1..size-1."""
+
+    address: str
+    """``host:port`` of the trainer's rendezvous store."""
+    name: str
+    rank: int
+    size: int
+    backend: str
+    """"gloo" or "nccl"."""
+    wait_until_open: bool = False
+    """Join only once the trainer opened the group (its previous broadcast ended)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBroadcast:
+    """A checkpoint's sampler weights follow in the group, object by object in pieces of ``chunk_bytes``."""
+
+    checkpoint_id: str
+    chunk_bytes: int
+    objects: tuple[ObjectInfo, ...]
+    """Name, size and sha256 of each object (no store key)."""
+
+
+WeightEvent = WeightSubscribed | WeightGroup | WeightBroadcast
+"""What a weight group's member is told, in order: subscribed, then groups to join and broadcasts in them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPiece:
+    """One message of a pull of sampler weights: the folder to read in place (``local_folder``, the same host),
+    or the next bytes of the object ``name``; an empty piece answers a probe."""
+
+    local_folder: str = ""
+    name: str = ""
+    data: bytes = b""
+
+
 class StopReason(enum.IntEnum):
     """Why one completion ended (values as ``yieldloop.common.v1.StopReason``)."""
 
@@ -341,3 +385,245 @@ class Datum:
 def datum_error(message: str, field: str) -> InvalidArgumentError:
     """INVALID_ARGUMENT/DATUM_INVALID naming the field to blame."""
     return InvalidArgumentError(message, reason="DATUM_INVALID", field=field)
+
+
+# What the services answer (the Client returns these; field names are the wire's) ----------------------------
+
+
+@dataclasses.dataclass
+class ToolSpec:
+    """A tool an environment offers: its name, description and the JSON schema of its arguments."""
+
+    name: str = ""
+    description: str = ""
+    parameters_json_schema: str = ""
+
+
+@dataclasses.dataclass
+class ScenarioSpec:
+    """A scenario an environment offers (``env``/``name``) and the JSON schema of its arguments."""
+
+    env: str = ""
+    name: str = ""
+    description: str = ""
+    args_json_schema: str = ""
+
+
+@dataclasses.dataclass
+class Scenarios:
+    """What an EnvService offers: its scenarios and the tools of its environments."""
+
+    scenarios: list[ScenarioSpec] = dataclasses.field(default_factory=list)
+    tools: list[ToolSpec] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ChatMessage:
+    role: str = ""
+    content: str = ""
+
+
+@dataclasses.dataclass
+class EpisodeStarted:
+    """An episode's prompt (text or chat messages) and the tools it may call."""
+
+    episode_id: str = ""
+    prompt: str = ""
+    messages: list[ChatMessage] = dataclasses.field(default_factory=list)
+    tools: list[ToolSpec] = dataclasses.field(default_factory=list)
+    raw_text: bool = False
+    """The prompt is raw text for the model (no chat template)."""
+
+
+@dataclasses.dataclass
+class ToolResult:
+    call_id: str = ""
+    content: str = ""
+    is_error: bool = False
+
+
+@dataclasses.dataclass
+class EpisodeGraded:
+    """The reward of a submitted answer (the scenario's second yield) and what the grader added."""
+
+    reward: float = 0.0
+    info_json: str = ""
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How a request samples (zero values: the service's defaults; see RolloutService's SamplingParams)."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    max_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass
+class GenerateDelta:
+    """One message of a Generate stream: new tokens with their sampling logprobs."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    weight_version: str = ""
+    finished: bool = False
+    stop_reason: StopReason = StopReason.UNSPECIFIED
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class TraceSpan:
+    """One span recorded for a run's trace."""
+
+    span_id: str = ""
+    parent_span_id: str = ""
+    name: str = ""
+    service: str = ""
+    start_time_unix_nano: int = 0
+    end_time_unix_nano: int = 0
+    status: str = ""
+    error: str = ""
+    attributes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ServingInfo:
+    """What serves a model on a RolloutService."""
+
+    model: str = ""
+    weight_version: str = ""
+    head_sequence: int = 0
+    engine: str = ""
+    last_reload_error: str = ""
+    openai_base_url: str = ""
+    adapter_base: str = ""
+    engine_weight_loads: int = 0
+    following: bool = False
+    follow_error: str = ""
+
+
+@dataclasses.dataclass
+class CheckpointRef:
+    model: str = ""
+    checkpoint_id: str = ""
+
+
+@dataclasses.dataclass
+class ForwardBackwardResult:
+    """What a forward_backward accumulated: the loss summed over tokens, counts and the loss's metrics."""
+
+    loss_sum: float = 0.0
+    num_datums: int = 0
+    num_action_tokens: int = 0
+    num_groups: int = 0
+    num_groups_without_signal: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class BackwardResult:
+    num_datums: int = 0
+    num_tokens: int = 0
+
+
+@dataclasses.dataclass
+class OptimStepResult:
+    """An optimizer step: the step number, its checkpoint (None when skipped) and where the head went."""
+
+    step: int = 0
+    checkpoint: CheckpointRef | None = None
+    grad_norm: float = 0.0
+    head_sequence: int = 0
+    parent_checkpoint_id: str = ""
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    durable: bool = False
+    has_state: bool = False
+
+
+@dataclasses.dataclass
+class LossKnob:
+    name: str = ""
+    default_value: float = 0.0
+    description: str = ""
+
+
+@dataclasses.dataclass
+class LossInfo:
+    """A loss the trainer computes and its knobs (``loss_fn_config`` keys)."""
+
+    name: str = ""
+    description: str = ""
+    knobs: list[LossKnob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class TrainerInfo:
+    model: str = ""
+    step: int = 0
+    checkpoint_id: str = ""
+    num_pending_datums: int = 0
+    device: str = ""
+    weight_group_members: int = 0
+
+
+@dataclasses.dataclass
+class NewModel:
+    """A model a fork, import or upload created, and its head."""
+
+    model: ModelInfo
+    head: Head
+
+
+@dataclasses.dataclass
+class ApiKeyInfo:
+    key_id: str = ""
+    team: str = ""
+    role: str = ""
+    name: str = ""
+    created_time: float = 0.0
+    revoked_time: float = 0.0
+
+
+@dataclasses.dataclass
+class NewApiKey:
+    """A key just created: ``api_key`` is shown this once."""
+
+    info: ApiKeyInfo
+    api_key: str
+
+
+class PromotionState(enum.IntEnum):
+    """The promotion gate's decision (values as ``yieldloop.checkpoint.v1.PromotionState``)."""
+
+    UNSPECIFIED = 0
+    PROMOTED = 1
+    REJECTED = 2
+
+
+@dataclasses.dataclass
+class Promotion:
+    """Why a checkpoint was promoted to HEAD or not (held-out reward against the baseline's)."""
+
+    state: PromotionState = PromotionState.UNSPECIFIED
+    reason: str = ""
+    heldout_reward: float = 0.0
+    baseline_checkpoint_id: str = ""
+    baseline_reward: float = 0.0
+    decided_time: float = 0.0
+
+
+@dataclasses.dataclass
+class CheckpointSummary:
+    checkpoint_id: str = ""
+    parent_checkpoint_id: str = ""
+    step: int = 0
+    created_time: float = 0.0
+    is_head: bool = False
+    promotion: Promotion | None = None
+    pending: bool = False
+    has_state: bool = False
+    metadata_json: str = ""

@@ -1,4 +1,5 @@
-"""Model folders uploaded to CheckpointService (UploadModel): which files go, and the request stream.
+"""Model folders uploaded to CheckpointService (UploadModel): which files go (the request stream:
+:mod:`yieldloop.wire.uploads`).
 
 A model folder in Hugging Face format is uploaded from the caller's machine: its top-level weights, configs,
 tokenizer files and chat templates, each declared (name, size, sha256) in a header before its bytes follow. The
@@ -11,9 +12,6 @@ from __future__ import annotations
 import hashlib
 import pathlib
 import re
-from collections.abc import Iterator
-
-from yieldloop.proto.checkpoint.v1 import checkpoint_service_pb2 as ckpt_pb
 
 MODEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 """A file name a model folder may upload (top level only: no separators)."""
@@ -32,33 +30,9 @@ def model_files(folder: pathlib.Path) -> list[pathlib.Path]:
     )
 
 
-def _sha256(path: pathlib.Path) -> str:
+def sha256_of(path: pathlib.Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(CHUNK_BYTES), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def upload_header(
-    folder: pathlib.Path, name: str, owner: str = "", public: bool = False, source: str = ""
-) -> ckpt_pb.UploadModelHeader:
-    """The header of an upload of ``folder`` (every file read once to hash it: call it off the event loop)."""
-    return ckpt_pb.UploadModelHeader(
-        name=name,
-        owner=owner,
-        public=public,
-        source=source or str(folder),
-        files=[
-            ckpt_pb.UploadedFile(name=p.name, size=p.stat().st_size, sha256=_sha256(p)) for p in model_files(folder)
-        ],
-    )
-
-
-def upload_requests(folder: pathlib.Path, header: ckpt_pb.UploadModelHeader) -> Iterator[ckpt_pb.UploadModelRequest]:
-    """The UploadModel stream: the header, then each of its files' chunks."""
-    yield ckpt_pb.UploadModelRequest(header=header)
-    for path in (folder / f.name for f in header.files):
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-                yield ckpt_pb.UploadModelRequest(chunk=block)

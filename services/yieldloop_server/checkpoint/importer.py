@@ -30,9 +30,9 @@ from yieldloop.errors import (
 )
 from yieldloop.types import Head, Manifest, ModelInfo
 from yieldloop.uploads import CHECKPOINT_FILE, MODEL_FILE, UPLOADED_FILE
-from yieldloop_server.checkpoint.files import upload_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, check_owner
 from yieldloop_server.store.base import check_name
+from yieldloop_server.weights.files import upload_folder
 
 BASE_CHECKPOINT = "base"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")

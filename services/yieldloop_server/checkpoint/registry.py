@@ -37,6 +37,7 @@ from yieldloop_server.common import lora as lora_files
 from yieldloop_server.common.lora import adapter_config
 from yieldloop_server.store import ObjectNotFound, ObjectStore, PreconditionFailed
 from yieldloop_server.store.base import check_name
+from yieldloop_server.weights.files import checkpoint_prefix
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,6 @@ def promotion_key(slug: str, checkpoint_id: str) -> str:
 def abandoned_key(slug: str, checkpoint_id: str) -> str:
     """The marker of a pending checkpoint given up (its trainer died before it became durable)."""
     return f"models/{slug}/abandoned/{checkpoint_id}"
-
-
-def checkpoint_prefix(slug: str, checkpoint_id: str) -> str:
-    return f"models/{slug}/checkpoints/{checkpoint_id}/"
 
 
 class CheckpointRegistry:

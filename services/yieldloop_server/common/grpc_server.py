@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -178,6 +180,19 @@ async def _abort(context: grpc.aio.ServicerContext, error: YieldloopError) -> No
     await context.abort_with_status(to_rpc_status(error))
 
 
+ADVERTISE_VARIABLE = "YIELDLOOP_ADVERTISE_HOST"
+"""The name other hosts reach this one by, when its hostname is not it (a StatefulSet pod: ``pod.service``)."""
+
+
+def advertised(host: str, port: int) -> str:
+    """The address other hosts reach a server bound to ``host:port`` at ("" before it is bound)."""
+    if not port:
+        return ""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = os.environ.get(ADVERTISE_VARIABLE) or socket.gethostname()
+    return f"{host}:{port}"
+
+
 class GrpcServer:
     """A ``grpc.aio`` server with health checking and reflection.
 
@@ -203,6 +218,11 @@ class GrpcServer:
         if transport.health_port:  # the same health statuses, for probes that speak no TLS
             self._probe_server = grpc.aio.server()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._probe_server)
+
+    @property
+    def advertised_address(self) -> str:
+        """The address other hosts reach this server at ("" before it is bound)."""
+        return advertised(self.host, self.port)
 
     def add(self, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str) -> None:
         """Registers a servicer under its full service name (for health and reflection)."""

@@ -287,9 +287,8 @@ class HudFront(HttpServer):
         }
 
     async def _models(self, client: Client) -> list[ModelInfo]:
-        from yieldloop.convert import model_from_pb
 
-        return sorted((model_from_pb(m) for m in (await client.list_models()).models), key=lambda m: m.slug)
+        return sorted(await client.list_models(), key=lambda m: m.slug)
 
     async def _list_models(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         query = request.query
@@ -323,7 +322,7 @@ class HudFront(HttpServer):
 
     async def _checkpoints(self, request: Any, body: dict, client: Client) -> list[dict[str, Any]]:
         rows = []
-        for summary in (await client.list_checkpoints(request.match_info["model"])).checkpoints:
+        for summary in await client.list_checkpoints(request.match_info["model"]):
             metadata = json.loads(summary.metadata_json or "{}")
             stats = metadata.get("hud", {}) if isinstance(metadata.get("hud"), dict) else {}
             numbers = {**{k: v for k, v in metadata.items() if k != "hud"}, **stats}
@@ -363,7 +362,7 @@ class HudFront(HttpServer):
 
     async def _losses(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         await client.get_model(request.match_info["model"])  # NOT_FOUND for an unknown model
-        return {"losses": [spec.name for spec in (await client.list_losses()).losses]}
+        return {"losses": [spec.name for spec in (await client.list_losses())]}
 
     async def _runs(self, inputs: Any, group_size: Any, reward_scale: Any, client: Client) -> tuple[list[Run], int]:
         """The request's inputs as runs, in order (trace ids read from the trace store with the caller's key),

@@ -26,8 +26,9 @@ from yieldloop.errors import FailedPreconditionError, NotFoundError, ResourceExh
 from yieldloop.types import ModelInfo
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.rollout.engines import AdapterEngine, Engine
-from yieldloop_server.rollout.weights import CheckpointFetcher, PinnedEngines, WeightFollower
+from yieldloop_server.rollout.weights import PinnedEngines, WeightFollower
 from yieldloop_server.store import ObjectStore
+from yieldloop_server.weights import open_sink
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,7 +75,7 @@ class ServedModels:
         max_models: Engines loaded at once.
         on_default_reload: ``async (ok) -> None`` after each head of the default slug was handled (health).
         memory_budget_bytes: Bytes of weights loaded at once (0: no byte budget, only ``max_models``).
-        weights_from: How pending checkpoints come from their trainer (see :class:`CheckpointFetcher`).
+        weights_from: How pending checkpoints come from their trainer (see :func:`open_sink`).
         device: The engines' device (a weight group on CUDA may be NCCL).
     """
 
@@ -99,7 +100,7 @@ class ServedModels:
         self.checkpoints = checkpoints
         self.cache_dir = cache_dir
         self.fetcher = (
-            CheckpointFetcher(store, checkpoints, cache_dir, weights_from, device, self._serving)
+            open_sink(weights_from, store, checkpoints, cache_dir, device=device, in_use=self._serving)
             if store is not None and checkpoints is not None and cache_dir is not None
             else None
         )

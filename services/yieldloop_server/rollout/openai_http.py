@@ -29,7 +29,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from yieldloop.convert import model_from_pb
 from yieldloop.errors import InvalidArgumentError, YieldloopError, as_yieldloop_error, invalid_field, parse_json
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.auth import ModelAccess, current_principal, may
@@ -188,7 +187,7 @@ class OpenAIEndpoint(HttpServer):
         if self.models.checkpoints is not None:
             principal = current_principal()
             listed = await self.models.checkpoints.list_models()
-            visible = sorted(m.slug for m in listed.models if may(principal, model_from_pb(m), "see"))
+            visible = sorted(m.slug for m in listed if may(principal, m, "see"))
             slugs = [slug for slug in slugs if slug in visible] + [s for s in visible if s != self.models.default]
         loaded = {served.slug: served.engine for served in self.models.loaded}
         cards = []

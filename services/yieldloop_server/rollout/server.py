@@ -82,7 +82,7 @@ class RolloutServer:
         memory_budget_bytes: Bytes of weights loaded at once (0: only ``max_models`` limits).
         lora_engine: Engine kind for LoRA forks' base engines ("": ``engine``).
         limits: Bounds on StreamRollouts requests (episodes per request, at once, attempts, steps).
-        weights_from: How pending checkpoints come from their trainer (see :class:`CheckpointFetcher`).
+        weights_from: How pending checkpoints come from their trainer (see :func:`open_sink`).
     """
 
     def __init__(

@@ -11,11 +11,10 @@ from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.grpc_server import GrpcServer
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
-from yieldloop_server.trainer.broadcast import WeightGroups
-from yieldloop_server.trainer.publish import WeightPublisher, advertised
 from yieldloop_server.trainer.servicer import TrainerServicer
 from yieldloop_server.trainer.session import TrainingSession, TrainingSessions
 from yieldloop_server.trainer.trainer import TrainerConfig
+from yieldloop_server.weights import open_source
 
 SERVICE_NAME = "yieldloop.trainer.v1.TrainerService"
 
@@ -43,10 +42,9 @@ async def build(
     checkpoints = Client(checkpoint=checkpoint_address, transport=transport, retry_within_s=0)
     traces = TraceStore(store, run_to_bytes, run_from_bytes)
     server = GrpcServer(host, port, transport)
-    address = lambda: advertised(server.host, server.port)  # noqa: E731
-    groups = WeightGroups(address, cuda=config.device.startswith("cuda"))
-    publisher = WeightPublisher(work_dir, address, groups)
-    server.on_stop(groups.close)
+    address = lambda: server.advertised_address  # noqa: E731
+    publisher = open_source(work_dir, address, cuda=config.device.startswith("cuda"))
+    server.on_stop(publisher.close)
     sessions = TrainingSessions(
         lambda slug: TrainingSession(slug, store, checkpoints, traces, work_dir, config, nproc, publisher, state_every),
         default=model,

@@ -2,38 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import AsyncIterator
 
 import grpc
 
-from yieldloop.convert import datum_from_pb, datum_to_pb, run_from_pb
-from yieldloop.errors import NotFoundError, UnavailableError, check_json_object, invalid_field
+from yieldloop.convert import datum_from_pb, datum_to_pb, run_from_pb, weight_event_to_pb, weight_piece_to_pb
+from yieldloop.errors import check_json_object, invalid_field
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2 as pb
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.types import Datum, Run, RunStatus
-from yieldloop_server.checkpoint.files import host_id
 from yieldloop_server.common import telemetry
 from yieldloop_server.common.auth import ModelAccess, require_run
-from yieldloop_server.common.collective import BACKENDS
 from yieldloop_server.common.grpc_server import rpc
-from yieldloop_server.store.base import check_name
 from yieldloop_server.trainer import losses
-from yieldloop_server.trainer.publish import WeightPublisher
 from yieldloop_server.trainer.session import LossOptions, TrainingSessions
 from yieldloop_server.trainer.trainer import AdamConfig
-
-PULL_CHUNK_BYTES = 1 << 20
+from yieldloop_server.weights.base import WeightSource
 
 
 class TrainerServicer(pb_grpc.TrainerServiceServicer):
     """Serves the training sessions of every slug (see :class:`TrainingSessions`)."""
 
-    def __init__(self, sessions: TrainingSessions, publisher: WeightPublisher | None = None) -> None:
+    def __init__(self, sessions: TrainingSessions, weights: WeightSource) -> None:
         self.sessions = sessions
-        self.publisher = publisher
+        self.weights = weights
         self.access = ModelAccess.through(sessions.checkpoints, sessions.default)
 
     @rpc
@@ -261,42 +255,19 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 checkpoint_id=session.checkpoint_id,
                 num_pending_datums=session.trainer.num_pending_datums,
                 device=session.config.device,
-                weight_group_members=self.publisher.groups.members(session.model)
-                if self.publisher is not None and self.publisher.groups is not None
-                else 0,
+                weight_group_members=self.weights.members(session.model),
             )
 
     @rpc
     async def PullWeights(
         self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PullWeightsResponse]:
-        held = self.publisher.find(request.model, request.checkpoint_id) if self.publisher else None
-        if held is None:
-            raise NotFoundError(
-                f"this trainer does not hold checkpoint {request.model}/{request.checkpoint_id}: "
-                "read it from the store",
-                reason="CHECKPOINT_NOT_FOUND",
-            )
-        manifest, folder = held
-        if request.probe:
-            yield pb.PullWeightsResponse()
-            return
-        if request.host_id and request.host_id == host_id():
-            yield pb.PullWeightsResponse(local_folder=str(folder))
-            return
-        for obj in manifest.sampler_objects:
-            with open(folder / obj.name, "rb") as file:
-                while chunk := await asyncio.to_thread(file.read, PULL_CHUNK_BYTES):
-                    yield pb.PullWeightsResponse(name=obj.name, data=chunk)
+        async for piece in self.weights.pull(request.model, request.checkpoint_id, request.host_id, request.probe):
+            yield weight_piece_to_pb(piece)
 
     @rpc
     async def SubscribeWeights(
         self, request: pb.SubscribeWeightsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SubscribeWeightsResponse]:
-        check_name(request.model, "model")
-        if request.backend not in BACKENDS:
-            raise invalid_field("backend", f"backend {request.backend!r:.40} must be one of {', '.join(BACKENDS)}")
-        if self.publisher is None or self.publisher.groups is None:
-            raise UnavailableError("this trainer broadcasts no weights: pull them", reason="WEIGHT_GROUP_UNAVAILABLE")
-        async for message in self.publisher.groups.subscribe(request.model, request.backend):
-            yield message
+        async for event in self.weights.subscribe(request.model, request.backend):
+            yield weight_event_to_pb(event)

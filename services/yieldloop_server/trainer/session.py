@@ -38,13 +38,13 @@ from yieldloop.errors import (
 )
 from yieldloop.groups import GroupStats, runs_to_datums
 from yieldloop.types import Datum, Head, Manifest, ObjectInfo, Run, RunStatus
-from yieldloop_server.checkpoint.files import describe_folder, download_verified, upload_objects
 from yieldloop_server.common import lora, telemetry
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
-from yieldloop_server.trainer.publish import WeightPublisher
 from yieldloop_server.trainer.trainer import STATE_FILE, STATE_FILES, AdamConfig, AdapterSetup, Trainer, TrainerConfig
+from yieldloop_server.weights.base import WeightSource
+from yieldloop_server.weights.files import describe_folder, download_verified, upload_objects
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class TrainingSession:
         work_dir: pathlib.Path,
         config: TrainerConfig,
         nproc: int = 1,
-        publisher: WeightPublisher | None = None,
+        publisher: WeightSource | None = None,
         state_every: int = 10,
     ) -> None:
         self.model = model

@@ -1,8 +1,9 @@
-"""Moving checkpoint folders between local disk and the object store, with checksums.
+"""The checkpoint folder format: where a checkpoint's objects live in the store, moving folders between local
+disk and the store with checksums, verifying what arrived by any transport.
 
-Used by the trainer (upload), the rollout engine and the trainer (download +
-verify), and ``yieldloop up`` (publishing the base model). Each object is hashed
-once, where it is produced; every reader verifies that hash.
+Used by the trainer (upload), the rollout engine and the trainer (download + verify), the importer and
+``yieldloop up`` (publishing the base model). Each object is hashed once, where it is produced; every reader
+verifies that hash.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ import tempfile
 from collections.abc import Collection, Iterator, Sequence
 
 from yieldloop.errors import FailedPreconditionError
-from yieldloop_server.checkpoint.registry import Manifest, ObjectInfo, checkpoint_prefix
+from yieldloop.types import Manifest, ObjectInfo
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.base import sha256_file
+
+
+def checkpoint_prefix(slug: str, checkpoint_id: str) -> str:
+    """The store prefix of a checkpoint's own objects (its manifest and the files it did not share)."""
+    return f"models/{slug}/checkpoints/{checkpoint_id}/"
 
 
 def describe_folder(
