@@ -90,7 +90,8 @@ async def bench(args: argparse.Namespace) -> dict:
             env_address=addresses.get("env", ""),
             service_key=service_key,
         )
-        start, stop = await build_service(options)
+        built = await build_service(options)
+        start, stop = built.start, built.stop
         addresses[service] = await start()
         stoppers.append(stop)
     client = Client(rollout=addresses["rollout"], checkpoint=addresses["checkpoint"], timeout=600, api_key=admin_key)

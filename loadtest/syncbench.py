@@ -74,7 +74,7 @@ async def bench(args: argparse.Namespace) -> dict:
     stoppers = []
 
     async def serve(service: str, **options) -> str:
-        start, stop = await build_service(
+        built = await build_service(
             ServeOptions(
                 service=service,
                 store=url,
@@ -85,6 +85,7 @@ async def bench(args: argparse.Namespace) -> dict:
                 **{"data_dir": root, "model": base, **options},
             )
         )
+        start, stop = built.start, built.stop
         stoppers.append(stop)
         return await start()
 

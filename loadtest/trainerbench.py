@@ -143,12 +143,12 @@ async def bench(args: argparse.Namespace) -> dict:
     registry = CheckpointRegistry(store)
     registry.create_model(ModelInfo(slug="bench", base="bench"))
     registry.commit(Manifest("bench", "base", upload_folder(store, "bench", "base", folder)), set_head=True)
-    checkpoints = checkpoint_server.build(store)
+    checkpoints = checkpoint_server.make_server(store)
     address = await checkpoints.start()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     micro_batch_tokens = args.micro_batch_tokens or args.batch * args.tokens
     config = TrainerConfig(device=args.device, dtype=dtype, micro_batch_tokens=micro_batch_tokens, compile=args.compile)
-    server, servicer = await trainer_server.build("bench", store, address, root / "trainer", config)
+    server, servicer = await trainer_server.make_server("bench", store, address, root / "trainer", config)
     client = Client(trainer=await server.start(), checkpoint=address, timeout=600)
 
     model, _ = load_causal_lm(folder, dtype, args.device)

@@ -18,7 +18,7 @@ from engine_harness import ServedEngine
 from yieldloop.client import Client
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop_server.env.hosts import HostConfig, create_host
-from yieldloop_server.env.server import build
+from yieldloop_server.env.server import make_server as build
 from yieldloop_server.rollout.agent import MalformedToolCall, parse_tool_calls, tools_for_template
 from yieldloop_server.rollout.engines import Engine, SamplingConfig, TokenDelta
 from yieldloop_server.rollout.rollouts import AgentConfig, run_episode, stream_rollouts

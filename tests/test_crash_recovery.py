@@ -125,7 +125,8 @@ async def crashing_stack(data_dir, store_url: str):
     store = open_store(config.store_url)
     await asyncio.to_thread(ensure_model, store, "tiny")
     admin_key, service_key = ensure_stack_keys(store, data_dir)
-    start, stop = await build_service(ServeOptions.of(config, "checkpoint", {}))
+    built = await build_service(ServeOptions.of(config, "checkpoint", {}))
+    start, stop = built.start, built.stop
     checkpoint = await start()
     options = ServeOptions.of(StackConfig(data_dir=data_dir, store=store_url), "trainer", {"checkpoint": checkpoint})
     options.ready_file = data_dir / "run" / "trainer.json"

@@ -28,11 +28,11 @@ async def two_trainers(tmp_path_factory):
     root = tmp_path_factory.mktemp("custom")
     store = open_store(str(root / "store"))
     ensure_base_model(store, "tiny")
-    checkpoints = checkpoint_server.build(store)
+    checkpoints = checkpoint_server.make_server(store)
     address = await checkpoints.start()
     trainers, clients = [], []
     for name in ("builtin", "custom"):
-        server, servicer = await trainer_server.build("tiny", store, address, root / name)
+        server, servicer = await trainer_server.make_server("tiny", store, address, root / name)
         clients.append(Client(trainer=await server.start(), checkpoint=address, timeout=120))
         trainers.append((server, servicer))
     yield store, clients

@@ -45,13 +45,15 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
 
     ensure_base_model(open_store(str(tmp_path / "store")), "tiny")
     admin_key, _ = ensure_stack_keys(open_store(str(tmp_path / "store")), tmp_path)
-    start_checkpoint, stop_checkpoint = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
+    built = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
+    start_checkpoint, stop_checkpoint = built.start, built.stop
     checkpoint = await start_checkpoint()
-    start_trainer, stop_trainer = await build_service(
+    built = await build_service(
         ServeOptions(
             service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint, trainer=TrainerOptions(nproc=2)
         )
     )
+    start_trainer, stop_trainer = built.start, built.stop
     trainer = await start_trainer()
     try:
         async with Client(trainer=trainer, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
@@ -95,7 +97,8 @@ async def test_torchrun_ranks_on_two_nodes_train_like_one_process(tmp_path: path
     store_dir = tmp_path / "store"
     ensure_base_model(open_store(str(store_dir)), "tiny")
     admin_key, service_key = ensure_stack_keys(open_store(str(store_dir)), tmp_path)
-    start_checkpoint, stop_checkpoint = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
+    built = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
+    start_checkpoint, stop_checkpoint = built.start, built.stop
     checkpoint = await start_checkpoint()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ from yieldloop.proto.env.v1 import env_service_pb2 as env_pb
 from yieldloop.proto.env.v1 import env_service_pb2_grpc as env_grpc
 from yieldloop.transport import TransportConfig
 from yieldloop_server.env.hosts import HostConfig, create_host
-from yieldloop_server.env.server import build
+from yieldloop_server.env.server import make_server as build
 
 SDK_ENV = f"{pathlib.Path(__file__).parent / 'envs' / 'sdk_env.py'}:env"
 MAX_MESSAGE_BYTES = 1 << 20

@@ -16,7 +16,7 @@ import pytest_asyncio
 from yieldloop.client import Client
 from yieldloop.proto.common.v1 import common_pb2 as common_pb
 from yieldloop_server.env.hosts import HostConfig, create_host
-from yieldloop_server.env.server import build
+from yieldloop_server.env.server import make_server as build
 
 HERE = pathlib.Path(__file__).parent
 

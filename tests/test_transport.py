@@ -231,7 +231,7 @@ async def test_a_server_without_interceptors_refuses_undecodable_requests_typed(
     messages sent most), and a request that does not parse is still INVALID_ARGUMENT, unary or streamed."""
     from yieldloop_server.env.inprocess import InProcessHost
     from yieldloop_server.env.loader import load_environment
-    from yieldloop_server.env.server import build
+    from yieldloop_server.env.server import make_server as build
 
     server = await build(InProcessHost([load_environment("yieldloop.envs.bench:env")]), transport=TransportConfig())
     await server.start()

@@ -20,8 +20,9 @@ import tempfile
 from yieldloop_server.checkpoint.importer import BASE_CHECKPOINT, inspect_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest
 from yieldloop_server.common.auth import SERVICE_TEAM
+from yieldloop_server.common.service import Stopper
 from yieldloop_server.config import SERVICES, ServeOptions, StackConfig
-from yieldloop_server.serve import Stopper, build_service
+from yieldloop_server.serve import build_service
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.supervisor import ServiceProcess
 from yieldloop_server.weights.files import upload_folder
@@ -178,7 +179,8 @@ class InProcessStack:
             options = dataclasses.replace(
                 ServeOptions.of(self.config, service, self.addresses), service_key=service_key
             )
-            start, stop = await build_service(options)
+            built = await build_service(options)
+            start, stop = built.start, built.stop
             address = await start()
             self._stoppers.append(stop)
             if service == "hud":

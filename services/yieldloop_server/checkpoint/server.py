@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Awaitable, Callable
 
 from yieldloop.client import Client
@@ -15,6 +16,8 @@ from yieldloop_server.checkpoint.registry import CheckpointRegistry
 from yieldloop_server.checkpoint.servicer import CheckpointServicer
 from yieldloop_server.common.auth import KeyStore
 from yieldloop_server.common.grpc_server import GrpcServer
+from yieldloop_server.common.service import Service
+from yieldloop_server.config import ServeOptions
 from yieldloop_server.store import ObjectStore
 
 SERVICE_NAME = "yieldloop.checkpoint.v1.CheckpointService"
@@ -43,7 +46,20 @@ def trainer_probe(transport: TransportConfig) -> Callable[[Manifest], Awaitable[
     return holds
 
 
-def build(
+async def build(
+    options: ServeOptions, store: ObjectStore, transport: TransportConfig, keys: KeyStore | None = None
+) -> Service:
+    """CheckpointService as ``yieldloop serve checkpoint`` runs it (its options: ``options.checkpoint``)."""
+    own = options.checkpoint
+    forbidden = (options.data_dir, *((store.root,) if hasattr(store, "root") else ()))
+    imports = ImportPolicy(tuple(pathlib.Path(root) for root in own.import_roots), forbidden)
+    server = make_server(
+        store, options.host, options.port, own.keep_last, transport, keys, imports, int(own.max_upload_gb * 10**9)
+    )
+    return Service(server.start, server.stop)
+
+
+def make_server(
     store: ObjectStore,
     host: str = "127.0.0.1",
     port: int = 0,

@@ -12,7 +12,10 @@ from yieldloop.convert import run_from_bytes, run_to_bytes
 from yieldloop.errors import UnavailableError
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
+from yieldloop_server.common.auth import KeyStore
 from yieldloop_server.common.grpc_server import GrpcServer
+from yieldloop_server.common.service import Service
+from yieldloop_server.config import RolloutOptions, ServeOptions
 from yieldloop_server.rollout.engines import create_engine
 from yieldloop_server.rollout.models import ServedModels
 from yieldloop_server.rollout.openai_http import OpenAIEndpoint
@@ -65,6 +68,34 @@ async def watch_engines(models: ServedModels, grpc: GrpcServer, every_s: float =
     grpc.on_stop(stop)
 
 
+async def build(
+    options: ServeOptions, store: ObjectStore, transport: TransportConfig, keys: KeyStore | None = None
+) -> Service:
+    """RolloutService as ``yieldloop serve rollout`` runs it (its options: ``options.rollout``)."""
+    server = RolloutServer(
+        options.model,
+        store,
+        options.checkpoint_address,
+        options.env_address,
+        options.data_dir / "work" / options.service,
+        options.rollout,
+        options.host,
+        options.port,
+        transport,
+        options.device,
+    )
+    service = Service(server.start, server.stop)
+
+    async def start() -> str:
+        address = await server.start()
+        if server.http is not None:
+            service.ports["http_port"] = server.http.port
+        return address
+
+    service.start = start
+    return service
+
+
 class RolloutServer:
     """A RolloutService: engines for every model slug (the default one loaded at start), each following its
     slug's head, the OpenAI-compatible endpoint, and the servicer.
@@ -75,14 +106,11 @@ class RolloutServer:
         checkpoint_address: CheckpointService address (head watching).
         env_address: EnvService address (rollouts).
         cache_dir: Local folder for verified checkpoints.
-        engine: Engine kind ("torch" or "vllm").
-        http_port: Port of the OpenAI-compatible HTTP endpoint (0: a free one; None: off).
+        options: The service's own options (engine, OpenAI endpoint port, models loaded at once, memory budget,
+            LoRA engine, limits on StreamRollouts, streaming interval, how weights come): see
+            :class:`~yieldloop_server.config.RolloutOptions`.
         transport: Limits and interceptors of the gRPC server, the HTTP endpoint and the internal clients.
-        max_models: Engines loaded at once (the least recently used idle one is unloaded beyond it).
-        memory_budget_bytes: Bytes of weights loaded at once (0: only ``max_models`` limits).
-        lora_engine: Engine kind for LoRA forks' base engines ("": ``engine``).
-        limits: Bounds on StreamRollouts requests (episodes per request, at once, attempts, steps).
-        weights_from: How pending checkpoints come from their trainer (see :func:`open_sink`).
+        device: The engines' device.
     """
 
     def __init__(
@@ -92,52 +120,53 @@ class RolloutServer:
         checkpoint_address: str,
         env_address: str,
         cache_dir: pathlib.Path,
-        engine: str = "torch",
+        options: RolloutOptions = RolloutOptions(),
         host: str = "127.0.0.1",
         port: int = 0,
-        http_port: int | None = 0,
         transport: TransportConfig = DEFAULT_TRANSPORT,
-        max_models: int = 2,
-        memory_budget_bytes: int = 0,
-        lora_engine: str = "",
-        limits: RolloutLimits = RolloutLimits(),
-        stream_interval_s: float = 0.0,
-        weights_from: str = "auto",
-        **engine_options: object,
+        device: str = "cpu",
     ) -> None:
         # A batch opens its episodes together: they share one StreamEpisodes stream per EnvService replica.
         self.clients = Client(
             env=env_address, checkpoint=checkpoint_address, transport=transport, multiplex_episodes=True
         )
-        # Candidates are evaluated on the light torch engine, beside whatever engine serves the head (in a thread:
-        # a child process would cost its start, seconds, at the first candidate).
-        device = str(engine_options.get("device", "cpu"))
+        engine_options = {
+            "device": device,
+            "process": options.engine_process is not False,
+            "max_batch_size": max(0, options.max_batch),
+        }
+        lora_engine = options.engine if options.lora_engine == "same" else options.lora_engine
+        stream_interval_s = max(0.0, options.stream_interval_ms) / 1000
 
         async def report(ok: bool) -> None:
             await self.grpc.set_health(WEIGHTS_HEALTH, ok)
 
+        # Candidates are evaluated on the light torch engine, beside whatever engine serves the head (in a thread:
+        # a child process would cost its start, seconds, at the first candidate).
         self.models = ServedModels(
             model,
-            lambda lora: create_engine((lora_engine or engine) if lora else engine, lora=lora, **engine_options),
-            lambda: create_engine("torch", device=device, max_batch_size=int(engine_options.get("max_batch_size", 0))),
+            lambda lora: create_engine(lora_engine if lora else options.engine, lora=lora, **engine_options),
+            lambda: create_engine("torch", device=device, max_batch_size=engine_options["max_batch_size"]),
             store,
             self.clients,
             cache_dir,
-            max_models=max_models,
+            max_models=options.max_models,
             on_default_reload=report,
-            memory_budget_bytes=memory_budget_bytes,
-            weights_from=weights_from,
+            memory_budget_bytes=options.memory_budget_mb * 1_000_000,
+            weights_from=options.weights_from,
             device=device,
         )
         self.grpc = GrpcServer(host, port, transport)
-        self.servicer = RolloutServicer(
-            self.models, self.clients, TraceStore(store, run_to_bytes, run_from_bytes), limits, stream_interval_s
-        )
+        limits = RolloutLimits(max_runs=options.max_runs, max_episodes=options.max_episodes)
+        traces = TraceStore(store, run_to_bytes, run_from_bytes)
+        self.servicer = RolloutServicer(self.models, self.clients, traces, limits, stream_interval_s)
         self.grpc.add(pb_grpc.add_RolloutServiceServicer_to_server, self.servicer, SERVICE_NAME)
         self.http = (
             None
-            if http_port is None
-            else OpenAIEndpoint(self.models, host, http_port, transport, stream_interval_s, access=self.servicer.access)
+            if options.http_port < 0
+            else OpenAIEndpoint(
+                self.models, host, options.http_port, transport, stream_interval_s, access=self.servicer.access
+            )
         )
 
     async def start(self) -> str:

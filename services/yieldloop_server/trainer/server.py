@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 
 from yieldloop.client import Client
 from yieldloop.convert import run_from_bytes, run_to_bytes
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
+from yieldloop_server.common.auth import KeyStore
 from yieldloop_server.common.grpc_server import GrpcServer
+from yieldloop_server.common.service import Service
+from yieldloop_server.config import ServeOptions
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import TraceStore
+from yieldloop_server.trainer import distributed
 from yieldloop_server.trainer.servicer import TrainerServicer
 from yieldloop_server.trainer.session import TrainingSession, TrainingSessions
 from yieldloop_server.trainer.trainer import TrainerConfig
@@ -19,7 +24,58 @@ from yieldloop_server.weights import open_source
 SERVICE_NAME = "yieldloop.trainer.v1.TrainerService"
 
 
+def trainer_config(options: ServeOptions) -> TrainerConfig:
+    """The model-in-training settings of ``options`` (device, dtype, compile)."""
+    own = options.trainer
+    return TrainerConfig(device=options.device, dtype=own.resolved_dtype(options.device), compile=own.compile)
+
+
 async def build(
+    options: ServeOptions, store: ObjectStore, transport: TransportConfig, keys: KeyStore | None = None
+) -> Service:
+    """TrainerService as ``yieldloop serve trainer`` runs it (its options: ``options.trainer``); as rank 0 of
+    torchrun's ranks, it trains with all of them (the others follow: see :func:`follow`)."""
+    own = options.trainer
+    config = trainer_config(options)
+    nproc = own.nproc
+    if distributed.launched() is not None:
+        nproc = await asyncio.to_thread(distributed.join_launched, config)
+    work_dir = options.data_dir / "work" / options.service
+    server, sessions = await make_server(
+        options.model,
+        store,
+        options.checkpoint_address,
+        work_dir,
+        config,
+        options.host,
+        options.port,
+        nproc,
+        transport,
+        own.max_models,
+        own.state_every,
+    )
+
+    async def stop(grace: float) -> None:
+        await server.stop(grace)
+        await sessions.close()
+        await asyncio.to_thread(distributed.stop_launched)
+
+    return Service(server.start, stop)
+
+
+async def follow(options: ServeOptions, rank: int, world: int) -> None:
+    """A trainer rank > 0 that torchrun started: serves nothing but its health probes, follows rank 0 (the
+    TrainerService) until rank 0 stops."""
+    probes = GrpcServer("0.0.0.0", transport=options.transport) if options.transport.health_port else None
+    if probes is not None:  # its pod's probes: SERVING while it follows (nothing but health is served)
+        await probes.start_probes()
+    print(f"yieldloop trainer rank {rank} of {world} following rank 0", flush=True)
+    await asyncio.to_thread(distributed.follower_main, trainer_config(options), options.data_dir / "work" / "trainer")
+    if probes is not None:
+        await probes.stop(0)
+
+
+async def make_server(
     model: str,
     store: ObjectStore,
     checkpoint_address: str,
