@@ -203,6 +203,16 @@ CASES: list[tuple[str, str, Any, Any]] = [
         {"model": "tiny", "name": "fuzz", "groupSize": 2, "metadataJson": "{}"},
     ),
     ("rollout", "ListJobs", rollout.ListJobsRequest, {}),
+    (
+        "rollout",
+        "RecordRuns",
+        rollout.RecordRunsRequest,
+        {
+            "jobId": "fuzz-recorded",
+            "job": {"model": "tiny", "name": "fuzz", "groupSize": 1, "metadataJson": "{}"},
+            "runs": [{"traceId": "f" * 32, "groupId": "g", "reward": 1.0, "status": "RUN_STATUS_GRADED"}],
+        },
+    ),
     ("rollout", "StreamJobRuns", rollout.StreamJobRunsRequest, {"jobId": "no-such-job"}),
     (
         "trainer",

@@ -22,11 +22,13 @@ WIRE = ("grpc", "grpc_status", "grpc_health", "grpc_reflection", "google")
 
 def is_domain(name: str) -> bool:
     """Domain modules go by folder: in the server, every module of a service package (checkpoint, env, rollout,
-    store, trainer, weights, ...) but its ``server``, ``servicer`` and ``*_http`` edges (top-level modules are
-    process wiring); in the client, every module outside the wire packages and the edge modules."""
+    store, trainer, weights, ...), its ``__init__`` included, but its ``server``, ``servicer`` and ``*_http`` edges
+    (top-level modules are process wiring); in the client, every module outside the wire packages and the edge
+    modules."""
     package, *parts = name.split(".")
     if package == "yieldloop_server":
-        if len(parts) < 2 or parts[0] in SERVER_EDGE_PACKAGES:
+        top_level = not parts or (len(parts) == 1 and _modules()[name].name != "__init__.py")
+        if top_level or parts[0] in SERVER_EDGE_PACKAGES:
             return False
         return parts[-1] not in ("server", "servicer") and not parts[-1].endswith("_http")
     return bool(parts) and parts[0] not in CLIENT_EDGE_PACKAGES and parts[0] not in CLIENT_EDGE_MODULES
@@ -232,3 +234,24 @@ def test_weights_in_flight_live_in_one_room() -> None:
             assert "ProcessGroupGloo" not in text and "ProcessGroupNCCL" not in text and "TCPStore" not in text, (
                 f"{module} builds process groups of its own: weights move through {ROOM}"
             )
+
+
+def test_one_owner_per_stored_format() -> None:
+    """Runs are recorded by RolloutService only: the trace store is built by the rollout's wiring (which writes
+    and checks) and the trainer's (which reads runs named by trace id, through the RunReader port); the HUD front
+    records through RolloutService's RecordRuns. The host's identity belongs to the weights room."""
+    builders = sorted(
+        name
+        for name, path in _modules().items()
+        if "TraceStore(" in path.read_text() and name != "yieldloop_server.store.traces"
+    )
+    assert builders == ["yieldloop_server.rollout.server", "yieldloop_server.trainer.server"], builders
+    writers = sorted(
+        name
+        for name, path in _modules().items()
+        if ".put_many(" in path.read_text()
+        and not name.startswith(("yieldloop_server.rollout.", "yieldloop_server.store."))
+    )
+    assert not writers, f"runs written outside RolloutService: {writers}"
+    holders = sorted(name for name, path in _modules().items() if "def host_id(" in path.read_text())
+    assert holders == ["yieldloop_server.weights.files"], holders

@@ -337,6 +337,28 @@ class Client:
         async for response in _stream(self.raw.rollout.StreamJobRuns(request, timeout=self.timeout)):
             yield run_from_pb(response.run)
 
+    async def record_runs(
+        self,
+        runs: Sequence[Run],
+        job_id: str = "",
+        *,
+        model: str = "",
+        name: str = "",
+        group_size: int = 0,
+        metadata_json: str = "",
+    ) -> JobInfo:
+        """Records runs made elsewhere (each with a new trace id) into ``job_id`` (empty: the caller's default job),
+        which is created for the caller's team with ``model``, ``name``, ``group_size`` and ``metadata_json`` when
+        it does not exist; with no runs, only makes sure of the job. Durable when it returns."""
+        if not -(2**31) <= group_size < 2**31:
+            raise invalid_field("group_size", f"group_size {group_size} is out of range")
+        request = rollout_pb.RecordRunsRequest(
+            job_id=job_id,
+            job=rollout_pb.CreateJobRequest(model=model, name=name, group_size=group_size, metadata_json=metadata_json),
+            runs=[run_to_pb(run) for run in runs],
+        )
+        return job_from_pb((await _unary(self.raw.rollout.RecordRuns, request, self.timeout)).job)
+
     async def get_runs(self, trace_ids: Iterable[str]) -> list[Run]:
         """Reads persisted runs back from the trace store."""
         request = rollout_pb.GetRunsRequest(trace_ids=list(trace_ids))

@@ -223,6 +223,7 @@ METHOD_ROLES: dict[str, Role] = {
     "/yieldloop.rollout.v1.RolloutService/ListJobs": "sample",
     "/yieldloop.rollout.v1.RolloutService/StreamJobRuns": "sample",
     "/yieldloop.rollout.v1.RolloutService/GetTraceSpans": "sample",
+    "/yieldloop.rollout.v1.RolloutService/RecordRuns": "sample",
     # TrainerService.
     "/yieldloop.trainer.v1.TrainerService/ForwardBackward": "train",
     "/yieldloop.trainer.v1.TrainerService/Forward": "train",

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from typing import Any
 
 from yieldloop.client import Client
-from yieldloop.convert import run_from_bytes, run_to_bytes
 from yieldloop.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -51,7 +50,7 @@ from yieldloop.errors import (
 )
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop.types import Datum, JobInfo, ModelInfo, Run, RunStatus, TaskRef, Turn
-from yieldloop_server.common.auth import current_principal, presented_key, require_job, require_run
+from yieldloop_server.common.auth import current_principal, presented_key, require_run
 from yieldloop_server.common.http import (
     BodyTimeout,
     HttpServer,
@@ -61,7 +60,7 @@ from yieldloop_server.common.http import (
     timeout_response,
 )
 from yieldloop_server.store import ObjectStore
-from yieldloop_server.store.traces import TraceStore, named_trace
+from yieldloop_server.store.traces import named_trace
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +183,6 @@ class HudFront(HttpServer):
         super().__init__(host, port, transport)
         self.client = client
         self.store = store
-        self.traces = TraceStore(store, run_to_bytes, run_from_bytes)
         self.auth = auth
         self.gateway_url = ""
         """RolloutService's OpenAI-compatible base URL (found at start)."""
@@ -548,6 +546,7 @@ class HudFront(HttpServer):
         group = body.get("group")
         name = check_text(body["name"], "name") if isinstance(body.get("name"), str) else ""
         await self._job(
+            client,
             job_id,
             "",
             name=name,
@@ -556,23 +555,16 @@ class HudFront(HttpServer):
         )
         return {"job_id": job_id}
 
-    async def _job(self, job_id: str, model: str, **record: Any) -> JobInfo:
-        """The job, recorded for the caller's team unless it exists; JOB_NOT_OWNED when another team's."""
-        job = await asyncio.to_thread(self.traces.ensure_job, job_id, model, self._team(), **record)
-        if self.auth:
-            require_job(job.team, job_id)
-        return job
+    @staticmethod
+    async def _job(client: Client, job_id: str, model: str, **record: Any) -> JobInfo:
+        """The job, recorded for the caller's team unless it exists (RolloutService's RecordRuns, with no runs);
+        JOB_NOT_OWNED when another team's."""
+        return await client.record_runs([], job_id, model=model, **record)
 
-    def _default_job(self) -> str:
-        """Where runs named with no job go: each team's own default job (as the rollout service does)."""
-        if not self.auth or current_principal().is_admin:
-            return "default"
-        return f"{self._team()}-default"
-
-    async def _owner(self, trace_id: str) -> tuple[str, int] | None:
+    async def _owner(self, trace_id: str, client: Client) -> tuple[str, int] | None:
         """The team a trace id belongs to and its recorded sample count (-1 while open): its open trace's, its
-        recorded run's (exited here lately, or in the trace store: a HUD trace or a rollout's run); None when
-        nobody used it."""
+        recorded run's (exited here lately, or recorded by RolloutService: a HUD trace or a rollout's run; another
+        team's is RUN_NOT_OWNED there); None when nobody used it."""
         trace = self._pending.get(trace_id)
         if trace is not None:
             return trace.team, -1
@@ -580,7 +572,7 @@ class HudFront(HttpServer):
         if exited is not None:
             return exited
         try:
-            run = await asyncio.to_thread(self.traces.get, trace_id)
+            [run] = await client.get_runs([trace_id])
         except NotFoundError:
             return None
         return run.team, len(run.turns)
@@ -589,7 +581,7 @@ class HudFront(HttpServer):
         if self.auth:
             require_run(team, trace_id)
 
-    async def _trace(self, trace_id: str, owner: tuple[str, int] | None | object = _UNKNOWN) -> _Trace:
+    async def _trace(self, trace_id: str, client: Client, owner: tuple[str, int] | None | object = _UNKNOWN) -> _Trace:
         """The open trace ``trace_id`` of the caller's team, opened now when nobody used the id. Trace ids are
         owned like runs: another team's (open or recorded) is RUN_NOT_OWNED, and a recorded one is never
         opened again (TRACE_ALREADY_RECORDED), so nothing is stored under an id that is not the caller's. ``owner``:
@@ -599,7 +591,7 @@ class HudFront(HttpServer):
         trace = self._pending.get(trace_id)
         if trace is None:
             if owner is _UNKNOWN:
-                owner = await self._owner(trace_id)
+                owner = await self._owner(trace_id, client)
             if owner is not None and owner[1] >= 0:
                 self._require(owner[0], trace_id)
                 raise FailedPreconditionError(
@@ -625,7 +617,7 @@ class HudFront(HttpServer):
             del self._pending[trace_id]
 
     async def _trace_enter(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
-        trace = await self._trace(request.match_info["trace_id"])
+        trace = await self._trace(request.match_info["trace_id"], client)
         for key in ("job_id", "group_id", "task_slug", "model"):
             if isinstance(body.get(key), str):
                 setattr(trace, key, body[key])
@@ -635,11 +627,11 @@ class HudFront(HttpServer):
         trace_id = request.match_info["trace_id"]
         if not named_trace(trace_id):
             raise invalid_field("trace_id", "a trace id is 32 lowercase hex digits (the SDK's uuid4().hex)")
-        owner = await self._owner(trace_id)
+        owner = await self._owner(trace_id, client)
         if owner is not None and owner[1] >= 0:  # the SDK repeats a report it did not hear answered: recorded once
             self._require(owner[0], trace_id)
             return {"trace_id": trace_id, "num_samples": owner[1]}
-        trace = await self._trace(trace_id, owner)
+        trace = await self._trace(trace_id, client, owner)
         reward = _number(body.get("reward") or 0.0, "reward")
         error = body.get("error") if isinstance(body.get("error"), str) else ""
         info = {key: body[key] for key in ("status", "stop_reason", "evaluation_result", "metadata") if key in body}
@@ -655,9 +647,7 @@ class HudFront(HttpServer):
             trace_id=trace_id,
             team=trace.team,
         )
-        job_id = trace.job_id or self._default_job()
-        await self._job(job_id, trace.model)
-        await asyncio.to_thread(self.traces.put_many, [run], job_id)  # durable before the answer
+        await client.record_runs([run], trace.job_id, model=trace.model)  # durable before the answer
         self._pending.pop(trace_id, None)
         self._exited[trace_id] = (trace.team, len(run.turns))
         while len(self._exited) > PENDING_TRACES:
@@ -671,9 +661,9 @@ class HudFront(HttpServer):
         spans = body.get("telemetry")
         if not isinstance(spans, list):
             raise invalid_field("telemetry", "telemetry must be a list of spans")
-        owner = await self._owner(trace_id)
+        owner = await self._owner(trace_id, client)
         if owner is None:
-            await self._trace(trace_id, owner)  # nobody's yet: the caller's from now on
+            await self._trace(trace_id, client, owner)  # nobody's yet: the caller's from now on
         else:
             self._require(owner[0], trace_id)
         key = f"hud/telemetry/{trace_id}/{time.time_ns():020d}-{uuid.uuid4().hex[:6]}.json"
@@ -690,7 +680,7 @@ class HudFront(HttpServer):
         try:
             body = json_object(await read_json(request, self.transport.http_body_timeout_s))
             trace_id = request.headers.get("Trace-Id", "")
-            trace = await self._trace(trace_id) if trace_id else None
+            trace = await self._trace(trace_id, self._caller(request)) if trace_id else None
         except BodyTimeout as err:
             return timeout_response(err)
         except YieldloopError as err:

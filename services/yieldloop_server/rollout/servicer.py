@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from yieldloop.client import Client
-from yieldloop.convert import job_to_pb, run_to_pb, task_ref_from_pb
-from yieldloop.errors import NotFoundError, check_json_object, check_text, invalid_field
+from yieldloop.convert import job_to_pb, run_from_pb, run_to_pb, task_ref_from_pb
+from yieldloop.errors import FailedPreconditionError, NotFoundError, check_json_object, check_text, invalid_field
 from yieldloop.proto.rollout.v1 import rollout_service_pb2 as pb
 from yieldloop.proto.rollout.v1 import rollout_service_pb2_grpc as pb_grpc
 from yieldloop.types import JobInfo
@@ -152,6 +152,42 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 record=functools.partial(self._record, job_id=job_id, team=principal.team),
             ):
                 yield pb.StreamRolloutsResponse(run=run_to_pb(run))
+
+    @rpc
+    async def RecordRuns(
+        self, request: pb.RecordRunsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RecordRunsResponse:
+        principal = current_principal()
+        job_id = request.job_id or ("default" if principal.is_admin else f"{principal.team}-default")
+        wanted = request.job
+        if wanted.group_size < 0:
+            raise invalid_field("job.group_size", "group_size must be >= 0")
+        check_json_object(wanted.metadata_json, "job.metadata_json")
+        name = check_text(wanted.name, "job.name")
+        runs = [run_from_pb(run) for run in request.runs]
+        for run in runs:
+            if not named_trace(run.trace_id):
+                raise invalid_field("runs.trace_id", "a recorded run's trace id is 32 lowercase hex digits")
+        recorded = await asyncio.to_thread(self.traces.recorded, [run.trace_id for run in runs])
+        if recorded:
+            raise FailedPreconditionError(
+                f"trace {recorded[0]} was recorded already: a new trace needs a new id",
+                reason="TRACE_ALREADY_RECORDED",
+                field="runs.trace_id",
+            )
+        job = await asyncio.to_thread(
+            self.traces.ensure_job,
+            job_id,
+            wanted.model,
+            principal.team,
+            name=name,
+            group_size=wanted.group_size,
+            metadata_json=wanted.metadata_json,
+        )
+        require_job(job.team, job_id)
+        if runs:
+            await self._record(runs, job_id, principal.team)  # durable before the answer
+        return pb.RecordRunsResponse(job=job_to_pb(job))
 
     async def _record(self, runs: list, job_id: str, team: str) -> None:
         for run in runs:

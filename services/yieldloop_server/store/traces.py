@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from yieldloop.errors import NotFoundError
 from yieldloop.types import JobInfo, Run
@@ -76,6 +77,13 @@ def decode_segment(blob: bytes) -> dict[str, bytes]:
 def new_job_id() -> str:
     """A sortable job id: ``job-<UTC time>-<random>``."""
     return time.strftime("job-%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
+
+
+class RunReader(Protocol):
+    """What a reader of recorded runs gets (the trainer: runs named by trace id); RolloutService owns the records
+    (it writes them, checks who may, and answers GetRuns/RecordRuns for everyone else)."""
+
+    def get(self, trace_id: str) -> Run: ...
 
 
 class TraceStore:
@@ -208,6 +216,17 @@ class TraceStore:
         except ObjectNotFound:
             raise NotFoundError(f"no run with trace id {trace_id!r}", reason="TRACE_NOT_FOUND") from None
         return self.decode(data)
+
+    def recorded(self, trace_ids: Sequence[str]) -> list[str]:
+        """Which of ``trace_ids`` have a recorded run."""
+        found = []
+        for trace_id in trace_ids:
+            try:
+                self.get(trace_id)
+            except NotFoundError:
+                continue
+            found.append(trace_id)
+        return found
 
     def _find(self, trace_id: str) -> bytes | None:
         """A run's bytes from its segment. The batches of its prefix listed before are tried first (the runs of

@@ -41,7 +41,7 @@ from yieldloop.types import Datum, Head, Manifest, ObjectInfo, Run, RunStatus
 from yieldloop_server.common import lora, telemetry
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
-from yieldloop_server.store.traces import TraceStore
+from yieldloop_server.store.traces import RunReader
 from yieldloop_server.trainer.trainer import STATE_FILE, STATE_FILES, AdamConfig, AdapterSetup, Trainer, TrainerConfig
 from yieldloop_server.weights.base import WeightSource
 from yieldloop_server.weights.files import describe_folder, download_verified, upload_objects
@@ -106,7 +106,7 @@ class TrainingSession:
         model: str,
         store: ObjectStore,
         checkpoints: Client,
-        traces: TraceStore,
+        traces: RunReader,
         work_dir: pathlib.Path,
         config: TrainerConfig,
         nproc: int = 1,

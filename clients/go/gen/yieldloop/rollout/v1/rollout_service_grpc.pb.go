@@ -51,6 +51,13 @@ type RolloutServiceClient interface {
 	// --record-spans records the spans of the episodes its sampler keeps. Empty when none were recorded.
 	// Returns: OK; INVALID_ARGUMENT (INVALID_FIELD) for a malformed trace id.
 	GetTraceSpans(ctx context.Context, in *GetTraceSpansRequest, opts ...grpc.CallOption) (*GetTraceSpansResponse, error)
+	// Records runs an agent made elsewhere (the HUD front's exited traces) into a job of the caller's team, with the
+	// checks the runs of StreamRollouts get: each run is the caller's team's, names a trace id of 32 lowercase hex
+	// digits that was never recorded, and joins a job the caller's team owns (created when new; with no runs the
+	// call only makes sure of the job). Durable before the answer.
+	// Returns: OK; INVALID_ARGUMENT (INVALID_FIELD); PERMISSION_DENIED (JOB_NOT_OWNED); FAILED_PRECONDITION
+	// (TRACE_ALREADY_RECORDED).
+	RecordRuns(ctx context.Context, in *RecordRunsRequest, opts ...grpc.CallOption) (*RecordRunsResponse, error)
 }
 
 type rolloutServiceClient struct {
@@ -202,6 +209,15 @@ func (c *rolloutServiceClient) GetTraceSpans(ctx context.Context, in *GetTraceSp
 	return out, nil
 }
 
+func (c *rolloutServiceClient) RecordRuns(ctx context.Context, in *RecordRunsRequest, opts ...grpc.CallOption) (*RecordRunsResponse, error) {
+	out := new(RecordRunsResponse)
+	err := c.cc.Invoke(ctx, "/yieldloop.rollout.v1.RolloutService/RecordRuns", in, out, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // RolloutServiceServer is the server API for RolloutService service.
 // All implementations must embed UnimplementedRolloutServiceServer
 // for forward compatibility
@@ -240,6 +256,13 @@ type RolloutServiceServer interface {
 	// --record-spans records the spans of the episodes its sampler keeps. Empty when none were recorded.
 	// Returns: OK; INVALID_ARGUMENT (INVALID_FIELD) for a malformed trace id.
 	GetTraceSpans(context.Context, *GetTraceSpansRequest) (*GetTraceSpansResponse, error)
+	// Records runs an agent made elsewhere (the HUD front's exited traces) into a job of the caller's team, with the
+	// checks the runs of StreamRollouts get: each run is the caller's team's, names a trace id of 32 lowercase hex
+	// digits that was never recorded, and joins a job the caller's team owns (created when new; with no runs the
+	// call only makes sure of the job). Durable before the answer.
+	// Returns: OK; INVALID_ARGUMENT (INVALID_FIELD); PERMISSION_DENIED (JOB_NOT_OWNED); FAILED_PRECONDITION
+	// (TRACE_ALREADY_RECORDED).
+	RecordRuns(context.Context, *RecordRunsRequest) (*RecordRunsResponse, error)
 	mustEmbedUnimplementedRolloutServiceServer()
 }
 
@@ -270,6 +293,9 @@ func (UnimplementedRolloutServiceServer) StreamJobRuns(*StreamJobRunsRequest, Ro
 }
 func (UnimplementedRolloutServiceServer) GetTraceSpans(context.Context, *GetTraceSpansRequest) (*GetTraceSpansResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetTraceSpans not implemented")
+}
+func (UnimplementedRolloutServiceServer) RecordRuns(context.Context, *RecordRunsRequest) (*RecordRunsResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method RecordRuns not implemented")
 }
 func (UnimplementedRolloutServiceServer) mustEmbedUnimplementedRolloutServiceServer() {}
 
@@ -437,6 +463,24 @@ func _RolloutService_GetTraceSpans_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _RolloutService_RecordRuns_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RecordRunsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(RolloutServiceServer).RecordRuns(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: "/yieldloop.rollout.v1.RolloutService/RecordRuns",
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(RolloutServiceServer).RecordRuns(ctx, req.(*RecordRunsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 var _RolloutService_serviceDesc = grpc.ServiceDesc{
 	ServiceName: "yieldloop.rollout.v1.RolloutService",
 	HandlerType: (*RolloutServiceServer)(nil),
@@ -460,6 +504,10 @@ var _RolloutService_serviceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetTraceSpans",
 			Handler:    _RolloutService_GetTraceSpans_Handler,
+		},
+		{
+			MethodName: "RecordRuns",
+			Handler:    _RolloutService_RecordRuns_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RecordRunsRequest(_message.Message):
+    __slots__ = ("job_id", "job", "runs")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job: CreateJobRequest
+    runs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Run]
+    def __init__(self, job_id: _Optional[str] = ..., job: _Optional[_Union[CreateJobRequest, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[_common_pb2.Run, _Mapping]]] = ...) -> None: ...
+
+class RecordRunsResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
 class GetTraceSpansRequest(_message.Message):
     __slots__ = ("trace_id",)
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -77,6 +77,11 @@ class RolloutServiceStub:
                 request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansRequest.SerializeToString,
                 response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansResponse.FromString,
                 _registered_method=True)
+        self.RecordRuns = channel.unary_unary(
+                '/yieldloop.rollout.v1.RolloutService/RecordRuns',
+                request_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.RecordRunsRequest.SerializeToString,
+                response_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.RecordRunsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -159,6 +164,18 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordRuns(self, request, context):
+        """Records runs an agent made elsewhere (the HUD front's exited traces) into a job of the caller's team, with the
+        checks the runs of StreamRollouts get: each run is the caller's team's, names a trace id of 32 lowercase hex
+        digits that was never recorded, and joins a job the caller's team owns (created when new; with no runs the
+        call only makes sure of the job). Durable before the answer.
+        Returns: OK; INVALID_ARGUMENT (INVALID_FIELD); PERMISSION_DENIED (JOB_NOT_OWNED); FAILED_PRECONDITION
+        (TRACE_ALREADY_RECORDED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +218,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetTraceSpans,
                     request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansRequest.FromString,
                     response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansResponse.SerializeToString,
+            ),
+            'RecordRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordRuns,
+                    request_deserializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.RecordRunsRequest.FromString,
+                    response_serializer=yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.RecordRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -422,6 +444,33 @@ class RolloutService:
             '/yieldloop.rollout.v1.RolloutService/GetTraceSpans',
             yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansRequest.SerializeToString,
             yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.GetTraceSpansResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/yieldloop.rollout.v1.RolloutService/RecordRuns',
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.RecordRunsRequest.SerializeToString,
+            yieldloop_dot_rollout_dot_v1_dot_rollout__service__pb2.RecordRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

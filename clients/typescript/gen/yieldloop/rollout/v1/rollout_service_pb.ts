@@ -14,7 +14,55 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file yieldloop/rollout/v1/rollout_service.proto.
  */
 export const file_yieldloop_rollout_v1_rollout_service: GenFile = /*@__PURE__*/
-  fileDesc("Cip5aWVsZGxvb3Avcm9sbG91dC92MS9yb2xsb3V0X3NlcnZpY2UucHJvdG8SFHlpZWxkbG9vcC5yb2xsb3V0LnYxIigKFEdldFRyYWNlU3BhbnNSZXF1ZXN0EhAKCHRyYWNlX2lkGAEgASgJIqQCCglUcmFjZVNwYW4SDwoHc3Bhbl9pZBgBIAEoCRIWCg5wYXJlbnRfc3Bhbl9pZBgCIAEoCRIMCgRuYW1lGAMgASgJEg8KB3NlcnZpY2UYBCABKAkSHAoUc3RhcnRfdGltZV91bml4X25hbm8YBSABKAMSGgoSZW5kX3RpbWVfdW5peF9uYW5vGAYgASgDEg4KBnN0YXR1cxgHIAEoCRINCgVlcnJvchgIIAEoCRJDCgphdHRyaWJ1dGVzGAkgAygLMi8ueWllbGRsb29wLnJvbGxvdXQudjEuVHJhY2VTcGFuLkF0dHJpYnV0ZXNFbnRyeRoxCg9BdHRyaWJ1dGVzRW50cnkSCwoDa2V5GAEgASgJEg0KBXZhbHVlGAIgASgJOgI4ASJHChVHZXRUcmFjZVNwYW5zUmVzcG9uc2USLgoFc3BhbnMYASADKAsyHy55aWVsZGxvb3Aucm9sbG91dC52MS5UcmFjZVNwYW4ihwEKDlNhbXBsaW5nUGFyYW1zEhMKC3RlbXBlcmF0dXJlGAEgASgCEg0KBXRvcF9wGAIgASgCEg0KBXRvcF9rGAMgASgFEhIKCm1heF90b2tlbnMYBCABKAUSDAoEc3RvcBgFIAMoCRIMCgRzZWVkGAYgASgDEhIKCmlnbm9yZV9lb3MYByABKAgi6AEKD0dlbmVyYXRlUmVxdWVzdBINCgVtb2RlbBgBIAEoCRI+ChBwcm9tcHRfdG9rZW5faWRzGAIgASgLMiIueWllbGRsb29wLnJvbGxvdXQudjEuUHJvbXB0VG9rZW5zSAASMAoEY2hhdBgDIAEoCzIgLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkNoYXRQcm9tcHRIABI2CghzYW1wbGluZxgEIAEoCzIkLnlpZWxkbG9vcC5yb2xsb3V0LnYxLlNhbXBsaW5nUGFyYW1zEhIKCnJlcXVlc3RfaWQYBSABKAlCCAoGcHJvbXB0IiEKDFByb21wdFRva2VucxIRCgl0b2tlbl9pZHMYASADKAUiQAoKQ2hhdFByb21wdBIyCghtZXNzYWdlcxgBIAMoCzIgLnlpZWxkbG9vcC5jb21tb24udjEuQ2hhdE1lc3NhZ2UisQEKEEdlbmVyYXRlUmVzcG9uc2USEQoJdG9rZW5faWRzGAEgAygFEhAKCGxvZ3Byb2JzGAIgAygCEhYKDndlaWdodF92ZXJzaW9uGAMgASgJEhAKCGZpbmlzaGVkGAQgASgIEjQKC3N0b3BfcmVhc29uGAUgASgOMh8ueWllbGRsb29wLmNvbW1vbi52MS5TdG9wUmVhc29uEhgKEHByb21wdF90b2tlbl9pZHMYBiADKAUinwIKFVN0cmVhbVJvbGxvdXRzUmVxdWVzdBIoCgV0YXNrcxgBIAMoCzIZLnlpZWxkbG9vcC5jb21tb24udjEuVGFzaxISCgpncm91cF9zaXplGAIgASgFEhYKDm1heF9jb25jdXJyZW50GAMgASgFEjYKCHNhbXBsaW5nGAQgASgLMiQueWllbGRsb29wLnJvbGxvdXQudjEuU2FtcGxpbmdQYXJhbXMSDgoGam9iX2lkGAUgASgJEhEKCW1heF9zdGVwcxgGIAEoBRIZChFlcGlzb2RlX3RpbWVvdXRfcxgHIAEoARIUCgxtYXhfYXR0ZW1wdHMYCCABKAUSFQoNY2hlY2twb2ludF9pZBgJIAEoCRINCgVtb2RlbBgKIAEoCSI/ChZTdHJlYW1Sb2xsb3V0c1Jlc3BvbnNlEiUKA3J1bhgBIAEoCzIYLnlpZWxkbG9vcC5jb21tb24udjEuUnVuIiMKDkdldFJ1bnNSZXF1ZXN0EhEKCXRyYWNlX2lkcxgBIAMoCSI5Cg9HZXRSdW5zUmVzcG9uc2USJgoEcnVucxgBIAMoCzIYLnlpZWxkbG9vcC5jb21tb24udjEuUnVuIkYKFUdldFNlcnZpbmdJbmZvUmVxdWVzdBIeChZ3YWl0X2Zvcl9jaGVja3BvaW50X2lkGAEgASgJEg0KBW1vZGVsGAIgASgJIvYBChZHZXRTZXJ2aW5nSW5mb1Jlc3BvbnNlEg0KBW1vZGVsGAEgASgJEhYKDndlaWdodF92ZXJzaW9uGAIgASgJEhUKDWhlYWRfc2VxdWVuY2UYAyABKAMSDgoGZW5naW5lGAQgASgJEhkKEWxhc3RfcmVsb2FkX2Vycm9yGAUgASgJEhcKD29wZW5haV9iYXNlX3VybBgGIAEoCRIUCgxhZGFwdGVyX2Jhc2UYByABKAkSGwoTZW5naW5lX3dlaWdodF9sb2FkcxgIIAEoAxIRCglmb2xsb3dpbmcYCSABKAgSFAoMZm9sbG93X2Vycm9yGAogASgJIpMBCgNKb2ISDgoGam9iX2lkGAEgASgJEg0KBW1vZGVsGAIgASgJEgwKBG5hbWUYAyABKAkSEgoKZ3JvdXBfc2l6ZRgEIAEoBRIUCgxjcmVhdGVkX3RpbWUYBSABKAESEAoIbnVtX3J1bnMYBiABKAMSFQoNbWV0YWRhdGFfanNvbhgHIAEoCRIMCgR0ZWFtGAggASgJIloKEENyZWF0ZUpvYlJlcXVlc3QSDQoFbW9kZWwYASABKAkSDAoEbmFtZRgCIAEoCRISCgpncm91cF9zaXplGAMgASgFEhUKDW1ldGFkYXRhX2pzb24YBCABKAkiOwoRQ3JlYXRlSm9iUmVzcG9uc2USJgoDam9iGAEgASgLMhkueWllbGRsb29wLnJvbGxvdXQudjEuSm9iIhEKD0xpc3RKb2JzUmVxdWVzdCI7ChBMaXN0Sm9ic1Jlc3BvbnNlEicKBGpvYnMYASADKAsyGS55aWVsZGxvb3Aucm9sbG91dC52MS5Kb2IiJgoUU3RyZWFtSm9iUnVuc1JlcXVlc3QSDgoGam9iX2lkGAEgASgJIj4KFVN0cmVhbUpvYlJ1bnNSZXNwb25zZRIlCgNydW4YASABKAsyGC55aWVsZGxvb3AuY29tbW9uLnYxLlJ1bjKwBgoOUm9sbG91dFNlcnZpY2USWwoIR2VuZXJhdGUSJS55aWVsZGxvb3Aucm9sbG91dC52MS5HZW5lcmF0ZVJlcXVlc3QaJi55aWVsZGxvb3Aucm9sbG91dC52MS5HZW5lcmF0ZVJlc3BvbnNlMAESbQoOU3RyZWFtUm9sbG91dHMSKy55aWVsZGxvb3Aucm9sbG91dC52MS5TdHJlYW1Sb2xsb3V0c1JlcXVlc3QaLC55aWVsZGxvb3Aucm9sbG91dC52MS5TdHJlYW1Sb2xsb3V0c1Jlc3BvbnNlMAESVgoHR2V0UnVucxIkLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkdldFJ1bnNSZXF1ZXN0GiUueWllbGRsb29wLnJvbGxvdXQudjEuR2V0UnVuc1Jlc3BvbnNlEmsKDkdldFNlcnZpbmdJbmZvEisueWllbGRsb29wLnJvbGxvdXQudjEuR2V0U2VydmluZ0luZm9SZXF1ZXN0GiwueWllbGRsb29wLnJvbGxvdXQudjEuR2V0U2VydmluZ0luZm9SZXNwb25zZRJcCglDcmVhdGVKb2ISJi55aWVsZGxvb3Aucm9sbG91dC52MS5DcmVhdGVKb2JSZXF1ZXN0GicueWllbGRsb29wLnJvbGxvdXQudjEuQ3JlYXRlSm9iUmVzcG9uc2USWQoITGlzdEpvYnMSJS55aWVsZGxvb3Aucm9sbG91dC52MS5MaXN0Sm9ic1JlcXVlc3QaJi55aWVsZGxvb3Aucm9sbG91dC52MS5MaXN0Sm9ic1Jlc3BvbnNlEmoKDVN0cmVhbUpvYlJ1bnMSKi55aWVsZGxvb3Aucm9sbG91dC52MS5TdHJlYW1Kb2JSdW5zUmVxdWVzdBorLnlpZWxkbG9vcC5yb2xsb3V0LnYxLlN0cmVhbUpvYlJ1bnNSZXNwb25zZTABEmgKDUdldFRyYWNlU3BhbnMSKi55aWVsZGxvb3Aucm9sbG91dC52MS5HZXRUcmFjZVNwYW5zUmVxdWVzdBorLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkdldFRyYWNlU3BhbnNSZXNwb25zZWIGcHJvdG8z", [file_yieldloop_common_v1_common]);
+  fileDesc("Cip5aWVsZGxvb3Avcm9sbG91dC92MS9yb2xsb3V0X3NlcnZpY2UucHJvdG8SFHlpZWxkbG9vcC5yb2xsb3V0LnYxIoABChFSZWNvcmRSdW5zUmVxdWVzdBIOCgZqb2JfaWQYASABKAkSMwoDam9iGAIgASgLMiYueWllbGRsb29wLnJvbGxvdXQudjEuQ3JlYXRlSm9iUmVxdWVzdBImCgRydW5zGAMgAygLMhgueWllbGRsb29wLmNvbW1vbi52MS5SdW4iPAoSUmVjb3JkUnVuc1Jlc3BvbnNlEiYKA2pvYhgBIAEoCzIZLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkpvYiIoChRHZXRUcmFjZVNwYW5zUmVxdWVzdBIQCgh0cmFjZV9pZBgBIAEoCSKkAgoJVHJhY2VTcGFuEg8KB3NwYW5faWQYASABKAkSFgoOcGFyZW50X3NwYW5faWQYAiABKAkSDAoEbmFtZRgDIAEoCRIPCgdzZXJ2aWNlGAQgASgJEhwKFHN0YXJ0X3RpbWVfdW5peF9uYW5vGAUgASgDEhoKEmVuZF90aW1lX3VuaXhfbmFubxgGIAEoAxIOCgZzdGF0dXMYByABKAkSDQoFZXJyb3IYCCABKAkSQwoKYXR0cmlidXRlcxgJIAMoCzIvLnlpZWxkbG9vcC5yb2xsb3V0LnYxLlRyYWNlU3Bhbi5BdHRyaWJ1dGVzRW50cnkaMQoPQXR0cmlidXRlc0VudHJ5EgsKA2tleRgBIAEoCRINCgV2YWx1ZRgCIAEoCToCOAEiRwoVR2V0VHJhY2VTcGFuc1Jlc3BvbnNlEi4KBXNwYW5zGAEgAygLMh8ueWllbGRsb29wLnJvbGxvdXQudjEuVHJhY2VTcGFuIocBCg5TYW1wbGluZ1BhcmFtcxITCgt0ZW1wZXJhdHVyZRgBIAEoAhINCgV0b3BfcBgCIAEoAhINCgV0b3BfaxgDIAEoBRISCgptYXhfdG9rZW5zGAQgASgFEgwKBHN0b3AYBSADKAkSDAoEc2VlZBgGIAEoAxISCgppZ25vcmVfZW9zGAcgASgIIugBCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSPgoQcHJvbXB0X3Rva2VuX2lkcxgCIAEoCzIiLnlpZWxkbG9vcC5yb2xsb3V0LnYxLlByb21wdFRva2Vuc0gAEjAKBGNoYXQYAyABKAsyIC55aWVsZGxvb3Aucm9sbG91dC52MS5DaGF0UHJvbXB0SAASNgoIc2FtcGxpbmcYBCABKAsyJC55aWVsZGxvb3Aucm9sbG91dC52MS5TYW1wbGluZ1BhcmFtcxISCgpyZXF1ZXN0X2lkGAUgASgJQggKBnByb21wdCIhCgxQcm9tcHRUb2tlbnMSEQoJdG9rZW5faWRzGAEgAygFIkAKCkNoYXRQcm9tcHQSMgoIbWVzc2FnZXMYASADKAsyIC55aWVsZGxvb3AuY29tbW9uLnYxLkNoYXRNZXNzYWdlIrEBChBHZW5lcmF0ZVJlc3BvbnNlEhEKCXRva2VuX2lkcxgBIAMoBRIQCghsb2dwcm9icxgCIAMoAhIWCg53ZWlnaHRfdmVyc2lvbhgDIAEoCRIQCghmaW5pc2hlZBgEIAEoCBI0CgtzdG9wX3JlYXNvbhgFIAEoDjIfLnlpZWxkbG9vcC5jb21tb24udjEuU3RvcFJlYXNvbhIYChBwcm9tcHRfdG9rZW5faWRzGAYgAygFIp8CChVTdHJlYW1Sb2xsb3V0c1JlcXVlc3QSKAoFdGFza3MYASADKAsyGS55aWVsZGxvb3AuY29tbW9uLnYxLlRhc2sSEgoKZ3JvdXBfc2l6ZRgCIAEoBRIWCg5tYXhfY29uY3VycmVudBgDIAEoBRI2CghzYW1wbGluZxgEIAEoCzIkLnlpZWxkbG9vcC5yb2xsb3V0LnYxLlNhbXBsaW5nUGFyYW1zEg4KBmpvYl9pZBgFIAEoCRIRCgltYXhfc3RlcHMYBiABKAUSGQoRZXBpc29kZV90aW1lb3V0X3MYByABKAESFAoMbWF4X2F0dGVtcHRzGAggASgFEhUKDWNoZWNrcG9pbnRfaWQYCSABKAkSDQoFbW9kZWwYCiABKAkiPwoWU3RyZWFtUm9sbG91dHNSZXNwb25zZRIlCgNydW4YASABKAsyGC55aWVsZGxvb3AuY29tbW9uLnYxLlJ1biIjCg5HZXRSdW5zUmVxdWVzdBIRCgl0cmFjZV9pZHMYASADKAkiOQoPR2V0UnVuc1Jlc3BvbnNlEiYKBHJ1bnMYASADKAsyGC55aWVsZGxvb3AuY29tbW9uLnYxLlJ1biJGChVHZXRTZXJ2aW5nSW5mb1JlcXVlc3QSHgoWd2FpdF9mb3JfY2hlY2twb2ludF9pZBgBIAEoCRINCgVtb2RlbBgCIAEoCSL2AQoWR2V0U2VydmluZ0luZm9SZXNwb25zZRINCgVtb2RlbBgBIAEoCRIWCg53ZWlnaHRfdmVyc2lvbhgCIAEoCRIVCg1oZWFkX3NlcXVlbmNlGAMgASgDEg4KBmVuZ2luZRgEIAEoCRIZChFsYXN0X3JlbG9hZF9lcnJvchgFIAEoCRIXCg9vcGVuYWlfYmFzZV91cmwYBiABKAkSFAoMYWRhcHRlcl9iYXNlGAcgASgJEhsKE2VuZ2luZV93ZWlnaHRfbG9hZHMYCCABKAMSEQoJZm9sbG93aW5nGAkgASgIEhQKDGZvbGxvd19lcnJvchgKIAEoCSKTAQoDSm9iEg4KBmpvYl9pZBgBIAEoCRINCgVtb2RlbBgCIAEoCRIMCgRuYW1lGAMgASgJEhIKCmdyb3VwX3NpemUYBCABKAUSFAoMY3JlYXRlZF90aW1lGAUgASgBEhAKCG51bV9ydW5zGAYgASgDEhUKDW1ldGFkYXRhX2pzb24YByABKAkSDAoEdGVhbRgIIAEoCSJaChBDcmVhdGVKb2JSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJEgwKBG5hbWUYAiABKAkSEgoKZ3JvdXBfc2l6ZRgDIAEoBRIVCg1tZXRhZGF0YV9qc29uGAQgASgJIjsKEUNyZWF0ZUpvYlJlc3BvbnNlEiYKA2pvYhgBIAEoCzIZLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkpvYiIRCg9MaXN0Sm9ic1JlcXVlc3QiOwoQTGlzdEpvYnNSZXNwb25zZRInCgRqb2JzGAEgAygLMhkueWllbGRsb29wLnJvbGxvdXQudjEuSm9iIiYKFFN0cmVhbUpvYlJ1bnNSZXF1ZXN0Eg4KBmpvYl9pZBgBIAEoCSI+ChVTdHJlYW1Kb2JSdW5zUmVzcG9uc2USJQoDcnVuGAEgASgLMhgueWllbGRsb29wLmNvbW1vbi52MS5SdW4ykQcKDlJvbGxvdXRTZXJ2aWNlElsKCEdlbmVyYXRlEiUueWllbGRsb29wLnJvbGxvdXQudjEuR2VuZXJhdGVSZXF1ZXN0GiYueWllbGRsb29wLnJvbGxvdXQudjEuR2VuZXJhdGVSZXNwb25zZTABEm0KDlN0cmVhbVJvbGxvdXRzEisueWllbGRsb29wLnJvbGxvdXQudjEuU3RyZWFtUm9sbG91dHNSZXF1ZXN0GiwueWllbGRsb29wLnJvbGxvdXQudjEuU3RyZWFtUm9sbG91dHNSZXNwb25zZTABElYKB0dldFJ1bnMSJC55aWVsZGxvb3Aucm9sbG91dC52MS5HZXRSdW5zUmVxdWVzdBolLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkdldFJ1bnNSZXNwb25zZRJrCg5HZXRTZXJ2aW5nSW5mbxIrLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkdldFNlcnZpbmdJbmZvUmVxdWVzdBosLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkdldFNlcnZpbmdJbmZvUmVzcG9uc2USXAoJQ3JlYXRlSm9iEiYueWllbGRsb29wLnJvbGxvdXQudjEuQ3JlYXRlSm9iUmVxdWVzdBonLnlpZWxkbG9vcC5yb2xsb3V0LnYxLkNyZWF0ZUpvYlJlc3BvbnNlElkKCExpc3RKb2JzEiUueWllbGRsb29wLnJvbGxvdXQudjEuTGlzdEpvYnNSZXF1ZXN0GiYueWllbGRsb29wLnJvbGxvdXQudjEuTGlzdEpvYnNSZXNwb25zZRJqCg1TdHJlYW1Kb2JSdW5zEioueWllbGRsb29wLnJvbGxvdXQudjEuU3RyZWFtSm9iUnVuc1JlcXVlc3QaKy55aWVsZGxvb3Aucm9sbG91dC52MS5TdHJlYW1Kb2JSdW5zUmVzcG9uc2UwARJoCg1HZXRUcmFjZVNwYW5zEioueWllbGRsb29wLnJvbGxvdXQudjEuR2V0VHJhY2VTcGFuc1JlcXVlc3QaKy55aWVsZGxvb3Aucm9sbG91dC52MS5HZXRUcmFjZVNwYW5zUmVzcG9uc2USXwoKUmVjb3JkUnVucxInLnlpZWxkbG9vcC5yb2xsb3V0LnYxLlJlY29yZFJ1bnNSZXF1ZXN0GigueWllbGRsb29wLnJvbGxvdXQudjEuUmVjb3JkUnVuc1Jlc3BvbnNlYgZwcm90bzM", [file_yieldloop_common_v1_common]);
+
+/**
+ * @generated from message yieldloop.rollout.v1.RecordRunsRequest
+ */
+export type RecordRunsRequest = Message<"yieldloop.rollout.v1.RecordRunsRequest"> & {
+  /**
+   * The job the runs join (empty: the caller's default job).
+   *
+   * @generated from field: string job_id = 1;
+   */
+  jobId: string;
+
+  /**
+   * For a job that does not exist yet: its model, name, group size and metadata.
+   *
+   * @generated from field: yieldloop.rollout.v1.CreateJobRequest job = 2;
+   */
+  job?: CreateJobRequest | undefined;
+
+  /**
+   * @generated from field: repeated yieldloop.common.v1.Run runs = 3;
+   */
+  runs: Run[];
+};
+
+/**
+ * Describes the message yieldloop.rollout.v1.RecordRunsRequest.
+ * Use `create(RecordRunsRequestSchema)` to create a new message.
+ */
+export const RecordRunsRequestSchema: GenMessage<RecordRunsRequest> = /*@__PURE__*/
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 0);
+
+/**
+ * @generated from message yieldloop.rollout.v1.RecordRunsResponse
+ */
+export type RecordRunsResponse = Message<"yieldloop.rollout.v1.RecordRunsResponse"> & {
+  /**
+   * @generated from field: yieldloop.rollout.v1.Job job = 1;
+   */
+  job?: Job | undefined;
+};
+
+/**
+ * Describes the message yieldloop.rollout.v1.RecordRunsResponse.
+ * Use `create(RecordRunsResponseSchema)` to create a new message.
+ */
+export const RecordRunsResponseSchema: GenMessage<RecordRunsResponse> = /*@__PURE__*/
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 1);
 
 /**
  * @generated from message yieldloop.rollout.v1.GetTraceSpansRequest
@@ -31,7 +79,7 @@ export type GetTraceSpansRequest = Message<"yieldloop.rollout.v1.GetTraceSpansRe
  * Use `create(GetTraceSpansRequestSchema)` to create a new message.
  */
 export const GetTraceSpansRequestSchema: GenMessage<GetTraceSpansRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 0);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 2);
 
 /**
  * @generated from message yieldloop.rollout.v1.TraceSpan
@@ -96,7 +144,7 @@ export type TraceSpan = Message<"yieldloop.rollout.v1.TraceSpan"> & {
  * Use `create(TraceSpanSchema)` to create a new message.
  */
 export const TraceSpanSchema: GenMessage<TraceSpan> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 1);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 3);
 
 /**
  * @generated from message yieldloop.rollout.v1.GetTraceSpansResponse
@@ -113,7 +161,7 @@ export type GetTraceSpansResponse = Message<"yieldloop.rollout.v1.GetTraceSpansR
  * Use `create(GetTraceSpansResponseSchema)` to create a new message.
  */
 export const GetTraceSpansResponseSchema: GenMessage<GetTraceSpansResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 2);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 4);
 
 /**
  * @generated from message yieldloop.rollout.v1.SamplingParams
@@ -174,7 +222,7 @@ export type SamplingParams = Message<"yieldloop.rollout.v1.SamplingParams"> & {
  * Use `create(SamplingParamsSchema)` to create a new message.
  */
 export const SamplingParamsSchema: GenMessage<SamplingParams> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 3);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 5);
 
 /**
  * @generated from message yieldloop.rollout.v1.GenerateRequest
@@ -226,7 +274,7 @@ export type GenerateRequest = Message<"yieldloop.rollout.v1.GenerateRequest"> & 
  * Use `create(GenerateRequestSchema)` to create a new message.
  */
 export const GenerateRequestSchema: GenMessage<GenerateRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 4);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 6);
 
 /**
  * @generated from message yieldloop.rollout.v1.PromptTokens
@@ -243,7 +291,7 @@ export type PromptTokens = Message<"yieldloop.rollout.v1.PromptTokens"> & {
  * Use `create(PromptTokensSchema)` to create a new message.
  */
 export const PromptTokensSchema: GenMessage<PromptTokens> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 5);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 7);
 
 /**
  * @generated from message yieldloop.rollout.v1.ChatPrompt
@@ -260,7 +308,7 @@ export type ChatPrompt = Message<"yieldloop.rollout.v1.ChatPrompt"> & {
  * Use `create(ChatPromptSchema)` to create a new message.
  */
 export const ChatPromptSchema: GenMessage<ChatPrompt> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 6);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 8);
 
 /**
  * One streamed delta. The first delta carries the prompt token ids; the last
@@ -309,7 +357,7 @@ export type GenerateResponse = Message<"yieldloop.rollout.v1.GenerateResponse"> 
  * Use `create(GenerateResponseSchema)` to create a new message.
  */
 export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 7);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 9);
 
 /**
  * @generated from message yieldloop.rollout.v1.StreamRolloutsRequest
@@ -393,7 +441,7 @@ export type StreamRolloutsRequest = Message<"yieldloop.rollout.v1.StreamRollouts
  * Use `create(StreamRolloutsRequestSchema)` to create a new message.
  */
 export const StreamRolloutsRequestSchema: GenMessage<StreamRolloutsRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 8);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 10);
 
 /**
  * @generated from message yieldloop.rollout.v1.StreamRolloutsResponse
@@ -410,7 +458,7 @@ export type StreamRolloutsResponse = Message<"yieldloop.rollout.v1.StreamRollout
  * Use `create(StreamRolloutsResponseSchema)` to create a new message.
  */
 export const StreamRolloutsResponseSchema: GenMessage<StreamRolloutsResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 9);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 11);
 
 /**
  * @generated from message yieldloop.rollout.v1.GetRunsRequest
@@ -427,7 +475,7 @@ export type GetRunsRequest = Message<"yieldloop.rollout.v1.GetRunsRequest"> & {
  * Use `create(GetRunsRequestSchema)` to create a new message.
  */
 export const GetRunsRequestSchema: GenMessage<GetRunsRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 10);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 12);
 
 /**
  * @generated from message yieldloop.rollout.v1.GetRunsResponse
@@ -444,7 +492,7 @@ export type GetRunsResponse = Message<"yieldloop.rollout.v1.GetRunsResponse"> & 
  * Use `create(GetRunsResponseSchema)` to create a new message.
  */
 export const GetRunsResponseSchema: GenMessage<GetRunsResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 11);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 13);
 
 /**
  * @generated from message yieldloop.rollout.v1.GetServingInfoRequest
@@ -470,7 +518,7 @@ export type GetServingInfoRequest = Message<"yieldloop.rollout.v1.GetServingInfo
  * Use `create(GetServingInfoRequestSchema)` to create a new message.
  */
 export const GetServingInfoRequestSchema: GenMessage<GetServingInfoRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 12);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 14);
 
 /**
  * @generated from message yieldloop.rollout.v1.GetServingInfoResponse
@@ -554,7 +602,7 @@ export type GetServingInfoResponse = Message<"yieldloop.rollout.v1.GetServingInf
  * Use `create(GetServingInfoResponseSchema)` to create a new message.
  */
 export const GetServingInfoResponseSchema: GenMessage<GetServingInfoResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 13);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 15);
 
 /**
  * @generated from message yieldloop.rollout.v1.Job
@@ -612,7 +660,7 @@ export type Job = Message<"yieldloop.rollout.v1.Job"> & {
  * Use `create(JobSchema)` to create a new message.
  */
 export const JobSchema: GenMessage<Job> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 14);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 16);
 
 /**
  * @generated from message yieldloop.rollout.v1.CreateJobRequest
@@ -648,7 +696,7 @@ export type CreateJobRequest = Message<"yieldloop.rollout.v1.CreateJobRequest"> 
  * Use `create(CreateJobRequestSchema)` to create a new message.
  */
 export const CreateJobRequestSchema: GenMessage<CreateJobRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 15);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 17);
 
 /**
  * @generated from message yieldloop.rollout.v1.CreateJobResponse
@@ -665,7 +713,7 @@ export type CreateJobResponse = Message<"yieldloop.rollout.v1.CreateJobResponse"
  * Use `create(CreateJobResponseSchema)` to create a new message.
  */
 export const CreateJobResponseSchema: GenMessage<CreateJobResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 16);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 18);
 
 /**
  * @generated from message yieldloop.rollout.v1.ListJobsRequest
@@ -678,7 +726,7 @@ export type ListJobsRequest = Message<"yieldloop.rollout.v1.ListJobsRequest"> & 
  * Use `create(ListJobsRequestSchema)` to create a new message.
  */
 export const ListJobsRequestSchema: GenMessage<ListJobsRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 17);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 19);
 
 /**
  * @generated from message yieldloop.rollout.v1.ListJobsResponse
@@ -695,7 +743,7 @@ export type ListJobsResponse = Message<"yieldloop.rollout.v1.ListJobsResponse"> 
  * Use `create(ListJobsResponseSchema)` to create a new message.
  */
 export const ListJobsResponseSchema: GenMessage<ListJobsResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 18);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 20);
 
 /**
  * @generated from message yieldloop.rollout.v1.StreamJobRunsRequest
@@ -712,7 +760,7 @@ export type StreamJobRunsRequest = Message<"yieldloop.rollout.v1.StreamJobRunsRe
  * Use `create(StreamJobRunsRequestSchema)` to create a new message.
  */
 export const StreamJobRunsRequestSchema: GenMessage<StreamJobRunsRequest> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 19);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 21);
 
 /**
  * @generated from message yieldloop.rollout.v1.StreamJobRunsResponse
@@ -729,7 +777,7 @@ export type StreamJobRunsResponse = Message<"yieldloop.rollout.v1.StreamJobRunsR
  * Use `create(StreamJobRunsResponseSchema)` to create a new message.
  */
 export const StreamJobRunsResponseSchema: GenMessage<StreamJobRunsResponse> = /*@__PURE__*/
-  messageDesc(file_yieldloop_rollout_v1_rollout_service, 20);
+  messageDesc(file_yieldloop_rollout_v1_rollout_service, 22);
 
 /**
  * Serves every model slug of the store by name: an engine per slug, loaded on first use (the least
@@ -836,6 +884,21 @@ export const RolloutService: GenService<{
     methodKind: "unary";
     input: typeof GetTraceSpansRequestSchema;
     output: typeof GetTraceSpansResponseSchema;
+  },
+  /**
+   * Records runs an agent made elsewhere (the HUD front's exited traces) into a job of the caller's team, with the
+   * checks the runs of StreamRollouts get: each run is the caller's team's, names a trace id of 32 lowercase hex
+   * digits that was never recorded, and joins a job the caller's team owns (created when new; with no runs the
+   * call only makes sure of the job). Durable before the answer.
+   * Returns: OK; INVALID_ARGUMENT (INVALID_FIELD); PERMISSION_DENIED (JOB_NOT_OWNED); FAILED_PRECONDITION
+   * (TRACE_ALREADY_RECORDED).
+   *
+   * @generated from rpc yieldloop.rollout.v1.RolloutService.RecordRuns
+   */
+  recordRuns: {
+    methodKind: "unary";
+    input: typeof RecordRunsRequestSchema;
+    output: typeof RecordRunsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_yieldloop_rollout_v1_rollout_service, 0);
