@@ -369,8 +369,8 @@ async def closed_loop(
                 launch()  # the next batches sample while this one trains
             stale = [_staleness(run, heads) for run in runs]
             flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
-            fb = await client.forward_backward(
-                runs=[r for r in runs if r.status == RunStatus.GRADED],
+            fb = await client.forward_backward(  # the trainer reads the recorded runs by trace id
+                runs=[r.trace_id or r for r in runs if r.status == RunStatus.GRADED],
                 loss_fn=config.loss_fn,
                 loss_fn_config=config.loss_fn_config,
                 normalize_advantages_by_std=config.normalize_advantages_by_std,

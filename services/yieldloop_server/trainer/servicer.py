@@ -45,7 +45,7 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
         await self.access.require(config.model or self.sessions.default, "train")
         async with self.sessions.use(config.model) as session:
             await session.follow_head()
-            runs: list[Run] = []
+            runs: list[Run | str] = []  # a trace id stands for its run until they are read together
             datums: list[Datum] = []
             async for request in requests:
                 item = request.WhichOneof("item")
@@ -60,11 +60,14 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                 elif item == "run":
                     runs.append(run_from_pb(request.run))
                 elif item == "trace_id":
-                    run = await session.get_run(request.trace_id)
-                    require_run(run.team, run.trace_id)
-                    runs.append(run)
+                    runs.append(request.trace_id)
                 else:
                     raise invalid_field("item", "empty request")
+            read = await session.get_runs([item for item in runs if isinstance(item, str)])
+            for run in read:
+                require_run(run.team, run.trace_id)
+            named = iter(read)
+            runs = [next(named) if isinstance(item, str) else item for item in runs]
             if not math.isfinite(config.reward_scale) or config.reward_scale < 0:
                 raise invalid_field(
                     "config.reward_scale", f"reward_scale must be finite and >= 0 (0: 1), got {config.reward_scale}"

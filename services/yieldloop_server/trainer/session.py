@@ -143,6 +143,11 @@ class TrainingSession:
         """Gradient computations running now (a head-following reload waits for them)."""
         self.trained_traces: list[str] = []
         """Trace ids of the runs whose gradients wait for the next optimizer step (its span links to them)."""
+        self._head: Head | None = None
+        """The model's head as last seen: by WatchHead while :attr:`_watching`, by this session's own commits, or
+        by a GetHead."""
+        self._watching = False
+        self._watcher: asyncio.Task | None = None
         # One thread owns the weights, so calls apply in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
 
@@ -164,14 +169,43 @@ class TrainingSession:
 
     async def follow_head(self) -> None:
         """Reloads from the head when it moved away from our last checkpoint (a rollback or a branch point),
-        so the next commit extends the tree from there. Only between steps: pending gradients pin the weights."""
+        so the next commit extends the tree from there. Only between steps: pending gradients pin the weights.
+
+        The head is followed by WatchHead (no call per step): a head still at our checkpoint is taken as seen;
+        one that seems to have moved is read again (GetHead) before the weights are reloaded from it."""
         assert self.trainer is not None
         if self.trainer.num_pending_datums or self._in_flight:
             return  # gradients pending or being computed: they pin the weights
-        head = await self.checkpoints.get_head(self.model)
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_head(), name=f"head-{self.model}")
+        head = self._head if self._watching else None
+        if head is None or head.checkpoint_id != self.checkpoint_id:
+            head = self._saw_head(await self.checkpoints.get_head(self.model))
         if head.checkpoint_id != self.checkpoint_id:
             await self.close_trainer()
             await self.load_head()
+
+    def _saw_head(self, head: Head) -> Head:
+        """Keeps ``head`` when it is newer than the one known; returns the newest known."""
+        if self._head is None or head.sequence > self._head.sequence:
+            self._head = head
+        return self._head
+
+    async def _watch_head(self) -> None:
+        """Follows the model's head for as long as the session lives (after an error: GetHead per step until the
+        watch is back)."""
+        for attempt in itertools.count():
+            try:
+                after = self._head.sequence if self._head is not None else 0
+                async for head in self.checkpoints.watch_head(self.model, after):
+                    self._saw_head(head)
+                    self._watching, attempt = True, 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # deliberate degrade: read the head per step meanwhile
+                log.debug("%s: not watching the head (%s); retrying", self.model, err)
+            self._watching = False
+            await asyncio.sleep(RETRY.delay(attempt))
 
     async def close_trainer(self) -> None:
         if self.trainer is not None and hasattr(self.trainer, "close"):
@@ -350,14 +384,18 @@ class TrainingSession:
             )
         if self._durability is not None:
             self._durability.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         await self.close_trainer()
         if self.publisher is not None:
             self.publisher.release_model(self.model)
         self._executor.shutdown(wait=True)
 
-    async def get_run(self, trace_id: str) -> Run:
-        """A recorded run by trace id (NOT_FOUND/TRACE_NOT_FOUND when there is none)."""
-        return await asyncio.to_thread(self.traces.get, trace_id)
+    async def get_runs(self, trace_ids: Sequence[str]) -> list[Run]:
+        """Recorded runs by trace id, read together (NOT_FOUND/TRACE_NOT_FOUND when one is missing)."""
+        if not trace_ids:
+            return []
+        return await asyncio.to_thread(lambda: [self.traces.get(trace_id) for trace_id in trace_ids])
 
     async def forward_backward(
         self, datums: Sequence[Datum], runs: Sequence[Run], options: LossOptions
@@ -534,6 +572,8 @@ class TrainingSession:
                     set_head=set_head,
                     expected_head_checkpoint_id=parent if set_head else "",
                 )
+                if head is not None:
+                    self._saw_head(head)
             except AbortedError as err:
                 if err.reason != "HEAD_CONFLICT":
                     raise
