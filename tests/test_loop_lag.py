@@ -109,7 +109,7 @@ async def test_no_stall_listing_300_checkpoints_over_s3(lag_stack) -> None:
                 *(client.list_checkpoints("deep") for _ in range(3)), client.get_head("tiny"), client.list_models()
             )
             took = time.perf_counter() - start
-        assert len(listed[0].checkpoints) == 301
+        assert len(listed[0]) == 301
         lags.append(probe.worst)
         if probe.worst < MAX_LAG_S:
             break

@@ -72,8 +72,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         async with self.models.use(request.model) as served:
             engine = served.engine
             if kind == "chat":
-                if not engine.weight_version:
-                    engine.validate_prompt([])  # raises ENGINE_NOT_READY
+                engine.require_ready()
                 prompt_ids = await engine.render_chat_async(
                     [{"role": m.role, "content": m.content} for m in request.chat.messages]
                 )
@@ -134,8 +133,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             engine = served.engine
             if request.checkpoint_id:
                 engine = await stack.enter_async_context(served.pinned.engine(request.checkpoint_id))
-            elif not engine.weight_version:
-                engine.validate_prompt([])  # raises ENGINE_NOT_READY
+            else:
+                engine.require_ready()
             job = await asyncio.to_thread(self.traces.ensure_job, job_id, served.slug, principal.team)
             require_job(job.team, job_id)
             async for run in stream_rollouts(

@@ -24,13 +24,20 @@ DRO_DEFAULT_BETA = 0.05
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """A built-in loss: its function, knobs with defaults, and a description."""
+    """A built-in loss: its function, knobs with defaults, a description, and what the trainer needs to know of
+    it (which tokens it acts on, which knobs clip the ratio): the trainer never switches on a loss's name."""
 
     name: str
     fn: Callable[..., Any]
     knobs: dict[str, float]
     description: str
     knob_docs: dict[str, str] = dataclasses.field(default_factory=dict)
+    acts_on: str = "advantages"
+    """The datum field whose non-zero entries mark the tokens the loss acts on ("advantages", or "weights" for a
+    supervised loss): its metrics are over those tokens, and a datum with none is not computed at all."""
+    clipped_by: tuple[str, str] | None = None
+    """The knobs bounding the importance ratio (low, high), when the loss clips it: the fraction of action tokens
+    outside is reported (``clip_fraction``)."""
 
 
 def cross_entropy(lp_N: Any, q_N: Any, A_N: Any, w_N: Any) -> Any:
@@ -63,7 +70,13 @@ def dro(lp_N: Any, q_N: Any, A_N: Any, w_N: Any, beta: float) -> Any:
 LOSSES: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
-        LossSpec("cross_entropy", cross_entropy, {}, "-(lp * w).sum(): supervised learning on weighted tokens."),
+        LossSpec(
+            "cross_entropy",
+            cross_entropy,
+            {},
+            "-(lp * w).sum(): supervised learning on weighted tokens.",
+            acts_on="weights",
+        ),
         LossSpec(
             "importance_sampling",
             importance_sampling,
@@ -79,6 +92,7 @@ LOSSES: dict[str, LossSpec] = {
                 "clip_low_threshold": "lower bound on the ratio (absolute, not epsilon)",
                 "clip_high_threshold": "upper bound on the ratio (absolute, not epsilon)",
             },
+            clipped_by=("clip_low_threshold", "clip_high_threshold"),
         ),
         LossSpec(
             "cispo",
@@ -89,6 +103,7 @@ LOSSES: dict[str, LossSpec] = {
                 "clip_low_threshold": "lower bound on the detached ratio",
                 "clip_high_threshold": "upper bound on the detached ratio",
             },
+            clipped_by=("clip_low_threshold", "clip_high_threshold"),
         ),
         LossSpec(
             "dro",

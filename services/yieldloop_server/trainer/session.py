@@ -42,7 +42,15 @@ from yieldloop_server.common import lora, telemetry
 from yieldloop_server.common.pool import Pool
 from yieldloop_server.store import ObjectStore
 from yieldloop_server.store.traces import RunReader
-from yieldloop_server.trainer.trainer import STATE_FILE, STATE_FILES, AdamConfig, AdapterSetup, Trainer, TrainerConfig
+from yieldloop_server.trainer.trainer import (
+    STATE_FILE,
+    STATE_FILES,
+    AdamConfig,
+    AdapterSetup,
+    ModelTrainer,
+    Trainer,
+    TrainerConfig,
+)
 from yieldloop_server.weights.base import WeightSource
 from yieldloop_server.weights.files import describe_folder, download_verified, upload_objects
 
@@ -122,7 +130,7 @@ class TrainingSession:
         self.nproc = nproc
         self.publisher = publisher
         self.state_every = state_every
-        self.trainer: Trainer | Any | None = None
+        self.trainer: ModelTrainer | None = None
         self.checkpoint_id = ""
         self.manifest: Manifest | None = None
         """The checkpoint the weights are at (None before the first load)."""
@@ -208,7 +216,7 @@ class TrainingSession:
             await asyncio.sleep(RETRY.delay(attempt))
 
     async def close_trainer(self) -> None:
-        if self.trainer is not None and hasattr(self.trainer, "close"):
+        if self.trainer is not None:
             await self._run(self.trainer.close)
         self.trainer = None
 

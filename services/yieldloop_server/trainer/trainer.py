@@ -16,7 +16,7 @@ import json
 import math
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, invalid_field
 from yieldloop.types import Datum
@@ -125,6 +125,43 @@ def attach_adapter(model: Any, adapter: AdapterSetup) -> Any:
                 reason="CHECKPOINT_CORRUPT",
             )
     return model
+
+
+class ModelTrainer(Protocol):
+    """What a training session drives: one process's :class:`Trainer`, or rank 0's
+    :class:`~yieldloop_server.trainer.distributed.DistributedTrainer` (every call run on every rank)."""
+
+    num_pending_datums: int
+    """Datums whose gradients wait for the next optimizer step."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def model(self) -> Any:
+        """The transformers model (its config: the context length)."""
+        ...
+
+    def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]: ...
+
+    def forward_backward(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
+    ) -> dict[str, float]: ...
+
+    def optim_step(self, adam: AdamConfig, revocable: bool = False) -> float: ...
+
+    def finish_step(self, committed: bool) -> None: ...
+
+    def drop_gradients(self) -> None: ...
+
+    def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path: ...
+
+    def save_state(self, folder: pathlib.Path) -> pathlib.Path: ...
+
+    def close(self) -> None: ...
 
 
 class Trainer:
@@ -284,7 +321,7 @@ class Trainer:
         for param in self._trainable():
             param.grad = None
         try:
-            totals = self._accumulate(datums, loss_fn, spec, knobs)
+            totals = self._accumulate(datums, spec, knobs)
             if not totals["nonfinite"] and not self._merge():
                 totals["nonfinite"] = 1.0
             return totals
@@ -292,9 +329,7 @@ class Trainer:
             self._settle(keep=False)  # the earlier gradients as they were; the error itself goes up
             raise
 
-    def _accumulate(
-        self, datums: Sequence[Datum], loss_fn: str, spec: Any, knobs: dict[str, float]
-    ) -> dict[str, float]:
+    def _accumulate(self, datums: Sequence[Datum], spec: losses.LossSpec, knobs: dict[str, float]) -> dict[str, float]:
         """Forward/backward over the micro-batches with every total kept on the device: the host queues work
         and waits once, at the end (a non-finite loss shows in the totals and the gradients)."""
         import torch
@@ -303,8 +338,7 @@ class Trainer:
         # Only action tokens count: every loss, and its gradient, is 0 on the others (losses.py). A datum without
         # one is not computed at all (e.g. a group without reward spread), and a micro-batch's logits start at
         # its first action token (not over the prompts).
-        acting = "weights" if loss_fn == "cross_entropy" else "advantages"
-        first = {id(d): next((t for t, v in enumerate(getattr(d, acting)) if v != 0), -1) for d in datums}
+        first = {id(d): next((t for t, v in enumerate(getattr(d, spec.acts_on)) if v != 0), -1) for d in datums}
         for batch in micro_batches([d for d in datums if first[id(d)] >= 0], self.config.micro_batch_tokens):
             start = min(first[id(d)] for d in batch)
             lp_N, entropy_N = self._logprobs_N(batch, with_entropy=True, start=start)
@@ -318,7 +352,7 @@ class Trainer:
             loss = spec.fn(lp_N, q_N, A_N, w_N, **knobs)
             loss.backward()
             with torch.no_grad():
-                action_N = (w_N != 0) if loss_fn == "cross_entropy" else (A_N != 0)
+                action_N = (w_N if spec.acts_on == "weights" else A_N) != 0
                 ratio_N = (lp_N - q_N).exp()
 
                 def over_actions(values_N: Any) -> Any:
@@ -331,8 +365,9 @@ class Trainer:
                     over_actions(q_N - lp_N),
                     over_actions(entropy_N),
                 ]
-                if "clip_low_threshold" in knobs:
-                    outside = (ratio_N < knobs["clip_low_threshold"]) | (ratio_N > knobs["clip_high_threshold"])
+                if spec.clipped_by is not None:
+                    low, high = spec.clipped_by
+                    outside = (ratio_N < knobs[low]) | (ratio_N > knobs[high])
                     parts.append((outside & action_N).sum())
                 sums[: len(parts)] += torch.stack([p.to(torch.float64) for p in parts])
         finite = all_finite([sums[:1]])  # the loss; the gradients are checked merged (_merge)
@@ -433,6 +468,9 @@ class Trainer:
             "param_groups": [dict(g) for g in state["param_groups"]],
         }
         return ([host(p) for p in params], [None if p.grad is None else host(p.grad) for p in params], state, self.step)
+
+    def close(self) -> None:
+        """Nothing to release beyond the objects themselves (a :class:`ModelTrainer` method: ranks have more)."""
 
     def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path:
         """Writes the sampler weights: an HF checkpoint (safetensors, config, tokenizer), or for a LoRA fork

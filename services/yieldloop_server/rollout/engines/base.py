@@ -388,10 +388,14 @@ class Engine(abc.ABC):
         if adapter and not self.adapter_version(adapter):
             raise UnavailableError(f"adapter {adapter!r} is not loaded", reason="ENGINE_NOT_READY")
 
-    def validate_prompt(self, prompt_ids: Sequence[int]) -> None:
-        """Typed errors for prompts the engine cannot serve."""
+    def require_ready(self) -> None:
+        """UNAVAILABLE/ENGINE_NOT_READY until weights are loaded."""
         if not self.weight_version:
             raise UnavailableError("no weights loaded yet", reason="ENGINE_NOT_READY")
+
+    def validate_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Typed errors for prompts the engine cannot serve."""
+        self.require_ready()
         if not prompt_ids:
             raise invalid_field("prompt", "the prompt is empty")
         vocab_size = self.vocab_size
