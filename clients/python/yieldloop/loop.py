@@ -40,7 +40,7 @@ from yieldloop.client import Client
 from yieldloop.environment import Task
 from yieldloop.errors import InvalidArgumentError
 from yieldloop.training import Agent, Job, mean_reward, off_policy, report_groups_without_spread, run_tasks
-from yieldloop.types import CheckpointSummary, Promotion, PromotionState, Run, RunStatus, TaskRef
+from yieldloop.types import CheckpointSummary, Head, Promotion, PromotionState, Run, RunStatus, TaskRef
 
 CONFIG_ERROR = "BAD_CONFIG"
 
@@ -304,6 +304,23 @@ async def closed_loop(
     """
     train = list(train_tasks) if train_tasks is not None else load_tasks(config.train_tasks)
     heldout = list(heldout_tasks) if heldout_tasks is not None else load_tasks(config.heldout_tasks)
+    _check_tasks(train, heldout)
+    loop = await _Loop.start(client, config, train, heldout, runs_dir)
+    try:
+        if heldout:
+            first = await loop.evaluate_start()
+            if baseline is not None:
+                baseline.append(first)
+        for step_index in range(1, config.steps + 1):
+            report = await loop.step(step_index)
+            yield report
+            if config.target_heldout_reward and heldout and loop.head_score >= config.target_heldout_reward:
+                break
+    finally:
+        await loop.cancel_batches()
+
+
+def _check_tasks(train: list[Task], heldout: list[Task]) -> None:
     overlap = {_task_key(t) for t in train} & {_task_key(t) for t in heldout}
     if overlap:
         raise InvalidArgumentError(
@@ -312,168 +329,218 @@ async def closed_loop(
         )
     if not train:
         raise InvalidArgumentError("no training tasks", reason=CONFIG_ERROR)
-    rng = random.Random(config.seed)
-    agent = Agent(
-        model=config.model, temperature=config.temperature, max_tokens=config.max_tokens, max_steps=config.max_steps
-    )
-    heldout_agent = dataclasses.replace(agent, temperature=config.heldout_temperature)
-    job = await Job.start(
-        config.model,
-        config.group_size,
-        name=config.name or "train",
-        client=client,
-        metadata={"loop": dataclasses.asdict(config)},
-    )
-    heldout_job = await Job.start(config.model, config.heldout_group_size, name=f"{job.id}-heldout", client=client)
-    recorder = RunRecorder(runs_dir / job.id, config, job.id) if runs_dir is not None else None
 
-    async def evaluate(checkpoint_id: str) -> tuple[float, list[Run]]:
+
+@dataclasses.dataclass
+class _Gate:
+    """The promotion gate's outcome for one candidate."""
+
+    score: float
+    runs: list[Run]
+    promoted: bool
+    reason: str
+    evaluated: float
+    """perf_counter() when the evaluation ended."""
+
+
+class _Loop:
+    """The state of one closed loop between steps: the jobs, the head and its held-out score, the heads trained
+    from (staleness is a distance in that list), the batches sampling ahead, the divergence watch."""
+
+    def __init__(
+        self, client: Client, config: LoopConfig, train: list[Task], heldout: list[Task], job: Job, heldout_job: Job
+    ) -> None:
+        self.client, self.config, self.train, self.heldout = client, config, train, heldout
+        self.job, self.heldout_job = job, heldout_job
+        self.rng = random.Random(config.seed)
+        self.agent = Agent(
+            model=config.model, temperature=config.temperature, max_tokens=config.max_tokens, max_steps=config.max_steps
+        )
+        self.heldout_agent = dataclasses.replace(self.agent, temperature=config.heldout_temperature)
+        self.recorder: RunRecorder | None = None
+        self.head: Head | None = None
+        self.head_score = float("nan")
+        self.heads: list[str] = []
+        self.history: list[tuple[float, float]] = []
+        self.diverging = 0
+        self.batches: collections.deque[asyncio.Task] = collections.deque()
+
+    @classmethod
+    async def start(
+        cls, client: Client, config: LoopConfig, train: list[Task], heldout: list[Task], runs_dir: pathlib.Path | None
+    ) -> _Loop:
+        job = await Job.start(
+            config.model,
+            config.group_size,
+            name=config.name or "train",
+            client=client,
+            metadata={"loop": dataclasses.asdict(config)},
+        )
+        heldout_job = await Job.start(config.model, config.heldout_group_size, name=f"{job.id}-heldout", client=client)
+        loop = cls(client, config, train, heldout, job, heldout_job)
+        loop.recorder = RunRecorder(runs_dir / job.id, config, job.id) if runs_dir is not None else None
+        loop.head = await client.get_head(config.model)
+        loop.heads = [loop.head.checkpoint_id]
+        return loop
+
+    def launch(self) -> None:
+        """Starts sampling one training batch."""
+        config, train = self.config, self.train
+        tasks = train if not config.tasks_per_step else self.rng.sample(train, min(config.tasks_per_step, len(train)))
+        run = run_tasks(tasks, self.agent, job=self.job, max_concurrent=config.max_concurrent)
+        self.batches.append(asyncio.ensure_future(run))
+
+    async def evaluate(self, checkpoint_id: str) -> tuple[float, list[Run]]:
         runs = await run_tasks(
-            heldout, heldout_agent, job=heldout_job, max_concurrent=config.max_concurrent, checkpoint_id=checkpoint_id
+            self.heldout,
+            self.heldout_agent,
+            job=self.heldout_job,
+            max_concurrent=self.config.max_concurrent,
+            checkpoint_id=checkpoint_id,
         )
         return mean_reward(runs), runs
 
-    head = await client.get_head(config.model)
-    head_score = float("nan")
-    history: list[tuple[float, float]] = []
-    diverging = 0
-    heads = [head.checkpoint_id]
-    """The heads this loop trained from, in order (staleness is a distance in this list)."""
-    batches: collections.deque[asyncio.Task] = collections.deque()
+    async def evaluate_start(self) -> Baseline:
+        """The starting head's held-out score. The first batch samples meanwhile: both use the head's weights, so
+        the batch is on-policy for the first step whatever max_off_policy says."""
+        assert self.head is not None
+        started = time.perf_counter()
+        self.launch()
+        self.head_score, runs = await self.evaluate(self.head.checkpoint_id)
+        first = Baseline(self.head.checkpoint_id, self.head_score, time.perf_counter() - started)
+        if self.recorder:
+            self.recorder.baseline(first)
+            self.recorder.samples(0, "heldout", runs)
+        return first
 
-    def launch() -> None:
-        tasks = train if not config.tasks_per_step else rng.sample(train, min(config.tasks_per_step, len(train)))
-        batches.append(asyncio.ensure_future(run_tasks(tasks, agent, job=job, max_concurrent=config.max_concurrent)))
+    async def step(self, step_index: int) -> StepReport:
+        """One step: the next batch, forward_backward + optim_step, the gate, the new head served."""
+        assert self.head is not None
+        client, config = self.client, self.config
+        started = time.perf_counter()
+        parent = self.head.checkpoint_id
+        if not self.batches:  # on-policy: sampled now, by the weights just served
+            self.launch()
+        runs = await self.batches.popleft()
+        rolled = time.perf_counter()
+        for _ in range(min(config.max_off_policy, config.steps - step_index) - len(self.batches)):
+            self.launch()  # the next batches sample while this one trains
+        stale = [_staleness(run, self.heads) for run in runs]
+        flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
+        fb = await client.forward_backward(  # the trainer reads the recorded runs by trace id
+            runs=[r.trace_id or r for r in runs if r.status == RunStatus.GRADED],
+            loss_fn=config.loss_fn,
+            loss_fn_config=config.loss_fn_config,
+            normalize_advantages_by_std=config.normalize_advantages_by_std,
+            allow_incomplete_groups=True,
+            model=config.model,
+        )
+        backward = time.perf_counter()
+        adam = {"max_grad_norm": config.max_grad_norm} if config.max_grad_norm else {}
+        optim = await client.optim_step(
+            config.learning_rate,
+            set_head=not self.heldout,
+            model=config.model,
+            metadata_json=json.dumps({"job_id": self.job.id}),
+            **adam,
+        )
+        assert optim.checkpoint is not None
+        candidate = optim.checkpoint.checkpoint_id
+        optimized = time.perf_counter()
+        gate = await self.gate(candidate, optimized)
+        if self.head.checkpoint_id != self.heads[-1]:
+            self.heads.append(self.head.checkpoint_id)
+        info = await client.get_serving_info(wait_for_checkpoint_id=self.head.checkpoint_id, model=config.model)
+        reloaded = time.perf_counter()
+        train_reward = mean_reward(runs)
+        report = StepReport(
+            step=optim.step,
+            job_id=self.job.id,
+            checkpoint_id=candidate,
+            parent_checkpoint_id=parent,
+            promoted=gate.promoted,
+            reason=gate.reason,
+            head_checkpoint_id=self.head.checkpoint_id,
+            served_weight_version=info.weight_version,
+            train_reward=train_reward,
+            heldout_reward=gate.score,
+            head_heldout_reward=self.head_score,
+            num_runs=len(runs),
+            groups_without_spread=len(flat),
+            loss=fb.loss_sum,
+            kl=fb.metrics.get("kl_sampler_learner", math.nan),
+            clip_fraction=fb.metrics.get("clip_fraction", math.nan),
+            entropy=fb.metrics.get("entropy", math.nan),
+            sampled_weight_versions=sorted({t.weight_version for run in runs for t in run.turns}),
+            rollout_s=rolled - started,
+            forward_backward_s=backward - rolled,
+            optim_s=optimized - backward,
+            heldout_s=gate.evaluated - optimized,
+            reload_s=reloaded - gate.evaluated,
+            total_s=reloaded - started,
+            warning=self.watch_divergence(train_reward, gate.score),
+            off_policy_runs=off_policy(runs, parent),
+            max_staleness=max(stale, default=0),
+            completion_tokens=sum(len(t.completion_token_ids) for run in runs for t in run.turns),
+        )
+        if self.recorder:
+            self.recorder.step(report)
+            self.recorder.samples(report.step, "train", runs)
+            self.recorder.samples(report.step, "heldout", gate.runs)
+            await self.recorder.checkpoint_tree(client, config.model)
+        return report
 
-    try:
-        if heldout:
-            # The first batch samples while the starting head is evaluated: both use the head's weights, so the
-            # batch is on-policy for the first step whatever max_off_policy says.
-            started = time.perf_counter()
-            launch()
-            head_score, runs = await evaluate(head.checkpoint_id)
-            first = Baseline(head.checkpoint_id, head_score, time.perf_counter() - started)
-            if recorder:
-                recorder.baseline(first)
-                recorder.samples(0, "heldout", runs)
-            if baseline is not None:
-                baseline.append(first)
-        for step_index in range(1, config.steps + 1):
-            started = time.perf_counter()
-            parent = head.checkpoint_id
-            if not batches:  # on-policy: sampled now, by the weights just served
-                launch()
-            runs = await batches.popleft()
-            rolled = time.perf_counter()
-            for _ in range(min(config.max_off_policy, config.steps - step_index) - len(batches)):
-                launch()  # the next batches sample while this one trains
-            stale = [_staleness(run, heads) for run in runs]
-            flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
-            fb = await client.forward_backward(  # the trainer reads the recorded runs by trace id
-                runs=[r.trace_id or r for r in runs if r.status == RunStatus.GRADED],
-                loss_fn=config.loss_fn,
-                loss_fn_config=config.loss_fn_config,
-                normalize_advantages_by_std=config.normalize_advantages_by_std,
-                allow_incomplete_groups=True,
-                model=config.model,
-            )
-            backward = time.perf_counter()
-            adam = {"max_grad_norm": config.max_grad_norm} if config.max_grad_norm else {}
-            optim = await client.optim_step(
-                config.learning_rate,
-                set_head=not heldout,
-                model=config.model,
-                metadata_json=json.dumps({"job_id": job.id}),
-                **adam,
-            )
-            candidate = optim.checkpoint.checkpoint_id
-            optimized = time.perf_counter()
-            if heldout:
-                score, heldout_runs = await evaluate(candidate)
-                evaluated = time.perf_counter()
-                floor = head_score - config.promotion_tolerance
-                promoted = score >= floor
-                reason = (
-                    f"held-out {score:.3f} >= head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
-                    if promoted
-                    else f"held-out {score:.3f} < head {head_score:.3f} - tolerance {config.promotion_tolerance:g}"
-                )
-                await client.record_promotion(
-                    config.model,
-                    candidate,
-                    Promotion(
-                        state=PromotionState.PROMOTED if promoted else PromotionState.REJECTED,
-                        reason=reason,
-                        heldout_reward=score,
-                        baseline_checkpoint_id=head.checkpoint_id,
-                        baseline_reward=head_score,
-                        decided_time=time.time(),
-                    ),
-                )
-                if promoted:
-                    head = await client.set_head(config.model, candidate, expected_checkpoint_id=head.checkpoint_id)
-                    head_score = score
-            else:
-                score, heldout_runs, evaluated = float("nan"), [], optimized
-                promoted, reason = True, "no held-out tasks: promoted by the trainer"
-                head = await client.get_head(config.model)
-            if head.checkpoint_id != heads[-1]:
-                heads.append(head.checkpoint_id)
-            info = await client.get_serving_info(wait_for_checkpoint_id=head.checkpoint_id, model=config.model)
-            reloaded = time.perf_counter()
-            train_reward = mean_reward(runs)
-            history.append((train_reward, score))
-            warning = ""
-            if len(history) >= 2:
-                (prev_train, prev_heldout), (now_train, now_heldout) = history[-2], history[-1]
-                diverging = diverging + 1 if now_train > prev_train and now_heldout < prev_heldout else 0
-                if diverging >= 2:
-                    warning = (
-                        f"possible reward hacking: training reward rose while held-out fell {diverging} evals "
-                        f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})"
-                    )
-            report = StepReport(
-                step=optim.step,
-                job_id=job.id,
-                checkpoint_id=candidate,
-                parent_checkpoint_id=parent,
-                promoted=promoted,
+    async def gate(self, candidate: str, optimized: float) -> _Gate:
+        """The promotion gate: the candidate's held-out score against the head's (minus the tolerance), recorded
+        on the checkpoint, HEAD moved when it passes; with no held-out tasks the trainer promoted it already."""
+        assert self.head is not None
+        client, config = self.client, self.config
+        if not self.heldout:
+            self.head = await client.get_head(config.model)
+            return _Gate(float("nan"), [], True, "no held-out tasks: promoted by the trainer", optimized)
+        score, runs = await self.evaluate(candidate)
+        evaluated = time.perf_counter()
+        promoted = score >= self.head_score - config.promotion_tolerance
+        comparison = ">=" if promoted else "<"
+        reason = (
+            f"held-out {score:.3f} {comparison} head {self.head_score:.3f} - tolerance {config.promotion_tolerance:g}"
+        )
+        await client.record_promotion(
+            config.model,
+            candidate,
+            Promotion(
+                state=PromotionState.PROMOTED if promoted else PromotionState.REJECTED,
                 reason=reason,
-                head_checkpoint_id=head.checkpoint_id,
-                served_weight_version=info.weight_version,
-                train_reward=train_reward,
                 heldout_reward=score,
-                head_heldout_reward=head_score,
-                num_runs=len(runs),
-                groups_without_spread=len(flat),
-                loss=fb.loss_sum,
-                kl=fb.metrics.get("kl_sampler_learner", math.nan),
-                clip_fraction=fb.metrics.get("clip_fraction", math.nan),
-                entropy=fb.metrics.get("entropy", math.nan),
-                sampled_weight_versions=sorted({t.weight_version for run in runs for t in run.turns}),
-                rollout_s=rolled - started,
-                forward_backward_s=backward - rolled,
-                optim_s=optimized - backward,
-                heldout_s=evaluated - optimized,
-                reload_s=reloaded - evaluated,
-                total_s=reloaded - started,
-                warning=warning,
-                off_policy_runs=off_policy(runs, parent),
-                max_staleness=max(stale, default=0),
-                completion_tokens=sum(len(t.completion_token_ids) for run in runs for t in run.turns),
-            )
-            if recorder:
-                recorder.step(report)
-                recorder.samples(report.step, "train", runs)
-                recorder.samples(report.step, "heldout", heldout_runs)
-                await recorder.checkpoint_tree(client, config.model)
-            yield report
-            if config.target_heldout_reward and heldout and head_score >= config.target_heldout_reward:
-                break
-    finally:
-        for batch in batches:  # rollouts launched ahead for steps that will not run
+                baseline_checkpoint_id=self.head.checkpoint_id,
+                baseline_reward=self.head_score,
+                decided_time=time.time(),
+            ),
+        )
+        if promoted:
+            self.head = await client.set_head(config.model, candidate, expected_checkpoint_id=self.head.checkpoint_id)
+            self.head_score = score
+        return _Gate(score, runs, promoted, reason, evaluated)
+
+    def watch_divergence(self, train_reward: float, heldout_reward: float) -> str:
+        """A warning when the training reward rose while the held-out one fell twice in a row or more."""
+        self.history.append((train_reward, heldout_reward))
+        if len(self.history) < 2:
+            return ""
+        (prev_train, prev_heldout), (now_train, now_heldout) = self.history[-2], self.history[-1]
+        self.diverging = self.diverging + 1 if now_train > prev_train and now_heldout < prev_heldout else 0
+        if self.diverging < 2:
+            return ""
+        return (
+            f"possible reward hacking: training reward rose while held-out fell {self.diverging} evals "
+            f"in a row ({prev_train:.3f}->{now_train:.3f} vs {prev_heldout:.3f}->{now_heldout:.3f})"
+        )
+
+    async def cancel_batches(self) -> None:
+        """Rollouts launched ahead for steps that will not run."""
+        for batch in self.batches:
             batch.cancel()
-        await asyncio.gather(*batches, return_exceptions=True)
+        await asyncio.gather(*self.batches, return_exceptions=True)
 
 
 def _staleness(run: Run, heads: list[str]) -> int:

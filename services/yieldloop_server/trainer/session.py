@@ -497,38 +497,12 @@ class TrainingSession:
         """
         assert self.trainer is not None
         if idempotency_key:
-            earlier = self._outcomes.get(idempotency_key)
-            # The store is asked only when the step may have been committed unheard: its commit's answer was
-            # lost here, or this trainer was restarted (then no gradients are pending).
-            maybe = idempotency_key in self._uncertain or not self.trainer.num_pending_datums
-            if earlier is None and maybe and (earlier := await self._committed_with_key(idempotency_key)) is not None:
-                # Committed, though its caller heard an error (the answer was lost, or this trainer restarted):
-                # the gradients it applied are in that checkpoint; continue from there.
-                if self.checkpoint_id != earlier.checkpoint_id:
-                    await self._run(self.trainer.drop_gradients)
-                    await self.close_trainer()
-                    await self.load_head()
+            earlier = await self._replay(idempotency_key)
             if earlier is not None:
-                await self._until_durable(idempotency_key, earlier.checkpoint_id)
                 return earlier
-            if not self.trainer.num_pending_datums:
-                raise FailedPreconditionError(
-                    "no gradients accumulated since the last step, and no committed step has this idempotency "
-                    "key: if this retries a step whose trainer restarted, that step was not committed and its "
-                    "gradients were lost with the trainer; run forward_backward again",
-                    reason="NO_GRADIENTS",
-                )
         parent = self.checkpoint_id
         started = time.perf_counter()
-        try:
-            grad_norm = await self._run(self.trainer.optim_step, adam, not skip_checkpoint)
-        except YieldloopError as err:
-            if getattr(self.trainer, "spoiled", False):  # a step that committed nothing went non-finite
-                await self.close_trainer()
-                await self.load_head()
-            elif drop_gradients_if_refused and err.reason == "NON_FINITE":
-                await self._run(self.trainer.drop_gradients)
-            raise
+        grad_norm = await self._apply(adam, revocable=not skip_checkpoint, drop_if_refused=drop_gradients_if_refused)
         step = self.trainer.step
         timings = {"optimizer_s": time.perf_counter() - started}
         if skip_checkpoint:
@@ -548,49 +522,9 @@ class TrainingSession:
             else self.work_dir / ".save" / checkpoint_id
         )
         try:
+            manifest = await self._save(checkpoint_id, folder, parent, step, metadata, with_state, pending, timings)
             started = time.perf_counter()
-            await self._run(self.trainer.save, folder, with_state)
-            reuse = self.manifest.sampler_objects if self.manifest is not None else []
-            objects = await asyncio.to_thread(
-                describe_folder, self.model, checkpoint_id, folder, state_names=STATE_FILES, reuse=reuse
-            )
-            timings["save_s"] = time.perf_counter() - started
-            manifest = Manifest(
-                model=self.model,
-                checkpoint_id=checkpoint_id,
-                objects=objects,
-                parent_checkpoint_id=parent,
-                step=step,
-                metadata_json=json.dumps(metadata),
-                pending=pending,
-                weights_source=self.publisher.address if pending and self.publisher else "",
-            )
-            if pending:
-                assert self.publisher is not None
-                self.publisher.publish(manifest)
-            else:  # durable before the commit: earlier pending checkpoints first (this one may share their objects)
-                await self.flush()
-                started = time.perf_counter()
-                await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects)
-                timings["upload_s"] = time.perf_counter() - started
-            started = time.perf_counter()
-            try:
-                _, head = await self.checkpoints.commit_checkpoint(
-                    manifest,
-                    set_head=set_head,
-                    expected_head_checkpoint_id=parent if set_head else "",
-                )
-                if head is not None:
-                    self._saw_head(head)
-            except AbortedError as err:
-                if err.reason != "HEAD_CONFLICT":
-                    raise
-                raise AbortedError(
-                    f"{err.message}. The step was not applied; its gradients, computed on the weights of {parent}, "
-                    "are kept and pin them: DiscardGradients (`yieldloop models discard-gradients MODEL`) drops them, "
-                    "then the next call trains from the new head",
-                    reason="HEAD_CONFLICT",
-                ) from None
+            head = await self._commit(manifest, parent, set_head)
         except BaseException:
             await self._run(self.trainer.finish_step, False)  # exactly as before the step, gradients included
             if idempotency_key:
@@ -619,6 +553,107 @@ class TrainingSession:
         await self._until_durable(idempotency_key, checkpoint_id)
         timings["upload_s"] = time.perf_counter() - started
         return outcome
+
+    async def _replay(self, idempotency_key: str) -> StepOutcome | None:
+        """The outcome of the step already made with ``idempotency_key``, if one was (waiting until it is durable);
+        None when this is the key's first step."""
+        assert self.trainer is not None
+        earlier = self._outcomes.get(idempotency_key)
+        # The store is asked only when the step may have been committed unheard: its commit's answer was lost
+        # here, or this trainer was restarted (then no gradients are pending).
+        maybe = idempotency_key in self._uncertain or not self.trainer.num_pending_datums
+        if earlier is None and maybe and (earlier := await self._committed_with_key(idempotency_key)) is not None:
+            # Committed, though its caller heard an error (the answer was lost, or this trainer restarted): the
+            # gradients it applied are in that checkpoint; continue from there.
+            if self.checkpoint_id != earlier.checkpoint_id:
+                await self._run(self.trainer.drop_gradients)
+                await self.close_trainer()
+                await self.load_head()
+        if earlier is not None:
+            await self._until_durable(idempotency_key, earlier.checkpoint_id)
+            return earlier
+        if not self.trainer.num_pending_datums:
+            raise FailedPreconditionError(
+                "no gradients accumulated since the last step, and no committed step has this idempotency "
+                "key: if this retries a step whose trainer restarted, that step was not committed and its "
+                "gradients were lost with the trainer; run forward_backward again",
+                reason="NO_GRADIENTS",
+            )
+        return None
+
+    async def _apply(self, adam: AdamConfig, revocable: bool, drop_if_refused: bool) -> float:
+        """The AdamW step; returns the gradient norm. A refused step changes nothing, unless it spoiled the weights
+        (reloaded from the head) or ``drop_if_refused`` drops the non-finite gradients."""
+        assert self.trainer is not None
+        try:
+            return await self._run(self.trainer.optim_step, adam, revocable)
+        except YieldloopError as err:
+            if self.trainer.spoiled:  # a step that committed nothing went non-finite
+                await self.close_trainer()
+                await self.load_head()
+            elif drop_if_refused and err.reason == "NON_FINITE":
+                await self._run(self.trainer.drop_gradients)
+            raise
+
+    async def _save(
+        self,
+        checkpoint_id: str,
+        folder: pathlib.Path,
+        parent: str,
+        step: int,
+        metadata: dict[str, Any],
+        with_state: bool,
+        pending: bool,
+        timings: dict[str, float],
+    ) -> Manifest:
+        """Writes the step's checkpoint into ``folder`` and describes it; a ``pending`` one is published (served
+        to the fleet before the store has it), any other is written to the store first."""
+        assert self.trainer is not None
+        started = time.perf_counter()
+        await self._run(self.trainer.save, folder, with_state)
+        reuse = self.manifest.sampler_objects if self.manifest is not None else []
+        objects = await asyncio.to_thread(
+            describe_folder, self.model, checkpoint_id, folder, state_names=STATE_FILES, reuse=reuse
+        )
+        timings["save_s"] = time.perf_counter() - started
+        manifest = Manifest(
+            model=self.model,
+            checkpoint_id=checkpoint_id,
+            objects=objects,
+            parent_checkpoint_id=parent,
+            step=step,
+            metadata_json=json.dumps(metadata),
+            pending=pending,
+            weights_source=self.publisher.address if pending and self.publisher else "",
+        )
+        if pending:
+            assert self.publisher is not None
+            self.publisher.publish(manifest)
+        else:  # durable before the commit: earlier pending checkpoints first (this one may share their objects)
+            await self.flush()
+            started = time.perf_counter()
+            await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects)
+            timings["upload_s"] = time.perf_counter() - started
+        return manifest
+
+    async def _commit(self, manifest: Manifest, parent: str, set_head: bool) -> Head | None:
+        """Commits the step's checkpoint, moving HEAD (``set_head``) only if it still names ``parent``."""
+        try:
+            _, head = await self.checkpoints.commit_checkpoint(
+                manifest, set_head=set_head, expected_head_checkpoint_id=parent if set_head else ""
+            )
+        except AbortedError as err:
+            if err.reason != "HEAD_CONFLICT":
+                raise
+            raise AbortedError(
+                f"{err.message}. The step was not applied; its gradients, computed on the weights of {parent}, "
+                "are kept and pin them: DiscardGradients (`yieldloop models discard-gradients MODEL`) drops them, "
+                "then the next call trains from the new head",
+                reason="HEAD_CONFLICT",
+            ) from None
+        if head is not None:
+            self._saw_head(head)
+        return head
 
     async def _until_durable(self, key: str, checkpoint_id: str) -> None:
         """Returns once the step's checkpoint is durable; raises (and forgets the step's outcome) when it never

@@ -133,6 +133,8 @@ class ModelTrainer(Protocol):
 
     num_pending_datums: int
     """Datums whose gradients wait for the next optimizer step."""
+    spoiled: bool
+    """A refused step left the weights unusable (reload them)."""
 
     @property
     def step(self) -> int: ...
