@@ -120,7 +120,6 @@ async def bench(args: argparse.Namespace) -> dict:
     import torch
 
     from yieldloop.client import Client
-    from yieldloop.proto.common.v1 import common_pb2 as common_pb
     from yieldloop_server.checkpoint import server as checkpoint_server
     from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest, ModelInfo
     from yieldloop_server.common.hf import load_causal_lm
@@ -158,19 +157,10 @@ async def bench(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8)
     num_params = sum(p.numel() for p in model.parameters())
     datums = make_batch(args.batch, args.tokens, model.config.vocab_size)
-    messages = [
-        common_pb.Datum(
-            input_tokens=d.input_tokens,
-            target_tokens=d.target_tokens,
-            sampling_logprobs=d.sampling_logprobs,
-            advantages=d.advantages,
-        )
-        for d in datums
-    ]
 
     async def service_step(checkpoint: bool) -> float:
         started = time.perf_counter()
-        await client.forward_backward(datums=messages, loss_fn="importance_sampling")
+        await client.forward_backward(datums=datums, loss_fn="importance_sampling")
         await client.optim_step(1e-5, set_head=checkpoint, skip_checkpoint=not checkpoint)
         return time.perf_counter() - started
 

@@ -88,7 +88,6 @@ async def test_torchrun_ranks_on_two_nodes_train_like_one_process(tmp_path: path
     import sys
 
     from yieldloop.client import Client
-    from yieldloop.proto.common.v1 import common_pb2 as common_pb
     from yieldloop_server.config import ServeOptions
     from yieldloop_server.serve import build_service
     from yieldloop_server.stack import ensure_base_model, ensure_stack_keys
@@ -169,16 +168,7 @@ async def test_torchrun_ranks_on_two_nodes_train_like_one_process(tmp_path: path
         adam = AdamConfig(learning_rate=1e-3)
         async with Client(trainer=trainer, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
             for _ in range(2):
-                wire = [
-                    common_pb.Datum(
-                        input_tokens=d.input_tokens,
-                        target_tokens=d.target_tokens,
-                        sampling_logprobs=d.sampling_logprobs,
-                        advantages=d.advantages,
-                    )
-                    for d in datums
-                ]
-                got = await client.forward_backward(datums=wire, loss_fn="importance_sampling")
+                got = await client.forward_backward(datums=datums, loss_fn="importance_sampling")
                 expected = reference.forward_backward(datums, "importance_sampling", {})
                 assert got.num_datums == len(datums)
                 assert abs(got.loss_sum - expected["loss_sum"]) <= 1e-4 * max(1.0, abs(expected["loss_sum"]))

@@ -189,29 +189,15 @@ async def test_gateway_records_samples_under_the_trace_id(stack, client: Client)
             {"role": "user", "content": "Again."},
         ]
         previous = first["prompt_token_ids"] + first["token_ids"]
+        continued = {"model": "tiny", "messages": messages, "max_tokens": 3, "prompt_token_ids": previous}
         async with http.post(
-            stack.hud_url + "/v1/chat/completions",
-            json={
-                "model": "tiny",
-                "messages": messages,
-                "max_tokens": 3,
-                "logprobs": True,
-                "prompt_token_ids": previous,
-                "continuation_from": 2,
-            },
+            stack.hud_url + "/v1/chat/completions", json={**continued, "logprobs": True, "continuation_from": 2}
         ) as response:
             assert response.status == 200
             second = (await response.json())["choices"][0]
         assert second["prompt_token_ids"][: len(previous)] == previous
         async with http.post(
-            stack.hud_url + "/v1/chat/completions",
-            json={
-                "model": "tiny",
-                "messages": messages,
-                "max_tokens": 3,
-                "prompt_token_ids": previous,
-                "continuation_from": 1,
-            },
+            stack.hud_url + "/v1/chat/completions", json={**continued, "continuation_from": 1}
         ) as response:
             assert response.status == 400
             assert (await response.json())["error"]["param"] == "continuation_from"

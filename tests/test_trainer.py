@@ -14,11 +14,11 @@ from yieldloop.types import Datum, Run, Turn
 from yieldloop_server.trainer.trainer import AdamConfig, Trainer
 
 
-def batch(seed: int, vocab_size: int) -> list[Datum]:
-    rng = random.Random(seed)
+def random_datums(rng: random.Random, lengths: tuple[int, ...], vocab_size: int, lowest: int = 0) -> list[Datum]:
+    """Datums of random tokens with sampler logprobs and advantages on all but the first three positions."""
     datums = []
-    for length in (10, 14, 7):
-        tokens = [rng.randrange(vocab_size) for _ in range(length + 1)]
+    for length in lengths:
+        tokens = [rng.randrange(lowest, vocab_size) for _ in range(length + 1)]
         datums.append(
             Datum(
                 tokens[:-1],
@@ -29,6 +29,10 @@ def batch(seed: int, vocab_size: int) -> list[Datum]:
             )
         )
     return datums
+
+
+def batch(seed: int, vocab_size: int) -> list[Datum]:
+    return random_datums(random.Random(seed), (10, 14, 7), vocab_size)
 
 
 def step(trainer: Trainer, seed: int) -> None:

@@ -86,20 +86,9 @@ async def sc(safety_stack):
 
 
 def good_batch(seed: int = 0, vocab: int = 300) -> list[Datum]:
-    rng = random.Random(seed)
-    datums = []
-    for length in (9, 12):
-        tokens = [rng.randrange(1, vocab) for _ in range(length + 1)]
-        datums.append(
-            Datum(
-                tokens[:-1],
-                tokens[1:],
-                [-rng.uniform(4, 7) for _ in range(length)],
-                [0.0] * 3 + [rng.uniform(-1, 1) for _ in range(length - 3)],
-                [0.0] * length,
-            )
-        )
-    return datums
+    from test_trainer import random_datums
+
+    return random_datums(random.Random(seed), (9, 12), vocab, lowest=1)
 
 
 async def fingerprint(client: Client, model: str) -> list[list[float]]:

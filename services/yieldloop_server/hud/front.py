@@ -31,14 +31,7 @@ from typing import Any
 from yieldloop.client import Client
 from yieldloop.errors import YieldloopError, as_yieldloop_error
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
-from yieldloop_server.common.http import (
-    BodyTimeout,
-    HttpServer,
-    error_response,
-    json_object,
-    read_json,
-    timeout_response,
-)
+from yieldloop_server.common import http
 from yieldloop_server.hud.catalog import Catalog
 from yieldloop_server.hud.gateway import Gateway
 from yieldloop_server.hud.traces import Traces
@@ -48,7 +41,7 @@ from yieldloop_server.store import ObjectStore
 log = logging.getLogger(__name__)
 
 
-class HudFront(HttpServer):
+class HudFront(http.HttpServer):
     """The HUD SDK's base URLs on one port, one module per contract (:mod:`.catalog`, :mod:`.training`,
     :mod:`.traces`, :mod:`.gateway`); see the module's docstring.
 
@@ -94,17 +87,17 @@ class HudFront(HttpServer):
         async def handle(request: Any) -> Any:
             try:
                 body = (
-                    json_object(await read_json(request, self.transport.http_body_timeout_s))
+                    http.json_object(await http.read_json(request, self.transport.http_body_timeout_s))
                     if request.method in ("POST", "PUT") and request.can_read_body
                     else {}
                 )
                 reply = await fn(request, body, self.catalog.caller(request))
-            except BodyTimeout as err:
-                return timeout_response(err)
+            except http.BodyTimeout as err:
+                return http.timeout_response(err)
             except Exception as err:  # the request's boundary: a typed answer, the front keeps serving
                 if not isinstance(err, YieldloopError):
                     log.exception("unexpected error in %s %s", request.method, request.path)
-                return error_response(as_yieldloop_error(err))
+                return http.error_response(as_yieldloop_error(err))
             return web.json_response(reply)
 
         return handle

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -122,20 +124,32 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
             metrics=metrics,
         )
 
-    @rpc
-    async def Forward(
-        self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
-    ) -> pb.ForwardResponse:
+    @contextlib.asynccontextmanager
+    async def _session_of(self, request_iterator: AsyncIterator[Any]) -> AsyncIterator[tuple[Any, AsyncIterator[Any]]]:
+        """The training session a client stream's first message names (``model``; the caller may train it),
+        following its head, and the stream's messages from the first on."""
         requests = aiter(request_iterator)
         first = await anext(requests, None)
         if first is None:
             raise invalid_field("items", "the batch is empty")
         await self.access.require(first.model or self.sessions.default, "train")
+
+        async def every() -> AsyncIterator[Any]:
+            yield first
+            async for request in requests:
+                yield request
+
         async with self.sessions.use(first.model) as session:
             await session.follow_head()
+            yield session, every()
+
+    @rpc
+    async def Forward(
+        self, request_iterator: AsyncIterator[pb.ForwardRequest], context: grpc.aio.ServicerContext
+    ) -> pb.ForwardResponse:
+        async with self._session_of(request_iterator) as (session, requests):
             items: list[Datum | Run] = []
-            request: pb.ForwardRequest | None = first
-            while request is not None:
+            async for request in requests:
                 kind = request.WhichOneof("item")
                 if kind == "datum":
                     items.append(datum_from_pb(request.datum).validate(session.vocab_size, f"items[{len(items)}]"))
@@ -143,7 +157,6 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
                     items.append(run_from_pb(request.run))
                 else:
                     raise invalid_field(f"items[{len(items)}]", "empty request")
-                request = await anext(requests, None)
             scored = await session.score(items)
         return pb.ForwardResponse(
             results=[pb.TokenLogprobs(logprobs=logprobs, datum=datum_to_pb(datum)) for datum, logprobs in scored]
@@ -153,20 +166,12 @@ class TrainerServicer(pb_grpc.TrainerServiceServicer):
     async def Backward(
         self, request_iterator: AsyncIterator[pb.BackwardRequest], context: grpc.aio.ServicerContext
     ) -> pb.BackwardResponse:
-        requests = aiter(request_iterator)
-        first = await anext(requests, None)
-        if first is None:
-            raise invalid_field("items", "the batch is empty")
-        await self.access.require(first.model or self.sessions.default, "train")
-        async with self.sessions.use(first.model) as session:
-            await session.follow_head()
+        async with self._session_of(request_iterator) as (session, requests):
             datums: list[Datum] = []
-            request: pb.BackwardRequest | None = first
-            while request is not None:
+            async for request in requests:
                 datum = datum_from_pb(request.datum)
                 datum.sampling_logprobs, datum.advantages = [], []  # only the weights count here
                 datums.append(datum.validate(session.vocab_size, f"datums[{len(datums)}]", session.max_tokens))
-                request = await anext(requests, None)
             num_tokens = await session.backward(datums)
         return pb.BackwardResponse(num_datums=len(datums), num_tokens=num_tokens)
 
