@@ -12,6 +12,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import json
@@ -184,8 +185,10 @@ class TrainingSession:
         assert self.trainer is not None
         if self.trainer.num_pending_datums or self._in_flight:
             return  # gradients pending or being computed: they pin the weights
-        if self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch_head(), name=f"head-{self.model}")
+        if self._watcher is None:  # outside the caller's context: the watch is the session's, in no one's trace
+            self._watcher = asyncio.get_running_loop().create_task(
+                self._watch_head(), name=f"head-{self.model}", context=contextvars.Context()
+            )
         head = self._head if self._watching else None
         if head is None or head.checkpoint_id != self.checkpoint_id:
             head = self._saw_head(await self.checkpoints.get_head(self.model))
