@@ -12,7 +12,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import contextvars
 import dataclasses
 import itertools
 import json
@@ -152,11 +151,6 @@ class TrainingSession:
         """Gradient computations running now (a head-following reload waits for them)."""
         self.trained_traces: list[str] = []
         """Trace ids of the runs whose gradients wait for the next optimizer step (its span links to them)."""
-        self._head: Head | None = None
-        """The model's head as last seen: by WatchHead while :attr:`_watching`, by this session's own commits, or
-        by a GetHead."""
-        self._watching = False
-        self._watcher: asyncio.Task | None = None
         # One thread owns the weights, so calls apply in arrival order.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
 
@@ -180,43 +174,16 @@ class TrainingSession:
         """Reloads from the head when it moved away from our last checkpoint (a rollback or a branch point),
         so the next commit extends the tree from there. Only between steps: pending gradients pin the weights.
 
-        The head is followed by WatchHead (no call per step): a head still at our checkpoint is taken as seen;
-        one that seems to have moved is read again (GetHead) before the weights are reloaded from it."""
+        The head is read at the call (GetHead), not followed by WatchHead: a caller that moved it (SetHead answered)
+        and then calls the trainer must find the trainer at the new head, and a watched head can arrive after that
+        call (measured: the rollback test failed on a loaded 2-core machine when a watch stood in for the read)."""
         assert self.trainer is not None
         if self.trainer.num_pending_datums or self._in_flight:
             return  # gradients pending or being computed: they pin the weights
-        if self._watcher is None:  # outside the caller's context: the watch is the session's, in no one's trace
-            self._watcher = asyncio.get_running_loop().create_task(
-                self._watch_head(), name=f"head-{self.model}", context=contextvars.Context()
-            )
-        head = self._head if self._watching else None
-        if head is None or head.checkpoint_id != self.checkpoint_id:
-            head = self._saw_head(await self.checkpoints.get_head(self.model))
+        head = await self.checkpoints.get_head(self.model)
         if head.checkpoint_id != self.checkpoint_id:
             await self.close_trainer()
             await self.load_head()
-
-    def _saw_head(self, head: Head) -> Head:
-        """Keeps ``head`` when it is newer than the one known; returns the newest known."""
-        if self._head is None or head.sequence > self._head.sequence:
-            self._head = head
-        return self._head
-
-    async def _watch_head(self) -> None:
-        """Follows the model's head for as long as the session lives (after an error: GetHead per step until the
-        watch is back)."""
-        for attempt in itertools.count():
-            try:
-                after = self._head.sequence if self._head is not None else 0
-                async for head in self.checkpoints.watch_head(self.model, after):
-                    self._saw_head(head)
-                    self._watching, attempt = True, 0
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # deliberate degrade: read the head per step meanwhile
-                log.debug("%s: not watching the head (%s); retrying", self.model, err)
-            self._watching = False
-            await asyncio.sleep(RETRY.delay(attempt))
 
     async def close_trainer(self) -> None:
         if self.trainer is not None:
@@ -395,8 +362,6 @@ class TrainingSession:
             )
         if self._durability is not None:
             self._durability.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
         await self.close_trainer()
         if self.publisher is not None:
             self.publisher.release_model(self.model)
@@ -654,8 +619,6 @@ class TrainingSession:
                 "then the next call trains from the new head",
                 reason="HEAD_CONFLICT",
             ) from None
-        if head is not None:
-            self._saw_head(head)
         return head
 
     async def _until_durable(self, key: str, checkpoint_id: str) -> None:
