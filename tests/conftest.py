@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+from collections.abc import AsyncIterator, Iterator
 
 from yieldloop.cli import quiet_libraries
 
@@ -38,7 +39,7 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 @pytest.fixture(scope="session")
-def moto_endpoint() -> str:
+def moto_endpoint() -> Iterator[str]:
     """A real S3 HTTP endpoint: moto_server on 127.0.0.1, started for this test session."""
     import os
     import socket
@@ -154,7 +155,7 @@ def call_recorder() -> CallRecorder:
 
 
 @pytest_asyncio.fixture(scope="session")
-async def stack(tmp_path_factory: pytest.TempPathFactory, call_recorder: CallRecorder) -> InProcessStack:
+async def stack(tmp_path_factory: pytest.TempPathFactory, call_recorder: CallRecorder) -> AsyncIterator[InProcessStack]:
     transport = TransportConfig(server_interceptors=(call_recorder,))
     stack = InProcessStack(StackConfig(data_dir=tmp_path_factory.mktemp("stack"), transport=transport))
     await stack.start()
@@ -163,7 +164,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory, call_recorder: CallRec
 
 
 @pytest_asyncio.fixture(scope="session")
-async def client(stack: InProcessStack) -> Client:
+async def client(stack: InProcessStack) -> AsyncIterator[Client]:
     async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
         yield client
 

@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import signal
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -61,7 +62,7 @@ async def serve(kind: str, markers: pathlib.Path, multiplex: bool = False) -> Se
 
 # Each host, with one stream per episode (StreamEpisode) and with episodes multiplexed (StreamEpisodes).
 @pytest_asyncio.fixture(scope="module", params=["inprocess", "workers", "inprocess-multiplexed", "workers-multiplexed"])
-async def served(request, tmp_path_factory) -> Served:
+async def served(request, tmp_path_factory) -> AsyncIterator[Served]:
     kind, _, multiplexed = request.param.partition("-")
     served = await serve(kind, tmp_path_factory.mktemp(f"markers-{request.param}"), bool(multiplexed))
     yield served

@@ -6,6 +6,7 @@ Marked ``gpu``: skipped on machines without CUDA (CI), run on a lent GPU machine
 from __future__ import annotations
 
 import pathlib
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest_asyncio.fixture(scope="module")
-async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
+async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Client]:
     # fp32 trainer on CUDA so the sampler/trainer check holds to 1e-4 (bf16 is tested on its own below).
     config = StackConfig(
         data_dir=tmp_path_factory.mktemp("cuda-stack"), device="cuda", trainer=TrainerOptions(dtype="float32")

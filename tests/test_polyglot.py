@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -83,7 +84,7 @@ def test_typescript_code_is_generated_from_the_protos(tmp_path: pathlib.Path) ->
 
 
 @pytest.fixture(scope="module")
-def stack() -> pathlib.Path:
+def stack() -> Iterator[pathlib.Path]:
     """One `yieldloop up --tls` (auth on) that the TypeScript and Go tests and this module's checks share."""
     import tempfile
 
