@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -34,6 +35,7 @@ def is_domain(name: str) -> bool:
     return bool(parts) and parts[0] not in CLIENT_EDGE_PACKAGES and parts[0] not in CLIENT_EDGE_MODULES
 
 
+@functools.cache
 def _modules() -> dict[str, pathlib.Path]:
     modules = {}
     for package, root in ROOTS.items():

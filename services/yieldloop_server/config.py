@@ -121,8 +121,9 @@ class RolloutOptions:
     files in place, from another host a chunked gRPC stream per rollout service), stream (always the stream), or
     group (the trainer broadcasts each checkpoint once to every rollout service of the model in its weight group,
     over torch.distributed: NCCL where every side has CUDA, gloo otherwise; a checkpoint not broadcast to this
-    service is pulled as auto), or store (only what the store has: a pending checkpoint waits until it is durable;
-    for rollout services that cannot reach the trainer, beside a trainer whose steps wait for the store)."""
+    service is pulled as auto), or store (only what the store has: a pending checkpoint is asked for again for
+    about 20 s, then refused; for rollout services that cannot reach the trainer, beside a trainer whose steps wait
+    for the store)."""
     stream_interval_ms: float = 20.0
     """Streams (gRPC Generate, OpenAI ``stream: true``) send the first and the last tokens at once and in between
     at most one message per this many milliseconds, holding the tokens sampled meanwhile (0: one message per

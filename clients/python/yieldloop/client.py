@@ -350,8 +350,6 @@ class Client:
         """Records runs made elsewhere (each with a new trace id) into ``job_id`` (empty: the caller's default job),
         which is created for the caller's team with ``model``, ``name``, ``group_size`` and ``metadata_json`` when
         it does not exist; with no runs, only makes sure of the job. Durable when it returns."""
-        if not -(2**31) <= group_size < 2**31:
-            raise invalid_field("group_size", f"group_size {group_size} is out of range")
         request = rollout_pb.RecordRunsRequest(
             job_id=job_id,
             job=rollout_pb.CreateJobRequest(model=model, name=name, group_size=group_size, metadata_json=metadata_json),

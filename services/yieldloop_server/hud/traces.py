@@ -71,13 +71,16 @@ class Traces(Contract):
     async def _job_enter(self, request: Any, body: dict, client: Client) -> dict[str, Any]:
         job_id = request.match_info["job_id"]
         group = body.get("group")
+        group = group if isinstance(group, int) and not isinstance(group, bool) else 0
+        if not 0 <= group < 2**31:
+            raise invalid_field("group", "group must be an integer in [0, 2^31)")
         name = check_text(body["name"], "name") if isinstance(body.get("name"), str) else ""
         await self._job(
             client,
             job_id,
             "",
             name=name,
-            group_size=group if isinstance(group, int) and not isinstance(group, bool) else 0,
+            group_size=group,
             metadata_json=json.dumps({"source": "hud", "taskset_id": body.get("taskset_id")}),
         )
         return {"job_id": job_id}

@@ -84,16 +84,15 @@ async def build(
         transport,
         options.device,
     )
-    service = Service(server.start, server.stop)
+    ports: dict[str, int] = {}
 
     async def start() -> str:
         address = await server.start()
         if server.http is not None:
-            service.ports["http_port"] = server.http.port
+            ports["http_port"] = server.http.port
         return address
 
-    service.start = start
-    return service
+    return Service(start, server.stop, ports)
 
 
 class RolloutServer:

@@ -167,6 +167,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         for run in runs:
             if not named_trace(run.trace_id):
                 raise invalid_field("runs.trace_id", "a recorded run's trace id is 32 lowercase hex digits")
+            if not math.isfinite(run.reward):
+                raise invalid_field("runs.reward", "a recorded run's reward must be finite")
         recorded = await asyncio.to_thread(self.traces.recorded, [run.trace_id for run in runs])
         if recorded:
             raise FailedPreconditionError(
