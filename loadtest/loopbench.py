@@ -15,7 +15,12 @@ rollout service's options on one machine in one run, e.g. the torch engine's run
 
     python loadtest/loopbench.py --variants max_batch=64 max_batch=256 --rounds 2
 
-A variant is ``name=value`` pairs of ``RolloutOptions`` fields (``default``: none). Prints JSON; ``--out`` writes it.
+A variant is ``name=value`` pairs of ``RolloutOptions`` fields, or of ``TrainerOptions`` fields as
+``trainer.name=value`` (``default``: none), e.g. packed against padded micro-batches:
+
+    python loadtest/loopbench.py --variants trainer.pack=true trainer.pack=false --rounds 1
+
+Prints JSON (with the trainer's useful / computed tokens per step); ``--out`` writes it.
 """
 
 from __future__ import annotations
@@ -35,18 +40,23 @@ from trainerbench import run_and_report
 SPLIT = ("rollout_s", "forward_backward_s", "optim_s", "heldout_s", "reload_s", "total_s")
 
 
-def rollout_options(variant: str) -> object:
-    """``RolloutOptions`` with a variant's fields set (``a=1,b=x``; ``default``: none)."""
-    from yieldloop_server.config import RolloutOptions
+def variant_options(variant: str) -> dict[str, object]:
+    """``StackConfig`` keyword arguments for a variant (``a=1,trainer.b=x``: ``RolloutOptions`` fields, or
+    ``TrainerOptions`` fields after ``trainer.``; ``default``: none)."""
+    from yieldloop_server.config import RolloutOptions, TrainerOptions
 
-    values: dict[str, object] = {}
+    values: dict[str, dict[str, object]] = {"rollout": {}, "trainer": {}}
     for pair in filter(None, variant.split(",")):
         if pair == "default":
             continue
         name, _, raw = pair.partition("=")
-        default = getattr(RolloutOptions(), name)  # AttributeError names a field RolloutOptions lacks
-        values[name] = type(default)(raw) if default is not None else raw.lower() in ("1", "true", "yes")
-    return RolloutOptions(**values)
+        plane, _, name = name.rpartition(".")
+        plane = plane or "rollout"
+        own = {"rollout": RolloutOptions, "trainer": TrainerOptions}[plane]()
+        default = getattr(own, name)  # AttributeError names a field the options lack
+        is_bool = default is None or isinstance(default, bool)
+        values[plane][name] = raw.lower() in ("1", "true", "yes") if is_bool else type(default)(raw)
+    return {"rollout": RolloutOptions(**values["rollout"]), "trainer": TrainerOptions(**values["trainer"])}  # type: ignore[arg-type]
 
 
 async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
@@ -56,7 +66,7 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
     from yieldloop_server.config import StackConfig
     from yieldloop_server.stack import ProcessStack
 
-    stack = ProcessStack(StackConfig(data_dir=scratch_dir("yl-loopbench-"), rollout=rollout_options(variant)))  # type: ignore[arg-type]
+    stack = ProcessStack(StackConfig(data_dir=scratch_dir("yl-loopbench-"), **variant_options(variant)))  # type: ignore[arg-type]
     addresses = await stack.start()
     pids = {name: service.process.pid for name, service in stack.services.items()}
     config = LoopConfig(
@@ -95,6 +105,13 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
         "cores_busy": round(sum(cpu.values()) / (wall / n), 2),
         "split_median_s": {part: round(statistics.median(getattr(r, part) for r in measured), 3) for part in SPLIT},
         "off_policy_runs_per_step": round(statistics.mean(r.off_policy_runs for r in measured), 1),
+        "trainer_tokens_per_step": {
+            "useful": round(statistics.mean(r.useful_tokens for r in measured), 1),
+            "computed": round(statistics.mean(r.computed_tokens for r in measured), 1),
+            "useful_over_computed": round(
+                sum(r.useful_tokens for r in measured) / max(1, sum(r.computed_tokens for r in measured)), 3
+            ),
+        },
     }
 
 

@@ -102,13 +102,16 @@ def test_micro_batching_does_not_change_the_gradient(tiny_model_dir: pathlib.Pat
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_only_action_tokens_are_computed(tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_only_action_tokens_are_computed(
+    tiny_model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch, packed: bool
+) -> None:
     """Every loss and its gradient are 0 off action tokens: a datum without one is not run through the model,
-    and the output layer sees a micro-batch's positions from its first action token on. The loss and gradient
-    are those of the whole sequences' logits (a model without ``logits_to_keep``, sliced after the output layer)."""
-    from yieldloop_server.trainer import trainer as trainer_module
+    and the output layer sees each datum's positions from the micro-batch's first action token on. The loss and
+    gradient are those of the whole sequences' logits (no output-layer hook: every position, picked after)."""
+    from yieldloop_server.trainer.trainer import TrainerConfig
 
-    trainer = Trainer(tiny_model_dir)
+    trainer = Trainer(tiny_model_dir, TrainerConfig(packed=packed))
     datums = random_datums(trainer.vocab_size, seed=2)  # 12, 20 and 7 tokens; actions from 5, 3 and 6
     idle = Datum(
         input_tokens=datums[0].input_tokens,
@@ -124,11 +127,15 @@ def test_only_action_tokens_are_computed(tiny_model_dir: pathlib.Path, monkeypat
     )
     trainer.model.lm_head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[:-1].numel()))
     metrics = trainer.forward_backward([idle, *datums], "importance_sampling", {})
-    assert batches == [torch.Size([3, 20])]  # the idle datum left out
-    assert rows == [3 * (20 - 3)]  # positions 3..19 of each row, not 20
+    # the idle datum left out; the output layer sees positions 3.. of each datum (9 + 17 + 4), nothing else
+    assert rows == [(12 - 3) + (20 - 3) + (7 - 3)]
+    if packed:  # rows as wide as the longest datum: 20, then 12 + 7
+        assert batches == [torch.Size([2, 20])]
+    else:
+        assert batches == [torch.Size([3, 20])]
 
-    monkeypatch.setattr(trainer_module, "takes_logits_to_keep", lambda _model: False)
-    whole = Trainer(tiny_model_dir)
+    whole = Trainer(tiny_model_dir, TrainerConfig(packed=packed))
+    whole._kept.hooked = False  # every position's logits, then picked
     expected = whole.forward_backward(datums, "importance_sampling", {})
     assert metrics["loss_sum"] == pytest.approx(expected["loss_sum"], rel=1e-5)
     assert metrics["num_action_tokens"] == expected["num_action_tokens"]

@@ -71,6 +71,11 @@ class TrainerOptions:
     compile: bool = dataclasses.field(default=False, metadata={"flag": "--trainer-compile"})
     """torch.compile the trained model (worth it on a GPU: fused norms, rotary and activations; each new batch
     shape compiles first)."""
+    micro_batch_tokens: int = dataclasses.field(default=8192, metadata={"flag": "--trainer-micro-batch-tokens"})
+    """Tokens computed per forward/backward micro-batch on each rank (bounds activation memory)."""
+    pack: bool = dataclasses.field(default=True, metadata={"flag": "--trainer-pack"})
+    """Pack each micro-batch's datums into one row (position ids restarting per datum, attention within each
+    datum), so compute goes to real tokens; --no-trainer-pack: one right-padded row per datum."""
     state_every: int = 10
     """Save the full training state (optimizer moments) with every Nth step, and when a session closes (0: only
     then and on demand). A trainer crash resumes from the last checkpoint holding it; every step's weights reach

@@ -211,6 +211,10 @@ class StepReport:
     """How many steps older than the trained weights the oldest sampling weights were."""
     completion_tokens: int = 0
     """Tokens the policy sampled in this step's training runs."""
+    useful_tokens: int = 0
+    """Tokens of the datums the trainer ran forward/backward on (those with an action token)."""
+    computed_tokens: int = 0
+    """Positions the trainer's forwards computed for them: as many packed, more with padding."""
 
     def line(self) -> str:
         mark = "promoted" if self.promoted else "NOT promoted"
@@ -482,6 +486,8 @@ class _Loop:
             off_policy_runs=off_policy(runs, parent),
             max_staleness=max(stale, default=0),
             completion_tokens=sum(len(t.completion_token_ids) for run in runs for t in run.turns),
+            useful_tokens=int(fb.metrics.get("tokens_useful", 0)),
+            computed_tokens=int(fb.metrics.get("tokens_computed", 0)),
         )
         if self.recorder:
             self.recorder.step(report)

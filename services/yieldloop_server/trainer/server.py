@@ -25,9 +25,15 @@ SERVICE_NAME = "yieldloop.trainer.v1.TrainerService"
 
 
 def trainer_config(options: ServeOptions) -> TrainerConfig:
-    """The model-in-training settings of ``options`` (device, dtype, compile)."""
+    """The model-in-training settings of ``options`` (device, dtype, micro-batches, compile)."""
     own = options.trainer
-    return TrainerConfig(device=options.device, dtype=own.resolved_dtype(options.device), compile=own.compile)
+    return TrainerConfig(
+        device=options.device,
+        dtype=own.resolved_dtype(options.device),
+        micro_batch_tokens=own.micro_batch_tokens,
+        packed=own.pack,
+        compile=own.compile,
+    )
 
 
 async def build(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 import math
 import pathlib
@@ -36,7 +35,10 @@ class TrainerConfig:
     dtype: str = "float32"
     """Training dtype: float32 on CPU, bfloat16 on GPU (float64 for exact comparisons in tests)."""
     micro_batch_tokens: int = 8192
-    """Padded tokens per forward/backward micro-batch (bounds activation memory)."""
+    """Computed tokens per forward/backward micro-batch (bounds activation memory)."""
+    packed: bool = True
+    """Micro-batches pack several datums per row (position ids restarting per datum, attention kept within each
+    datum; :func:`micro_batches`), so compute goes to real tokens. Off: one right-padded row per datum."""
     compile: bool = False
     """``torch.compile`` the model (fuses its norms, rotary and activations; the first steps of each new
     batch shape compile first)."""
@@ -73,21 +75,49 @@ class AdamConfig:
         return self
 
 
-def micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[Datum]]:
-    """Consecutive groups of datums whose padded size stays within ``max_tokens``."""
-    batches: list[list[Datum]] = []
-    current: list[Datum] = []
-    longest = 0
-    for datum in datums:
-        longest_if_added = max(longest, len(datum.input_tokens))
-        if current and longest_if_added * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, longest_if_added = [], len(datum.input_tokens)
-        current.append(datum)
-        longest = longest_if_added
-    if current:
-        batches.append(current)
+Rows = list[list[int]]
+"""A micro-batch: rows of datum indices, each row the datums laid end to end."""
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int, packed: bool) -> list[Rows]:
+    """Datums (by length) grouped into micro-batches of rows of equal width, each micro-batch computing at most
+    ``max_tokens`` positions (rows x width; a longer datum goes alone).
+
+    Padded: consecutive datums, one per row, the width that of the longest. Packed: the datums longest first,
+    each micro-batch as wide as its first (longest) datum, every datum placed in the first row with room for
+    it (first-fit decreasing), a new row opened while the budget allows: a row's attention costs no more than
+    one padded row's, and rows fill with real tokens instead of padding.
+    """
+    batches: list[Rows] = []
+    if not packed:
+        current: Rows = []
+        longest = 0
+        for i, length in enumerate(lengths):
+            if current and max(longest, length) * (len(current) + 1) > max_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append([i])
+            longest = max(longest, length)
+        return [*batches, current] if current else batches
+    width = 0
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None and batches and (len(room) + 1) * width <= max_tokens:
+            batches[-1].append([])
+            room.append(width)
+            row = len(room) - 1
+        if row is None:  # a new micro-batch, as wide as this datum (the longest left)
+            batches.append([[]])
+            width, room, row = lengths[i], [lengths[i]], 0
+        batches[-1][row].append(i)
+        room[row] -= lengths[i]
     return batches
+
+
+def computed_tokens(batch: Rows, lengths: Sequence[int]) -> int:
+    """The positions a micro-batch's forward computes: rows x the widest row."""
+    return len(batch) * max(sum(lengths[i] for i in row) for row in batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +213,7 @@ class Trainer:
         if adapter is not None:
             self.model = attach_adapter(self.model, adapter)
             folder = adapter.folder
+        self._kept = _KeptPositions(self.model)
         self.model.train()
         if config.compile:
             self.model.compile()  # in place: parameter names and state_dict keys stay the model's own
@@ -217,46 +248,57 @@ class Trainer:
             return host
         return host.pin_memory().to(self.config.device, non_blocking=True)
 
-    def _logprobs_N(self, batch: Sequence[Datum], with_entropy: bool = False, start: int = 0) -> tuple[Any, Any | None]:
+    def _logprobs_N(
+        self, rows: Sequence[Sequence[Datum]], with_entropy: bool = False, start: int = 0
+    ) -> tuple[Any, Any | None]:
         """Learner logprobs of each datum's target tokens from position ``start`` on, flattened (N: those
-        positions of the batch, datum after datum, no padding), and optionally their entropies (N). Only those
-        positions' logits are computed (the model still reads every token before them)."""
+        positions, row after row, datum after datum), and optionally their entropies (N).
+
+        The rows go through the model as one (R, W) batch: a row's datums end to end, position ids restarting at
+        0 for each (transformers then keeps attention within each datum: a block-diagonal causal mask, or
+        variable-length kernels where the attention implementation has them), a row's tail padded (padding comes
+        after every real token of its row: causal attention hides it). Only the N kept positions reach the output
+        layer (:class:`_KeptPositions`).
+        """
         import torch
 
-        num_tokens = max(len(d.input_tokens) for d in batch)
-        kept = num_tokens - start
-        pad = [num_tokens - len(d.input_tokens) for d in batch]
-        tokens_BT = torch.tensor([d.input_tokens + [0] * n for d, n in zip(batch, pad, strict=True)])
-        targets_BK = torch.tensor([d.target_tokens[start:] + [0] * n for d, n in zip(batch, pad, strict=True)])
-        # The valid positions as flat indices, known on the host: no boolean indexing (a device sync) later.
-        valid_N = torch.tensor([i * kept + t for i, n in enumerate(pad) for t in range(kept - n)])
-        tokens_BT, targets_BK, valid_N = (self._to_device(t) for t in (tokens_BT, targets_BK, valid_N))
-        # Right padding under causal attention: no valid position sees a padded one, so no attention mask is
-        # needed (and SDPA keeps its fused causal kernel).
-        logits_MV = self._last_logits(tokens_BT, kept).flatten(0, 1)  # M = B x K rows, padding included
-        logprobs_M, entropy_M = target_logprobs().apply(logits_MV, targets_BK.flatten(), with_entropy)
-        # Selecting rows after the vocabulary is reduced: a gather of N numbers, not of N x V logits.
-        return logprobs_M[valid_N], None if entropy_M is None else entropy_M[valid_N]
-
-    def _last_logits(self, tokens_BT: Any, kept: int) -> Any:
-        """The logits (B, kept, V) of the last ``kept`` positions of each row: only those rows go through the
-        output layer where the model takes ``logits_to_keep`` (transformers' causal LMs do)."""
-        if kept < tokens_BT.shape[1] and takes_logits_to_keep(self.model):
-            return self.model(input_ids=tokens_BT, logits_to_keep=kept).logits
-        return self.model(input_ids=tokens_BT).logits[:, tokens_BT.shape[1] - kept :]
+        width = max(sum(len(d.input_tokens) for d in row) for row in rows)
+        tokens: list[int] = []
+        positions: list[int] = []
+        kept: list[int] = []
+        for r, row in enumerate(rows):
+            offset = 0
+            for datum in row:
+                n = len(datum.input_tokens)
+                tokens += datum.input_tokens
+                positions += range(n)
+                kept += range(r * width + offset + start, r * width + offset + n)
+                offset += n
+            tokens += [0] * (width - offset)
+            positions += range(positions[-1] + 1, positions[-1] + 1 + width - offset)  # the last datum's, going on
+        host = (
+            torch.tensor(tokens).view(len(rows), width),
+            torch.tensor(positions).view(len(rows), width),
+            torch.tensor(kept),
+            torch.tensor([t for row in rows for d in row for t in d.target_tokens[start:]]),
+        )
+        tokens_RW, positions_RW, kept_N, targets_N = (self._to_device(t) for t in host)
+        logits_NV = self._kept.logits(self.model, tokens_RW, positions_RW, kept_N)
+        return target_logprobs().apply(logits_NV, targets_N, with_entropy)
 
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Per-token learner logprobs of each datum (no gradient)."""
         import torch
 
-        out = []
+        out: list[list[float]] = [[] for _ in datums]
+        lengths = [len(d.input_tokens) for d in datums]
         with torch.no_grad():
-            for batch in micro_batches(datums, self.config.micro_batch_tokens):
-                logprobs_N, _ = self._logprobs_N(batch)
+            for batch in micro_batches(lengths, self.config.micro_batch_tokens, self.config.packed):
+                logprobs_N, _ = self._logprobs_N([[datums[i] for i in row] for row in batch])
                 flat, start = logprobs_N.tolist(), 0
-                for datum in batch:
-                    out.append(flat[start : start + len(datum.input_tokens)])
-                    start += len(datum.input_tokens)
+                for i in (i for row in batch for i in row):
+                    out[i] = flat[start : start + lengths[i]]
+                    start += lengths[i]
         return out
 
     def forward_backward(
@@ -341,14 +383,18 @@ class Trainer:
         # one is not computed at all (e.g. a group without reward spread), and a micro-batch's logits start at
         # its first action token (not over the prompts).
         first = {id(d): next((t for t, v in enumerate(getattr(d, spec.acts_on)) if v != 0), -1) for d in datums}
-        for batch in micro_batches([d for d in datums if first[id(d)] >= 0], self.config.micro_batch_tokens):
-            start = min(first[id(d)] for d in batch)
-            lp_N, entropy_N = self._logprobs_N(batch, with_entropy=True, start=start)
+        active = [d for d in datums if first[id(d)] >= 0]
+        lengths = [len(d.input_tokens) for d in active]
+        useful, computed = sum(lengths), 0
+        for batch in micro_batches(lengths, self.config.micro_batch_tokens, self.config.packed):
+            computed += computed_tokens(batch, lengths)
+            rows = [[active[i] for i in row] for row in batch]
+            start = min(first[id(d)] for row in rows for d in row)
+            lp_N, entropy_N = self._logprobs_N(rows, with_entropy=True, start=start)
 
             def flat(name: str) -> Any:
-                return self._to_device(
-                    torch.tensor([v for d in batch for v in getattr(d, name)[start:]], dtype=lp_N.dtype)
-                )
+                values = [v for row in rows for d in row for v in getattr(d, name)[start:]]
+                return self._to_device(torch.tensor(values, dtype=lp_N.dtype))
 
             q_N, A_N, w_N = flat("sampling_logprobs"), flat("advantages"), flat("weights")
             loss = spec.fn(lp_N, q_N, A_N, w_N, **knobs)
@@ -376,6 +422,7 @@ class Trainer:
         totals = zero_totals()
         totals.update(zip(_DEVICE_TOTALS, sums.tolist(), strict=True))
         totals["nonfinite"] = 0.0 if finite else 1.0
+        totals["tokens_useful"], totals["tokens_computed"] = float(useful), float(computed)
         return totals
 
     def optim_step(self, adam: AdamConfig, revocable: bool = False) -> float:
@@ -507,6 +554,8 @@ def metrics_from_totals(totals: dict[str, float]) -> dict[str, float]:
         "kl_sampler_learner": totals["kl_sum"] / num_action,
         "clip_fraction": totals["clipped"] / num_action,
         "entropy": totals["entropy_sum"] / num_action,
+        "tokens_useful": totals["tokens_useful"],
+        "tokens_computed": totals["tokens_computed"],
     }
 
 
@@ -515,7 +564,7 @@ _DEVICE_TOTALS = ("loss_sum", "num_action_tokens", "ratio_sum", "kl_sum", "entro
 
 
 def zero_totals() -> dict[str, float]:
-    return dict.fromkeys((*_DEVICE_TOTALS, "nonfinite"), 0.0)
+    return dict.fromkeys((*_DEVICE_TOTALS, "nonfinite", "tokens_useful", "tokens_computed"), 0.0)
 
 
 def all_finite(tensors: Sequence[Any]) -> bool:
@@ -569,16 +618,35 @@ def target_logprobs() -> Any:
     return _TargetLogprobs
 
 
-@functools.cache
-def _forward_takes_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+class _KeptPositions:
+    """Makes the model's output layer compute the logits of chosen positions only: a pre-hook on it replaces its
+    input (R, W, H) by the rows picked from the flattened positions (1, N, H), so no logits are computed for
+    prompts, padding or anything else no loss reads (and peft, torch.compile and FSDP see the model's own
+    forward). A model without an output layer to hook computes every position's logits, then picks."""
 
+    def __init__(self, model: Any) -> None:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.hooked = head is not None
+        self._index: Any = None
+        if head is not None:
+            head.register_forward_pre_hook(self._pick)
 
-def takes_logits_to_keep(model: Any) -> bool:
-    """Whether ``model`` (or the model under its LoRA adapter) computes logits for the last positions only when
-    asked (``logits_to_keep``)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _forward_takes_logits_to_keep(type(base))
+    def _pick(self, _module: Any, args: tuple) -> tuple | None:
+        if self._index is None:
+            return None
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, self._index)[None], *args[1:])
+
+    def logits(self, model: Any, tokens_RW: Any, positions_RW: Any, kept_N: Any) -> Any:
+        """The logits (N, V) of the flat positions ``kept_N`` of the batch."""
+        if not self.hooked:
+            logits = model(input_ids=tokens_RW, position_ids=positions_RW, use_cache=False).logits
+            return logits.flatten(0, 1).index_select(0, kept_N)
+        self._index = kept_N
+        try:
+            return model(input_ids=tokens_RW, position_ids=positions_RW, use_cache=False).logits[0]
+        finally:
+            self._index = None
 
 
 def _chunk_rows(vocab_size: int) -> int:
