@@ -1,4 +1,4 @@
-"""The server subcommands of the ``yieldloop`` command: ``serve``, ``up`` and ``demo``.
+"""The server subcommands of the ``yieldloop`` command: ``serve``, ``up``, ``demo`` and ``plan``.
 
 The client distribution owns the command; this module is its plugin (entry point group
 ``yieldloop.commands``). Every flag comes from :mod:`yieldloop_server.config`.
@@ -30,7 +30,52 @@ def register(commands: Any) -> dict[str, Any]:
     demo.add_argument("--target", type=float, default=0.8, help="stop once held-out reward reaches this (default 0.8)")
     demo.add_argument("--group-size", type=int, default=8)
     demo.add_argument("--learning-rate", type=float, help="AdamW learning rate (default: the loop's, 1e-3)")
-    return {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo}
+
+    plan = commands.add_parser("plan", help=SERVER_COMMANDS["plan"])
+    plan.add_argument("model", help="a folder or config.json, a hub id in the local HF cache, or a model in the store")
+    plan.add_argument("--gpu", default="h200", help="h100, h200 or the GiB of one GPU (default h200)")
+    plan.add_argument(
+        "--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (default: all weights)"
+    )
+    plan.add_argument("--seq-len", type=int, default=8192, help="tokens of an episode (default 8192)")
+    plan.add_argument("--micro-batch-tokens", type=int, default=0, help="tokens per micro-batch (default: --seq-len)")
+    plan.add_argument("--group", type=int, default=8, help="episodes per task (default 8)")
+    plan.add_argument("--envs", type=int, default=2048, help="parallel environments (default 2048)")
+    plan.add_argument("--concurrency", type=int, default=256, help="sequences per rollout server (default 256)")
+    plan.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's share of a GPU (0.85)")
+    plan.add_argument("--store", default="", help="the object store to find MODEL in (default: DATA_DIR/store)")
+    plan.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
+    plan.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    return {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo, "plan": cmd_plan}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from yieldloop.errors import YieldloopError
+    from yieldloop_server.plan import Inputs, gpu_gib, load_config, make_plan, render
+
+    try:
+        inputs = Inputs(
+            gpu_gib=gpu_gib(args.gpu),
+            gpu=args.gpu,
+            seq_len=args.seq_len,
+            micro_batch_tokens=args.micro_batch_tokens,
+            group=args.group,
+            envs=args.envs,
+            lora_rank=args.lora_rank,
+            concurrency=args.concurrency,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ).validate()
+        store = args.store or str(args.data_dir / "store")
+        config, source = load_config(args.model, store if pathlib.Path(store).exists() or "://" in store else "")
+        plan = make_plan(config, inputs, source)
+    except YieldloopError as err:
+        print(f"yieldloop: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=1) if args.json else render(plan))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

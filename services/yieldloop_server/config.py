@@ -119,6 +119,17 @@ class RolloutOptions:
     0: the engine's default: 256 for the torch engine, vLLM's own otherwise): more wait their turn. A GRPO batch
     larger than this decodes in waves, each decode step paying the model's fixed cost for fewer rows; a smaller one
     bounds the KV cache's memory."""
+    tensor_parallel: int = dataclasses.field(default=1, metadata={"flag": "--rollout-tensor-parallel"})
+    """GPUs one vLLM engine shards the model over (vLLM's ``tensor_parallel_size``; its workers then run in
+    processes of their own, one per GPU). The torch engine runs on one device."""
+    gpu_memory_utilization: float = dataclasses.field(
+        default=0.0, metadata={"flag": "--rollout-gpu-memory-utilization"}
+    )
+    """Share of each GPU vLLM may take for weights, activations and KV cache (vLLM's ``gpu_memory_utilization``;
+    0: the engine's default, 0.85 on GPUs, 0.3 of host memory on CPU)."""
+    max_model_len: int = dataclasses.field(default=0, metadata={"flag": "--rollout-max-model-len"})
+    """Context length the engine serves (vLLM's ``max_model_len``; 0: the model's). A shorter one leaves more of
+    the KV cache to concurrent sequences."""
     weights_from: Literal["auto", "stream", "group", "store"] = dataclasses.field(
         default="auto", metadata={"flag": "--rollout-weights-from"}
     )
@@ -134,6 +145,32 @@ class RolloutOptions:
     at most one message per this many milliseconds, holding the tokens sampled meanwhile (0: one message per
     token). Each message costs the server and the client the same whatever it carries: at many streams of fast
     tokens, one per token costs more than the decoding."""
+
+    def validate(self) -> RolloutOptions:
+        """INVALID_ARGUMENT naming the flag of a value no engine takes."""
+        from yieldloop.errors import invalid_field
+
+        if self.tensor_parallel < 1:
+            raise invalid_field(
+                "rollout.tensor_parallel", f"--rollout-tensor-parallel must be >= 1, got {self.tensor_parallel}"
+            )
+        if self.tensor_parallel > 1 and "torch" in (self.engine, self.lora_engine):
+            raise invalid_field(
+                "rollout.tensor_parallel",
+                "--rollout-tensor-parallel > 1 needs --rollout-engine vllm (and --rollout-lora-engine same or "
+                "vllm): the torch engine runs on one device",
+            )
+        if not 0 <= self.gpu_memory_utilization <= 1:
+            raise invalid_field(
+                "rollout.gpu_memory_utilization",
+                f"--rollout-gpu-memory-utilization must be in (0, 1] (0: the engine's default), got "
+                f"{self.gpu_memory_utilization}",
+            )
+        if self.max_model_len < 0:
+            raise invalid_field(
+                "rollout.max_model_len", f"--rollout-max-model-len must be >= 0, got {self.max_model_len}"
+            )
+        return self
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ SERVER_COMMANDS = {
     "serve": "run one service in this process",
     "up": "start all four services on localhost (the embedded default)",
     "demo": "the closed loop on the embedded default: watch a tiny model learn",
+    "plan": "the GPUs and memory each plane needs for a model (config.json): the smallest layout that fits",
 }
 """Subcommands the server distribution adds (an entry point in the group ``yieldloop.commands``)."""
 

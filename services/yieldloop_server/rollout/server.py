@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import pathlib
+from typing import Any
 
 from yieldloop.client import Client
 from yieldloop.convert import run_from_bytes, run_to_bytes
@@ -129,13 +130,23 @@ class RolloutServer:
         self.clients = Client(
             env=env_address, checkpoint=checkpoint_address, transport=transport, multiplex_episodes=True
         )
-        engine_options = {
+        options.validate()
+        engine_options: dict[str, Any] = {
             "device": device,
             "process": options.engine_process is not False,
             "max_batch_size": max(0, options.max_batch),
         }
         lora_engine = options.engine if options.lora_engine == "same" else options.lora_engine
+        vllm_options = {
+            "tensor_parallel_size": options.tensor_parallel,
+            "memory_utilization": options.gpu_memory_utilization or None,
+            "max_model_len": options.max_model_len or None,
+        }
         stream_interval_s = max(0.0, options.stream_interval_ms) / 1000
+
+        def serving_engine(lora: bool) -> Any:
+            kind = lora_engine if lora else options.engine
+            return create_engine(kind, lora=lora, **engine_options, **(vllm_options if kind == "vllm" else {}))
 
         async def report(ok: bool) -> None:
             await self.grpc.set_health(WEIGHTS_HEALTH, ok)
@@ -144,7 +155,7 @@ class RolloutServer:
         # a child process would cost its start, seconds, at the first candidate).
         self.models = ServedModels(
             model,
-            lambda lora: create_engine(lora_engine if lora else options.engine, lora=lora, **engine_options),
+            serving_engine,
             lambda: create_engine("torch", device=device, max_batch_size=engine_options["max_batch_size"]),
             store,
             self.clients,

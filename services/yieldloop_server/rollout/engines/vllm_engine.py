@@ -150,6 +150,7 @@ class VllmEngine(Engine):
             unless the environment sets it.
         enforce_eager: No CUDA graphs / compilation (always on for CPU).
         max_batch_size: Sequences decoded together at most (vLLM's ``max_num_seqs``; 0: vLLM's default).
+        tensor_parallel_size: GPUs the model is sharded over (vLLM's worker processes, one per GPU).
         lora: Serve LoRA adapters (vLLM's ``enable_lora``): up to ``max_loras`` adapters in one batch, of rank
             ``max_lora_rank`` at most; more stay loaded on the CPU side.
         engine_options: Extra ``AsyncEngineArgs`` fields.
@@ -169,9 +170,11 @@ class VllmEngine(Engine):
         max_loras: int = 8,
         max_lora_rank: int = 64,
         max_batch_size: int = 0,
+        tensor_parallel_size: int = 1,
         **engine_options: Any,
     ) -> None:
         self.device = device or _default_device()
+        self.tensor_parallel_size = tensor_parallel_size
         on_cpu = self.device == "cpu"
         self.dtype = dtype or ("float32" if on_cpu else "bfloat16")
         self._max_model_len_option = max_model_len
@@ -251,7 +254,10 @@ class VllmEngine(Engine):
             max_model_len=self._max_model_len_option,
             enforce_eager=self.enforce_eager,
             gpu_memory_utilization=self.memory_utilization,
-            distributed_executor_backend="uni",
+            # One GPU: the engine core drives the model in its own process; tensor parallel: vLLM's worker
+            # processes, one per GPU (its multiprocessing executor).
+            distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else "mp",
+            tensor_parallel_size=self.tensor_parallel_size,
             # Logprobs of the distribution actually sampled from (temperature, top-k/top-p applied).
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
