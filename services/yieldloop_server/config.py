@@ -71,6 +71,16 @@ class TrainerOptions:
     compile: bool = dataclasses.field(default=False, metadata={"flag": "--trainer-compile"})
     """torch.compile the trained model (worth it on a GPU: fused norms, rotary and activations; each new batch
     shape compiles first)."""
+    shard: Literal["none", "fsdp"] = dataclasses.field(default="none", metadata={"flag": "--trainer-shard"})
+    """fsdp: every weight, gradient and AdamW moment sharded over the --nproc ranks (or torchrun's), FSDP2,
+    each decoder layer's weights gathered only while it computes; on GPUs fp32 master weights computing in bf16.
+    The training state is written by every rank at once (torch.distributed.checkpoint) and resumes on any number
+    of ranks. none: every rank holds the whole model (data parallel)."""
+    activation_checkpointing: bool | None = dataclasses.field(
+        default=None, metadata={"flag": "--trainer-activation-checkpointing"}
+    )
+    """Keep each decoder layer's input only and recompute the layer in the backward pass (activation memory of
+    one layer instead of all). Default: on with --trainer-shard fsdp, off otherwise."""
     micro_batch_tokens: int = dataclasses.field(default=8192, metadata={"flag": "--trainer-micro-batch-tokens"})
     """Tokens computed per forward/backward micro-batch on each rank (bounds activation memory)."""
     pack: bool = dataclasses.field(default=True, metadata={"flag": "--trainer-pack"})
@@ -82,10 +92,15 @@ class TrainerOptions:
     the fleet and the store regardless."""
 
     def resolved_dtype(self, device: str) -> str:
-        """The dtype with "auto" resolved for ``device``."""
+        """The dtype of the weights held, "auto" resolved for ``device`` (sharded on CUDA: fp32 master weights,
+        computing in :meth:`compute_dtype`)."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if device.startswith("cuda") else "float32"
+        return "bfloat16" if device.startswith("cuda") and self.shard == "none" else "float32"
+
+    def compute_dtype(self, device: str) -> str:
+        """Sharded: the dtype layers compute in ("" : the weights')."""
+        return "bfloat16" if self.shard == "fsdp" and self.dtype == "auto" and device.startswith("cuda") else ""
 
 
 @dataclasses.dataclass

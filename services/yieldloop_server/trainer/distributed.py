@@ -150,7 +150,8 @@ def _forward_backward(trainer: Trainer, groups: _Groups, datums: list[Datum], lo
     import torch.distributed as dist
 
     shard = datums[groups.rank :: groups.world_size]
-    totals = trainer.forward_backward_totals(shard, loss_fn, config) if shard else zero_totals()
+    # sharded, a rank without datums still joins every pass (its layers' weights are gathered from all ranks)
+    totals = trainer.forward_backward_totals(shard, loss_fn, config) if shard or trainer.sharded else zero_totals()
     gathered: list[Any] = [None] * groups.world_size
     dist.all_gather_object(gathered, totals, group=groups.control)
     summed = {key: sum(t[key] for t in gathered) for key in totals}
@@ -163,6 +164,8 @@ def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig, keep: bool 
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+    if trainer.sharded:  # the gradients were reduce-scattered (summed) in the backward passes
+        return trainer.apply_step(adam, keep)
     params = [p for p in trainer.model.parameters() if p.requires_grad]  # a LoRA fork: its adapter only
     for param in params:
         if param.grad is None:  # a rank whose shards were empty still joins the sum
@@ -173,6 +176,19 @@ def _optim_step(trainer: Trainer, groups: _Groups, adam: AdamConfig, keep: bool 
     for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(reduced)
     return trainer.apply_step(adam, keep)
+
+
+def _logprobs(trainer: Trainer, groups: _Groups, datums: list[Datum]) -> list[list[float]]:
+    """Sharded: each rank scores its share of ``datums`` (every rank joins every pass); rank 0 gets them all."""
+    import torch.distributed as dist
+
+    mine = trainer.logprobs(datums[groups.rank :: groups.world_size])
+    gathered: list[Any] = [None] * groups.world_size
+    dist.all_gather_object(gathered, mine, group=groups.control)
+    out: list[list[float]] = [[] for _ in datums]
+    for rank, part in enumerate(gathered):
+        out[rank :: groups.world_size] = part
+    return out
 
 
 def _follow(trainer: Trainer, groups: _Groups) -> str:
@@ -194,6 +210,12 @@ def _follow(trainer: Trainer, groups: _Groups) -> str:
                 trainer.finish_step(*args)
             elif op == "drop_gradients":
                 trainer.drop_gradients()
+            elif op == "logprobs":
+                _logprobs(trainer, groups, *args)
+            elif op == "save":
+                trainer.save(*args)
+            elif op == "save_state":
+                trainer.save_state(*args)
         except YieldloopError:
             pass
 
@@ -308,13 +330,25 @@ class DistributedTrainer:
     def optimizer(self) -> Any:
         return self.local.optimizer
 
+    @property
+    def sharded(self) -> bool:
+        return self.local.sharded
+
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
-        return self.local.logprobs(datums)  # the weights are the same on every rank
+        if not self.sharded:
+            return self.local.logprobs(datums)  # the weights are the same on every rank
+        self._broadcast("logprobs", list(datums))
+        return _logprobs(self.local, self._groups, list(datums))
 
     def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path:
-        return self.local.save(folder, with_state)
+        if self.sharded:  # every rank gathers each tensor in turn (this one writes the sampler files)
+            self._broadcast("save", folder, with_state)
+        self.local.save(folder, with_state)
+        return folder
 
     def save_state(self, folder: pathlib.Path) -> pathlib.Path:
+        if self.sharded:  # every rank writes its shards of the optimizer state
+            self._broadcast("save_state", folder)
         return self.local.save_state(folder)
 
     def _broadcast(self, *command: Any) -> None:

@@ -7,6 +7,7 @@ import pathlib
 
 from yieldloop.client import Client
 from yieldloop.convert import run_from_bytes, run_to_bytes
+from yieldloop.errors import invalid_field
 from yieldloop.proto.trainer.v1 import trainer_service_pb2_grpc as pb_grpc
 from yieldloop.transport import DEFAULT_TRANSPORT, TransportConfig
 from yieldloop_server.common.auth import KeyStore
@@ -32,6 +33,11 @@ def trainer_config(options: ServeOptions) -> TrainerConfig:
         dtype=own.resolved_dtype(options.device),
         micro_batch_tokens=own.micro_batch_tokens,
         packed=own.pack,
+        shard=own.shard,
+        compute_dtype=own.compute_dtype(options.device),
+        activation_checkpointing=own.shard == "fsdp"
+        if own.activation_checkpointing is None
+        else own.activation_checkpointing,
         compile=own.compile,
     )
 
@@ -46,6 +52,10 @@ async def build(
     nproc = own.nproc
     if distributed.launched() is not None:
         nproc = await asyncio.to_thread(distributed.join_launched, config)
+    if own.shard == "fsdp" and nproc < 2:
+        raise invalid_field(
+            "trainer.shard", "--trainer-shard fsdp shards the model over ranks: give --nproc 2 or more (or torchrun's)"
+        )
     work_dir = options.data_dir / "work" / options.service
     server, sessions = await make_server(
         options.model,

@@ -24,8 +24,9 @@ from yieldloop_server.trainer import losses
 MAX_LEARNING_RATE = 10.0
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
-STATE_FILES = (OPTIMIZER_FILE, STATE_FILE)
-"""What resuming training needs beyond the sampler weights."""
+STATE_FILES = (OPTIMIZER_FILE, STATE_FILE, "optimizer.dcp.")
+"""What resuming training needs beyond the sampler weights (a name ending in "." names every file it begins:
+the sharded optimizer's files)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,13 @@ class TrainerConfig:
     packed: bool = True
     """Micro-batches pack several datums per row (position ids restarting per datum, attention kept within each
     datum; :func:`micro_batches`), so compute goes to real tokens. Off: one right-padded row per datum."""
+    shard: str = "none"
+    """"fsdp": every weight, gradient and moment sharded over the process group's ranks (:mod:`.sharding`);
+    "none": this process holds them all."""
+    compute_dtype: str = ""
+    """Sharded: the dtype layers compute in (bf16 on GPUs over fp32 master weights); "": ``dtype``."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input through the forward; recompute the layer in the backward."""
     compile: bool = False
     """``torch.compile`` the model (fuses its norms, rotary and activations; the first steps of each new
     batch shape compile first)."""
@@ -215,6 +223,13 @@ class Trainer:
             folder = adapter.folder
         self._kept = _KeptPositions(self.model)
         self.model.train()
+        if config.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.sharded = config.shard == "fsdp"
+        if self.sharded:
+            from yieldloop_server.trainer.sharding import shard_model
+
+            shard_model(self.model, config.device, config.compute_dtype)
         if config.compile:
             self.model.compile()  # in place: parameter names and state_dict keys stay the model's own
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -223,7 +238,11 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=1e-5, **fused)
         state_path = folder / STATE_FILE
         self.step = json.loads(state_path.read_text())["step"] if state_path.exists() else 0
-        if (folder / OPTIMIZER_FILE).exists():
+        from yieldloop_server.trainer import sharding
+
+        if sharding.has_optimizer(folder):  # written sharded, at whatever world size: resharded to this one
+            sharding.load_optimizer(self.model, self.optimizer, folder)
+        elif (folder / OPTIMIZER_FILE).exists():
             self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=config.device))
         self.num_pending_datums = 0
         self._stash: list[Any] | None = None
@@ -292,14 +311,41 @@ class Trainer:
 
         out: list[list[float]] = [[] for _ in datums]
         lengths = [len(d.input_tokens) for d in datums]
+        batches = micro_batches(lengths, self.config.micro_batch_tokens, self.config.packed)
+        missing = self._missing_passes(len(batches))  # before any pass: every rank agrees on the count first
         with torch.no_grad():
-            for batch in micro_batches(lengths, self.config.micro_batch_tokens, self.config.packed):
+            for batch in batches:
                 logprobs_N, _ = self._logprobs_N([[datums[i] for i in row] for row in batch])
                 flat, start = logprobs_N.tolist(), 0
                 for i in (i for row in batch for i in row):
                     out[i] = flat[start : start + lengths[i]]
                     start += lengths[i]
+            for _ in range(missing):
+                self._logprobs_N([[_IDLE]])
         return out
+
+    def _missing_passes(self, passes: int) -> int:
+        """Sharded, every rank runs as many forward passes as the busiest (each pass gathers every layer's weights
+        from all ranks): how many empty ones this rank adds. 0 unsharded."""
+        if not self.sharded:
+            return 0
+        import torch
+        import torch.distributed as dist
+
+        most = torch.tensor([passes], device=self.config.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most) - passes
+
+    def _all_ranks(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (sharded: a collective; each rank sees only its shards)."""
+        if not self.sharded:
+            return ok
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], device=self.config.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag)
 
     def forward_backward(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float]
@@ -386,7 +432,11 @@ class Trainer:
         active = [d for d in datums if first[id(d)] >= 0]
         lengths = [len(d.input_tokens) for d in active]
         useful, computed = sum(lengths), 0
-        for batch in micro_batches(lengths, self.config.micro_batch_tokens, self.config.packed):
+        batches = micro_batches(lengths, self.config.micro_batch_tokens, self.config.packed)
+        for _ in range(self._missing_passes(len(batches))):  # sharded: an empty pass (its gradient 0) per missing one
+            lp_N, _ = self._logprobs_N([[_IDLE]])
+            (lp_N.sum() * 0).backward()
+        for batch in batches:
             computed += computed_tokens(batch, lengths)
             rows = [[active[i] for i in row] for row in batch]
             start = min(first[id(d)] for row in rows for d in row)
@@ -465,7 +515,7 @@ class Trainer:
             )
         self.optimizer.step()
         self.step += 1
-        if not all_finite(params):
+        if not self._all_ranks(all_finite([local(p) for p in params])):
             if self._before_step is None:
                 self.spoiled = True
                 raise FailedPreconditionError(
@@ -492,8 +542,8 @@ class Trainer:
             return
         weights, grads, optimizer_state, step = before
         for param, weight, grad in zip(self._trainable(), weights, grads, strict=True):
-            param.data.copy_(weight)
-            param.grad = None if grad is None else grad.to(param.device)
+            local(param.data).copy_(weight)
+            param.grad = None if grad is None else like(param, grad)
         self.optimizer.load_state_dict(optimizer_state)
         self.step = step
 
@@ -507,13 +557,16 @@ class Trainer:
         parameters' bytes while a step is open: small for LoRA, large for full fine-tuning)."""
         import torch
 
-        def host(t: Any) -> Any:
+        def host(t: Any) -> Any:  # sharded: this rank's shard
+            return local(t).detach().to("cpu", copy=True) if torch.is_tensor(t) else t
+
+        def host_state(t: Any) -> Any:  # kept sharded: the optimizer loads its moments as it holds them
             return t.detach().to("cpu", copy=True) if torch.is_tensor(t) else t
 
         params = self._trainable()
         state = self.optimizer.state_dict()
         state = {
-            "state": {k: {n: host(v) for n, v in s.items()} for k, s in state["state"].items()},
+            "state": {k: {n: host_state(v) for n, v in s.items()} for k, s in state["state"].items()},
             "param_groups": [dict(g) for g in state["param_groups"]],
         }
         return ([host(p) for p in params], [None if p.grad is None else host(p.grad) for p in params], state, self.step)
@@ -523,7 +576,11 @@ class Trainer:
 
     def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path:
         """Writes the sampler weights: an HF checkpoint (safetensors, config, tokenizer), or for a LoRA fork
-        peft's adapter files only; ``with_state``, also the training state (:meth:`save_state`)."""
+        peft's adapter files only; ``with_state``, also the training state (:meth:`save_state`). Sharded, every
+        rank calls it with the same folder: each tensor is gathered in turn and rank 0 writes the sampler files,
+        every rank its shards of the training state."""
+        if self.sharded:
+            return self._save_sharded(folder, with_state)
         folder.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(folder, safe_serialization=True)
         if self.adapter is None:
@@ -534,12 +591,47 @@ class Trainer:
             self.save_state(folder)
         return folder
 
+    def _save_sharded(self, folder: pathlib.Path, with_state: bool) -> pathlib.Path:
+        import torch.distributed as dist
+
+        folder.mkdir(parents=True, exist_ok=True)
+        writes = dist.get_rank() == 0
+        self._write_sampler_files(folder if writes else None)
+        if with_state:
+            self.save_state(folder)
+        return folder
+
+    def _write_sampler_files(self, folder: pathlib.Path | None) -> None:
+        """Sharded: the sampler files, each tensor gathered in turn; ``folder`` None on the ranks that only
+        join the gathers."""
+        from yieldloop_server.trainer import sharding
+
+        if self.adapter is None:
+            sharding.write_safetensors(sharding.unique_weights(self.model), folder)
+            if folder is not None:
+                self.model.config.save_pretrained(folder)
+                if getattr(self.model, "generation_config", None) is not None and self.model.can_generate():
+                    self.model.generation_config.save_pretrained(folder)
+                self.tokenizer.save_pretrained(folder)
+        else:  # the adapter is small: gathered whole, written by peft as the unsharded trainer's is
+            from peft import get_peft_model_state_dict
+
+            whole = {name: sharding.full(t) for name, t in self.model.state_dict().items() if "lora_" in name}
+            if folder is not None:
+                self.model.save_pretrained(folder, state_dict=get_peft_model_state_dict(self.model, state_dict=whole))
+                (folder / "README.md").unlink(missing_ok=True)
+
     def save_state(self, folder: pathlib.Path) -> pathlib.Path:
         """Writes the training state (:data:`STATE_FILES`: optimizer moments and step) into ``folder``."""
         import torch
 
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        if self.sharded:
+            from yieldloop_server.trainer import sharding
+
+            sharding.save_optimizer(self.model, self.optimizer, folder)
+        else:
+            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         (folder / STATE_FILE).write_text(json.dumps({"step": self.step}))
         return folder
 
@@ -652,3 +744,31 @@ class _KeptPositions:
 def _chunk_rows(vocab_size: int) -> int:
     """Rows per chunk: about 256M float32 elements (1 GB) at a time."""
     return max(1, (1 << 28) // max(vocab_size, 1))
+
+
+_IDLE = Datum(input_tokens=[0], target_tokens=[0], sampling_logprobs=[0.0], advantages=[0.0], weights=[0.0])
+"""The one-token datum of a sharded rank's empty pass (its loss is multiplied by 0)."""
+
+
+def local(tensor: Any) -> Any:
+    """This rank's part of a sharded tensor (the tensor itself otherwise)."""
+    from yieldloop_server.trainer.sharding import local as shard_of
+
+    return shard_of(tensor)
+
+
+def like(param: Any, values: Any) -> Any:
+    """``values`` (a host copy of this rank's part) as a tensor laid out like ``param`` on its device."""
+    from yieldloop_server.trainer.sharding import is_sharded
+
+    if not is_sharded(param):
+        return values.to(param.device)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        values.to(param.to_local().device),
+        param.device_mesh,
+        param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+    )

@@ -1,0 +1,181 @@
+"""FSDP2 for the trainer: every weight, gradient and AdamW moment sharded over the ranks.
+
+:func:`shard_model` wraps each decoder layer and then the whole model with ``fully_shard`` over a 1-D
+DeviceMesh of the process group's ranks (parameters become DTensors, each rank holding 1/N of every tensor;
+a layer's full weights exist only while it computes). Gradients are reduce-scattered as sums, not means (the
+losses are sums over tokens and datums, so the sharded step equals the single-process step on the whole
+batch). With a ``compute_dtype`` (bf16 on GPUs) the master weights stay fp32 and the layers compute in bf16,
+gradients reduced in fp32 (``MixedPrecisionPolicy``).
+
+:func:`write_safetensors` writes the sampler weights in Hugging Face's format from sharded weights: one file of
+at most ``max_shard_bytes`` at a time (each tensor gathered in turn, on rank 0 only that file's tensors), an index
+when there are several, the same bytes ``save_pretrained`` writes for the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+MAX_SHARD_BYTES = 5 * 1024**3
+"""Sampler weights per safetensors file (an index names the files when there are several)."""
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's repeated blocks: modules of the classes its ``_no_split_modules`` names (transformers' own
+    list of what must stay whole on one device)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def shard_model(model: Any, device: str, compute_dtype: str = "") -> Any:
+    """``model`` sharded in place over every rank of the default process group (see the module's doc)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy()
+    if compute_dtype:
+        policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sums: the default divides by the world size
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def is_sharded(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: Any) -> Any:
+    """This rank's part of a sharded tensor (the tensor itself otherwise)."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def full(tensor: Any) -> Any:
+    """The whole tensor on this rank's host (a collective for a sharded one: every rank calls it in turn)."""
+    whole = tensor.full_tensor() if is_sharded(tensor) else tensor
+    return whole.detach().to("cpu").contiguous()
+
+
+def unique_weights(model: Any) -> list[tuple[str, Any]]:
+    """The state dict's tensors, each once: a tied weight (the output layer sharing the embedding) under its first
+    name only, as ``save_pretrained`` writes it."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in model.state_dict().items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out.append((name, tensor))
+    tied = _tied_names(model)
+    return [(name, tensor) for name, tensor in out if name not in tied]
+
+
+def _tied_names(model: Any) -> set[str]:
+    """State-dict names of weights tied to another (transformers drops them on save)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {n for n, m in model.named_modules() if m is head}
+    return {f"{n}.weight" for n in names}
+
+
+def write_safetensors(
+    named: Iterable[tuple[str, Any]],
+    folder: pathlib.Path | None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    gather: Callable[[Any], Any] = full,
+) -> list[str]:
+    """Writes ``named`` tensors as Hugging Face safetensors under ``folder`` (rank 0; other ranks pass None and
+    only join the gathers): ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files of at most
+    ``max_shard_bytes`` each plus ``model.safetensors.index.json``. Returns the file names."""
+    from safetensors.torch import save_file
+
+    named = list(named)
+    groups: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += nbytes
+    count = len(groups)
+    files = (
+        ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+    for file, group in zip(files, groups, strict=True):
+        tensors = {name: gather(tensor) for name, tensor in group}  # this file's tensors only
+        if folder is not None:
+            save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        del tensors
+    if folder is not None and count > 1:
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: file for file, group in zip(files, groups, strict=True) for name, _ in group},
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+DCP_PREFIX = "optimizer.dcp."
+"""The sharded optimizer state's files in a checkpoint folder: torch.distributed.checkpoint's own files (one per
+rank and its metadata), named with this prefix so that the folder stays flat."""
+
+
+def has_optimizer(folder: pathlib.Path) -> bool:
+    return (folder / (DCP_PREFIX + ".metadata")).is_file()
+
+
+def save_optimizer(model: Any, optimizer: Any, folder: pathlib.Path) -> None:
+    """Every rank writes its shards of the AdamW state at once (``torch.distributed.checkpoint``), into
+    ``folder`` as :data:`DCP_PREFIX` files; a resume on any number of ranks reads them back (resharded)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    staging = folder / DCP_PREFIX.rstrip(".")
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(staging))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for path in staging.iterdir():
+            path.replace(folder / (DCP_PREFIX + path.name))
+        staging.rmdir()
+    dist.barrier()
+
+
+def load_optimizer(model: Any, optimizer: Any, folder: pathlib.Path) -> None:
+    """The AdamW state :func:`save_optimizer` wrote, at any world size, into this process's optimizer: sharded
+    over this process group's ranks, or whole in a process without one."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    with tempfile.TemporaryDirectory(prefix="yl-dcp-") as view:  # DCP reads a folder of its own file names
+        for path in folder.iterdir():
+            if path.name.startswith(DCP_PREFIX):
+                (pathlib.Path(view) / path.name[len(DCP_PREFIX) :]).symlink_to(path.resolve())
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(
+            state, checkpoint_id=view, no_dist=not dist.is_initialized() or not any(map(is_sharded, model.parameters()))
+        )
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])

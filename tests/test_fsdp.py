@@ -1,0 +1,140 @@
+"""The sharded trainer (FSDP2 over gloo on CPU, world sizes 2 and 4): each step equals the single process's."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from test_packing import LENGTHS, ragged_datums
+
+from yieldloop_server.trainer.distributed import DistributedTrainer
+from yieldloop_server.trainer.trainer import AdamConfig, AdapterSetup, Trainer, TrainerConfig
+
+ADAM = AdamConfig(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0)
+FP32 = TrainerConfig(micro_batch_tokens=48)
+
+
+def weights(folder: pathlib.Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def assert_same_weights(sharded: DistributedTrainer, single: Trainer, tmp: pathlib.Path, rtol: float = 1e-5) -> None:
+    """What the two trainers write as sampler weights agree: the difference's norm within ``rtol`` of the weights'
+    norm, and no element off by more than ``rtol`` (fp32 round-off: the ranks sum their gradients in another
+    order than one process does)."""
+    ours, theirs = weights(sharded.save(tmp / "sharded", with_state=False)), weights(single.save(tmp / "single", False))
+    assert ours.keys() == theirs.keys() and ours
+    diff = torch.cat([(ours[n] - t).flatten() for n, t in theirs.items()])
+    whole = torch.cat([t.flatten() for t in theirs.values()])
+    assert float(diff.norm()) <= rtol * float(whole.norm())
+    assert float(diff.abs().max()) <= rtol
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_loss_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, world_size: int) -> None:
+    """One step of each loss, then a custom loss's (logprobs, then the weighted cross-entropy backward): the
+    metrics, gradient norm and weights of the sharded trainer equal one process's (fp32, 1e-5 relative)."""
+    single = Trainer(tiny_model_dir, FP32)
+    sharded = DistributedTrainer(tiny_model_dir, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), world_size)
+    try:
+        for i, loss in enumerate(["importance_sampling", "ppo", "cispo", "dro", "cross_entropy"]):
+            datums = ragged_datums(single.vocab_size, LENGTHS, seed=i)
+            expected, got = single.forward_backward(datums, loss, {}), sharded.forward_backward(datums, loss, {})
+            for key in ("loss_sum", "num_action_tokens", "mean_ratio", "entropy", "tokens_useful"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), (loss, key)
+            norms = single.optim_step(ADAM), sharded.optim_step(ADAM)
+            assert norms[1] == pytest.approx(norms[0], rel=1e-5), loss
+        datums = ragged_datums(single.vocab_size, LENGTHS, seed=9)
+        for a, b in zip(single.logprobs(datums), sharded.logprobs(datums), strict=True):
+            torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=1e-5, atol=1e-5)
+        custom = [d.__class__(**{**d.__dict__, "weights": [0.5 * a for a in d.advantages]}) for d in datums]
+        single.forward_backward(custom, "cross_entropy", {})
+        sharded.forward_backward(custom, "cross_entropy", {})
+        assert sharded.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        assert sharded.step == single.step == 6
+        assert_same_weights(sharded, single, tmp_path)
+    finally:
+        sharded.close()
+
+
+def test_lora_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """A LoRA fork under FSDP (the frozen base sharded too): the adapter trains as in one process."""
+    import json
+
+    from yieldloop.types import LoraConfig
+    from yieldloop_server.common.lora import adapter_config
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config(LoraConfig(rank=4))))
+    adapter = AdapterSetup(tmp_path / "adapter", 7)
+    single = Trainer(tiny_model_dir, FP32, adapter)
+    sharded = DistributedTrainer(tiny_model_dir, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2, adapter)
+    try:
+        for seed in (1, 2):
+            datums = ragged_datums(single.vocab_size, LENGTHS, seed=seed)
+            single.forward_backward(datums, "importance_sampling", {})
+            sharded.forward_backward(datums, "importance_sampling", {})
+            assert sharded.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        assert_same_weights(sharded, single, tmp_path)
+    finally:
+        sharded.close()
+
+
+def test_sampler_files_are_byte_identical(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The same weights written by the sharded trainer (each tensor gathered in turn) and by save_pretrained in
+    one process: the same files, byte for byte; split over several files, an index names them and transformers
+    loads them as the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from yieldloop_server.trainer import sharding
+
+    single = Trainer(tiny_model_dir, FP32)
+    sharded = DistributedTrainer(tiny_model_dir, TrainerConfig(shard="fsdp"), 2)
+    try:
+        a, b = sharded.save(tmp_path / "sharded", with_state=False), single.save(tmp_path / "single", False)
+        names = sorted(p.name for p in b.iterdir())
+        assert sorted(p.name for p in a.iterdir()) == names
+        for name in names:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    finally:
+        sharded.close()
+    split = tmp_path / "split"
+    split.mkdir()
+    files = sharding.write_safetensors(sharding.unique_weights(single.model), split, max_shard_bytes=200_000)
+    assert len(files) > 2 and (split / "model.safetensors.index.json").is_file()
+    for name in ("config.json", "generation_config.json"):
+        (split / name).write_bytes((b / name).read_bytes())
+    loaded = AutoModelForCausalLM.from_pretrained(split)
+    for name, param in single.model.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), param.detach()), name
+
+
+def test_resume_at_another_world_size(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Training state written sharded over 2 ranks (every rank its shards of the AdamW moments), resumed on 4
+    ranks and in one process: the next step equals the uninterrupted run's."""
+    config = TrainerConfig(micro_batch_tokens=48, shard="fsdp")
+    first = DistributedTrainer(tiny_model_dir, config, 2)
+    try:
+        for seed in (1, 2):
+            first.forward_backward(ragged_datums(first.vocab_size, LENGTHS, seed=seed), "ppo", {})
+            first.optim_step(ADAM)
+        saved = first.save(tmp_path / "step2", with_state=True)
+        assert any(p.name.startswith("optimizer.dcp.") for p in saved.iterdir())
+        first.forward_backward(ragged_datums(first.vocab_size, LENGTHS, seed=3), "ppo", {})
+        first.optim_step(ADAM)
+        expected = weights(first.save(tmp_path / "uninterrupted", with_state=False))
+    finally:
+        first.close()
+    for resumed in (DistributedTrainer(saved, config, 4), Trainer(saved, FP32)):
+        try:
+            assert resumed.step == 2
+            resumed.forward_backward(ragged_datums(resumed.vocab_size, LENGTHS, seed=3), "ppo", {})
+            resumed.optim_step(ADAM)
+            got = weights(resumed.save(tmp_path / f"resumed-{type(resumed).__name__}", with_state=False))
+            for name, tensor in expected.items():
+                torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5 * float(tensor.abs().max()))
+        finally:
+            resumed.close()
