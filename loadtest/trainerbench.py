@@ -13,6 +13,9 @@ of a fresh filesystem store, and trained two ways, alternating step by step:
 ``--vocab`` widens the vocabulary (e.g. Qwen2.5's 151936: the logits then matter), ``--compile`` compiles both
 models with ``torch.compile`` (the trainer's ``compile`` option), ``--variants`` picks which of the three run.
 
+``--nproc N [--shard fsdp]`` instead compares data parallel and the sharded trainer over N ranks (rank 0's bytes
+of weights, gradients and AdamW moments after a step; step seconds), one layout after the other.
+
 Usage: ``python loadtest/trainerbench.py [--steps 8] [--batch 32] [--tokens 128] [--device cpu|cuda] [--out r.json]``
 """
 
@@ -255,8 +258,76 @@ def main() -> None:
         help="comma-separated: bare, service, service_with_checkpoint",
     )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak for MFU (H100 SXM: 989)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks: compare data parallel with --shard over them")
+    parser.add_argument("--shard", default="fsdp", choices=["fsdp"], help="with --nproc N: the sharded layout")
     parser.add_argument("--out", type=pathlib.Path)
-    run_and_report(bench, parser.parse_args())
+    args = parser.parse_args()
+    run_and_report(ranks_bench if args.nproc > 1 else bench, args)
+
+
+def rank_state_bytes(trainer) -> dict[str, int]:
+    """Bytes this rank holds of the trained weights, their gradients and the AdamW moments (its shards, when
+    sharded)."""
+    import torch
+
+    from yieldloop_server.trainer.sharding import local
+
+    params = [p for p in trainer.model.parameters()]
+    return {
+        "weights": sum(local(p).numel() * p.element_size() for p in params),
+        "gradients": sum(local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer": sum(
+            local(t).numel() * t.element_size()
+            for state in trainer.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ),
+    }
+
+
+async def ranks_bench(args: argparse.Namespace) -> dict:
+    """``--nproc N``: data parallel (every rank holds the whole model) against ``--shard`` over the same N ranks,
+    one layout after the other: rank 0's bytes of weights + gradients + AdamW moments after a step (taken before
+    the next step clears the gradients), and the step's seconds (forward_backward + optimizer step)."""
+    from yieldloop_server.trainer.distributed import DistributedTrainer
+    from yieldloop_server.trainer.trainer import AdamConfig, TrainerConfig
+
+    root = scratch_dir("yl-trainerbench-")
+    folder = build_model(root / "model", args.hidden, args.layers, args.intermediate, vocab=args.vocab)
+    budget = args.micro_batch_tokens or args.batch * args.tokens
+    layouts = {
+        name: TrainerConfig(device=args.device, micro_batch_tokens=budget, shard=name) for name in ("none", args.shard)
+    }
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    held: dict[str, dict[str, int]] = {}
+    for name, config in layouts.items():  # one layout's ranks at a time (one process group per process)
+        trainer = DistributedTrainer(folder, config, args.nproc)
+        try:
+            for i in range(args.warmup + args.steps):
+                datums = make_batch(args.batch, args.tokens, trainer.vocab_size, seed=i)
+                started = time.perf_counter()
+                trainer.forward_backward(datums, "importance_sampling", {})
+                trainer.optim_step(AdamConfig(learning_rate=1e-5), revocable=True)  # gradients kept until finish
+                took = time.perf_counter() - started
+                held[name] = rank_state_bytes(trainer.local)
+                trainer.finish_step(True)
+                if i >= args.warmup:
+                    times[name].append(took)
+        finally:
+            trainer.close()
+    total = {name: sum(parts.values()) for name, parts in held.items()}
+    return {
+        "nproc": args.nproc,
+        "batch": args.batch,
+        "tokens_per_datum": args.tokens,
+        "rank0_bytes": held,
+        "rank0_total_mb": {name: round(v / 2**20, 2) for name, v in total.items()},
+        f"{args.shard}_over_data_parallel_memory": round(total[args.shard] / total["none"], 3),
+        "median_step_s": {name: round(statistics.median(t), 3) for name, t in times.items()},
+        f"{args.shard}_over_data_parallel_step": round(
+            statistics.median(times[args.shard]) / statistics.median(times["none"]), 3
+        ),
+    }
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import torch
 from test_trainer import batch
 
@@ -34,8 +35,10 @@ def test_world_size_2_equals_single_process(tiny_model_dir: pathlib.Path) -> Non
         parallel.close()
 
 
-async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
-    """`yieldloop serve trainer --nproc 2`: the service trains data-parallel and commits checkpoints."""
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path, shard: str) -> None:
+    """`yieldloop serve trainer --nproc 2 [--trainer-shard fsdp]`: the service trains data-parallel or sharded
+    and commits checkpoints (sharded, the training state as every rank's shards)."""
     from yieldloop.client import Client
     from yieldloop.proto.common.v1 import common_pb2 as common_pb
     from yieldloop_server.config import ServeOptions, TrainerOptions
@@ -50,7 +53,10 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
     checkpoint = await start_checkpoint()
     built = await build_service(
         ServeOptions(
-            service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint, trainer=TrainerOptions(nproc=2)
+            service="trainer",
+            data_dir=tmp_path,
+            checkpoint_address=checkpoint,
+            trainer=TrainerOptions(nproc=2, shard=shard, state_every=1),  # type: ignore[arg-type]
         )
     )
     start_trainer, stop_trainer = built.start, built.stop
@@ -70,6 +76,13 @@ async def test_trainer_service_with_two_ranks(tmp_path: pathlib.Path) -> None:
             assert result.num_datums == 3 and result.num_action_tokens > 0
             step = await client.optim_step(1e-3)
             assert step.step == 1 and (await client.get_head("tiny")).checkpoint_id == step.checkpoint.checkpoint_id
+            manifest = await client.get_checkpoint("tiny", step.checkpoint.checkpoint_id)
+            state = sorted(obj.name for obj in manifest.objects if obj.state)
+            if shard == "fsdp":  # each rank's shards of the AdamW moments and their metadata
+                assert "optimizer-dcp-.metadata" in state and "optimizer-dcp-__1_0.distcp" in state, state
+            else:
+                assert "optimizer.pt" in state, state
+            assert len(await client.forward(datums=batch(3, 384))) == 3  # logprobs: every rank scores its share
     finally:
         await stop_trainer(1.0)
         await stop_checkpoint(1.0)

@@ -60,6 +60,28 @@ def test_each_loss_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: 
         sharded.close()
 
 
+def test_untied_output_layer_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """A model whose output layer is not its embedding (each then sharded as a group of its own)."""
+    from yieldloop_server.common.hf import load_causal_lm
+
+    model, tokenizer = load_causal_lm(tiny_model_dir, "float32", "cpu")
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone() * 0.5)
+    model.save_pretrained(tmp_path / "untied")
+    tokenizer.save_pretrained(tmp_path / "untied")
+    single = Trainer(tmp_path / "untied", FP32)
+    sharded = DistributedTrainer(tmp_path / "untied", TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2)
+    try:
+        datums = ragged_datums(single.vocab_size, LENGTHS, seed=4)
+        single.forward_backward(datums, "ppo", {})
+        sharded.forward_backward(datums, "ppo", {})
+        assert sharded.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        assert_same_weights(sharded, single, tmp_path)
+        assert "lm_head.weight" in weights(tmp_path / "sharded")
+    finally:
+        sharded.close()
+
+
 def test_lora_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """A LoRA fork under FSDP (the frozen base sharded too): the adapter trains as in one process."""
     import json
@@ -122,7 +144,7 @@ def test_resume_at_another_world_size(tiny_model_dir: pathlib.Path, tmp_path: pa
             first.forward_backward(ragged_datums(first.vocab_size, LENGTHS, seed=seed), "ppo", {})
             first.optim_step(ADAM)
         saved = first.save(tmp_path / "step2", with_state=True)
-        assert any(p.name.startswith("optimizer.dcp.") for p in saved.iterdir())
+        assert any(p.name.startswith("optimizer-dcp-") for p in saved.iterdir())
         first.forward_backward(ragged_datums(first.vocab_size, LENGTHS, seed=3), "ppo", {})
         first.optim_step(ADAM)
         expected = weights(first.save(tmp_path / "uninterrupted", with_state=False))
@@ -138,3 +160,53 @@ def test_resume_at_another_world_size(tiny_model_dir: pathlib.Path, tmp_path: pa
                 torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-5 * float(tensor.abs().max()))
         finally:
             resumed.close()
+
+
+async def test_a_rank_killed_mid_step_fails_it_typed_and_the_trainer_recovers(tmp_path: pathlib.Path) -> None:
+    """`serve trainer --nproc 2 --trainer-shard fsdp`, rank 1 killed (SIGKILL) during a forward_backward: the call
+    fails UNAVAILABLE/WORKER_DIED, HEAD and its weights stay as they were, and the next calls train again on
+    fresh ranks, from the last checkpoint."""
+    import asyncio
+    import multiprocessing
+    import os
+    import signal
+
+    from yieldloop.client import Client
+    from yieldloop.errors import UnavailableError
+    from yieldloop_server.config import ServeOptions, TrainerOptions
+    from yieldloop_server.serve import build_service
+    from yieldloop_server.stack import ensure_base_model, ensure_stack_keys
+    from yieldloop_server.store import open_store
+
+    ensure_base_model(open_store(str(tmp_path / "store")), "tiny")
+    admin_key, _ = ensure_stack_keys(open_store(str(tmp_path / "store")), tmp_path)
+    checkpoints = await build_service(ServeOptions(service="checkpoint", data_dir=tmp_path))
+    checkpoint = await checkpoints.start()
+    options = TrainerOptions(nproc=2, shard="fsdp", state_every=1, micro_batch_tokens=64)
+    trainer = await build_service(
+        ServeOptions(service="trainer", data_dir=tmp_path, checkpoint_address=checkpoint, trainer=options)
+    )
+    address = await trainer.start()
+    try:
+        async with Client(trainer=address, checkpoint=checkpoint, timeout=120, api_key=admin_key) as client:
+            await client.forward_backward(datums=ragged_datums(384, LENGTHS, seed=1), loss_fn="importance_sampling")
+            first = await client.optim_step(1e-3)
+            head = await client.get_head("tiny")
+            assert head.checkpoint_id == first.checkpoint.checkpoint_id
+
+            big = [d for seed in range(12) for d in ragged_datums(384, LENGTHS, seed=seed)]  # many micro-batches
+            call = asyncio.ensure_future(client.forward_backward(datums=big, loss_fn="importance_sampling"))
+            await asyncio.sleep(0.3)
+            (rank1,) = [p for p in multiprocessing.active_children() if p.name.startswith("SpawnProcess")]
+            os.kill(rank1.pid, signal.SIGKILL)
+            with pytest.raises(UnavailableError) as failed:
+                await call
+            assert failed.value.reason == "WORKER_DIED"
+            assert (await client.get_head("tiny")) == head  # nothing committed
+
+            await client.forward_backward(datums=ragged_datums(384, LENGTHS, seed=2), loss_fn="importance_sampling")
+            second = await client.optim_step(1e-3)
+            assert second.step == 2 and second.parent_checkpoint_id == head.checkpoint_id
+    finally:
+        await trainer.stop(1.0)
+        await checkpoints.stop(1.0)

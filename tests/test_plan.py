@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from yieldloop_server.plan import GIB, Inputs, Shape, gpu_gib, make_plan, trainer_layout
+from yieldloop_server.plan import Inputs, Shape, gpu_gib, make_plan, trainer_layout
 
 CONFIGS = pathlib.Path(__file__).parent / "data" / "configs"
 
@@ -93,10 +93,10 @@ def test_trainer_states_are_what_a_trainer_holds(tiny_model_dir: pathlib.Path) -
     }
     config = json.loads((tiny_model_dir / "config.json").read_text())
     layout = trainer_layout(
-        Shape.from_config(config), Inputs(gpu_gib=1000, gpu="test", trainer_dtype_bytes=4), 1, "none", False
+        Shape.from_config(config), Inputs(gpu_gib=1000, gpu="test", trainer_dtype_bytes=4), 1, "none"
     )
     for part, nbytes in held.items():
-        assert layout["per_gpu_gib"][part] == round(nbytes / GIB, 2), part
+        assert layout["per_gpu_bytes"][part] == nbytes, part
     assert Shape.from_config(config).parameters == sum(p.numel() for p in params)
 
 
@@ -129,3 +129,39 @@ def test_plan_command(tmp_path: pathlib.Path, tiny_model_dir: pathlib.Path) -> N
     assert missing.returncode == 2 and "MODEL_NOT_FOUND" in missing.stderr
     bad = plan(str(CONFIGS / "qwen2.5-7b.json"), "--seq-len", "0")
     assert bad.returncode == 2 and "seq_len" in bad.stderr
+
+
+def test_sharded_trainer_states_are_a_share_of_the_model(tiny_model_dir: pathlib.Path) -> None:
+    """FSDP over 2 ranks: rank 0 holds what the plan says of the weights, gradients and moments (1/2 of each,
+    within the rows FSDP pads each tensor's shards to), against the whole model one process holds."""
+    from test_packing import LENGTHS, ragged_datums
+
+    from yieldloop_server.trainer.distributed import DistributedTrainer
+    from yieldloop_server.trainer.sharding import local
+    from yieldloop_server.trainer.trainer import AdamConfig, TrainerConfig
+
+    trainer = DistributedTrainer(tiny_model_dir, TrainerConfig(shard="fsdp"), 2)
+    try:
+        trainer.forward_backward(ragged_datums(trainer.vocab_size, LENGTHS), "importance_sampling", {})
+        trainer.optim_step(AdamConfig(learning_rate=1e-3), revocable=True)  # the gradients kept until finish_step
+        params = list(trainer.model.parameters())
+        held = {
+            "weights": sum(local(p).numel() * 4 for p in params),
+            "gradients": sum(local(p.grad).numel() * 4 for p in params if p.grad is not None),
+            "optimizer": sum(
+                local(t).numel() * 4
+                for state in trainer.optimizer.state.values()
+                for t in state.values()
+                if torch.is_tensor(t) and t.dim() > 0
+            ),
+        }
+        trainer.finish_step(True)
+    finally:
+        trainer.close()
+    shape = Shape.from_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    inputs = Inputs(gpu_gib=1000, gpu="test", trainer_dtype_bytes=4)
+    planned = trainer_layout(shape, inputs, 2, "fsdp")["per_gpu_bytes"]
+    whole = trainer_layout(shape, inputs, 1, "none")["per_gpu_bytes"]
+    for part, nbytes in held.items():
+        assert nbytes == pytest.approx(planned[part], rel=0.02), part
+        assert nbytes == pytest.approx(whole[part] / 2, rel=0.02), part

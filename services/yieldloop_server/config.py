@@ -73,7 +73,7 @@ class TrainerOptions:
     shape compiles first)."""
     shard: Literal["none", "fsdp"] = dataclasses.field(default="none", metadata={"flag": "--trainer-shard"})
     """fsdp: every weight, gradient and AdamW moment sharded over the --nproc ranks (or torchrun's), FSDP2,
-    each decoder layer's weights gathered only while it computes; on GPUs fp32 master weights computing in bf16.
+    each decoder layer's weights gathered only while it computes, gradients reduced in fp32.
     The training state is written by every rank at once (torch.distributed.checkpoint) and resumes on any number
     of ranks. none: every rank holds the whole model (data parallel)."""
     activation_checkpointing: bool | None = dataclasses.field(
@@ -92,15 +92,15 @@ class TrainerOptions:
     the fleet and the store regardless."""
 
     def resolved_dtype(self, device: str) -> str:
-        """The dtype of the weights held, "auto" resolved for ``device`` (sharded on CUDA: fp32 master weights,
-        computing in :meth:`compute_dtype`)."""
+        """The dtype with "auto" resolved for ``device``."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if device.startswith("cuda") and self.shard == "none" else "float32"
+        return "bfloat16" if device.startswith("cuda") else "float32"
 
     def compute_dtype(self, device: str) -> str:
-        """Sharded: the dtype layers compute in ("" : the weights')."""
-        return "bfloat16" if self.shard == "fsdp" and self.dtype == "auto" and device.startswith("cuda") else ""
+        """Sharded on CUDA: layers compute in bf16 (over fp32 weights with --trainer-dtype float32), gradients
+        reduced in fp32 ("": the weights' dtype throughout)."""
+        return "bfloat16" if self.shard == "fsdp" and device.startswith("cuda") else ""
 
 
 @dataclasses.dataclass

@@ -3,10 +3,10 @@
 Reads a model's ``config.json`` (a local folder or file, a hub id in the local Hugging Face cache, or a model in
 the store) and works out, per GPU:
 
-- **trainer**: weights, gradients, AdamW moments, activations and transient buffers for the single-process
-  trainer and for FSDP over N GPUs (fp32 sharded master weights, bf16 compute, activation checkpointing per
-  layer), with or without the AdamW moments offloaded to host memory, or a LoRA adapter over frozen bf16
-  weights. The layout chosen is the one with the fewest GPUs (ties: no offload).
+- **trainer**: weights, gradients, AdamW moments, activations and transient buffers for the one-process trainer
+  (bf16 weights, gradients and moments, every activation kept) and for FSDP over N >= 2 GPUs (``--trainer-shard
+  fsdp``: the same bf16 tensors sharded, gradients reduced in fp32, activation checkpointing per layer), or a
+  LoRA adapter over frozen bf16 weights. The layout chosen is the one with the fewest GPUs.
 - **rollout**: bf16 weights and KV cache per GPU at each tensor-parallel degree; the degree chosen is the
   smallest whose KV cache holds ``concurrency`` sequences at half ``seq_len`` on average with 25% headroom
   (vLLM preempts sequences when its cache is full), and one server per ``4 x concurrency`` environments (an
@@ -170,7 +170,7 @@ class Inputs:
     """Sequences a rollout server runs at once (vLLM's max_num_seqs default)."""
     gpu_memory_utilization: float = 0.85
     trainer_dtype_bytes: int = 2
-    """Bytes per value of the one-process trainer's weights, gradients and moments (bf16 on a GPU; 4 on CPU)."""
+    """Bytes per value of the trainer's weights, gradients and moments (bf16 on a GPU; 4 on CPU)."""
 
     def validate(self) -> Inputs:
         """INVALID_ARGUMENT naming the flag of any value out of range."""
@@ -205,34 +205,27 @@ def gpu_gib(name: str) -> float:
     return value
 
 
-def trainer_layout(shape: Shape, inputs: Inputs, gpus: int, shard: str, offload: bool) -> dict[str, Any]:
-    """Per-GPU memory (GiB) of one trainer layout: ``shard`` "none" (one process, bf16 weights, gradients and
-    moments, every activation kept) or "fsdp" (fp32 master weights sharded over ``gpus``, bf16 compute,
-    activation checkpointing per layer)."""
+def trainer_layout(shape: Shape, inputs: Inputs, gpus: int, shard: str) -> dict[str, Any]:
+    """Per-GPU memory (GiB) of one trainer layout: ``shard`` "none" (one process, every activation kept) or
+    "fsdp" (weights, gradients and moments sharded over ``gpus``, activation checkpointing per layer), the
+    trainer's dtype throughout (bf16 on a GPU), a LoRA adapter's moments in fp32."""
     p, h, t = shape.parameters, shape.hidden, inputs.micro_batch_tokens or inputs.seq_len
     lora = inputs.lora_rank > 0
     trained = shape.lora_parameters(inputs.lora_rank) if lora else p
     per_layer_token = (6 * h + 3 * shape.intermediate) * 2  # bf16 activations of one layer, one token
-    if shard == "none":  # the trainer's dtype throughout (bf16 on a GPU); a LoRA adapter's in fp32
-        b = inputs.trainer_dtype_bytes
-        weights = p * b
-        gradients, moments = trained * (4 if lora else b), trained * (8 if lora else 2 * b)
+    b = inputs.trainer_dtype_bytes
+    weights = p * b / gpus
+    gradients, moments = trained * (4 if lora else b) / gpus, trained * (8 if lora else 2 * b) / gpus
+    if shard == "none":
         activations = shape.layers * t * per_layer_token
         transient = 0
     else:
-        weights = (p * 2 if lora else p * 4) / gpus  # frozen bf16 base, or fp32 master weights
-        if lora:
-            weights += trained * 4 / gpus
-        gradients, moments = trained * 4 / gpus, trained * 8 / gpus
         # checkpointed: each layer's input kept, one layer's activations (and their gradients) at a time
         activations = shape.layers * t * h * 2 + t * per_layer_token * 2
         # the largest group unsharded (bf16, the next one prefetched) and its gradients (bf16 + fp32 to reduce)
         largest = max(shape.layer_parameters, shape.embedding_parameters)
         transient = largest * (2 * 2 + (0 if lora else 6)) if gpus > 1 else 0
     logits = t * shape.vocab * 4 + min(LOGITS_CHUNK_BYTES, t * shape.vocab * 4)  # bf16 logits + grad, fp32 chunk
-    host = 0.0
-    if offload:
-        host, moments = moments * min(gpus, GPUS_PER_NODE), 0
     parts = {
         "weights": weights,
         "gradients": gradients,
@@ -246,19 +239,16 @@ def trainer_layout(shape: Shape, inputs: Inputs, gpus: int, shard: str, offload:
         "gpus": gpus,
         "nodes": math.ceil(gpus / GPUS_PER_NODE),
         "shard": shard,
-        "offload_optimizer": offload,
         "per_gpu_gib": {k: round(v / GIB, 2) for k, v in parts.items()} | {"total": round(total / GIB, 2)},
-        "host_gib_per_node": round(host / GIB, 1),
+        "per_gpu_bytes": {k: round(v) for k, v in parts.items()},
         "fits": total <= inputs.gpu_gib * GIB,
     }
 
 
 def plan_trainer(shape: Shape, inputs: Inputs) -> dict[str, Any]:
-    layouts = [trainer_layout(shape, inputs, 1, "none", False)]
-    for gpus in (1, 2, 4, 8, 16, 32, 64):
-        layouts += [trainer_layout(shape, inputs, gpus, "fsdp", offload) for offload in (False, True)]
-    fitting = [layout for layout in layouts if layout["fits"]]
-    choice = min(fitting, key=lambda x: (x["gpus"], x["offload_optimizer"], x["shard"] != "none"), default=None)
+    layouts = [trainer_layout(shape, inputs, 1, "none")]
+    layouts += [trainer_layout(shape, inputs, gpus, "fsdp") for gpus in (2, 4, 8, 16, 32, 64)]
+    choice = next((layout for layout in layouts if layout["fits"]), None)  # fewest GPUs first
     return {"choice": choice, "layouts": layouts}
 
 
@@ -335,8 +325,6 @@ def commands(trainer: dict | None, rollout: dict | None, envs: dict, inputs: Inp
         flags = []
         if trainer["shard"] == "fsdp":
             flags += ["--trainer-shard", "fsdp"]
-        if trainer["offload_optimizer"]:
-            flags.append("--trainer-offload-optimizer")
         flags += ["--trainer-micro-batch-tokens", str(inputs.micro_batch_tokens or inputs.seq_len)]
         per_node = min(trainer["gpus"], GPUS_PER_NODE)
         if trainer["nodes"] == 1:
@@ -387,8 +375,6 @@ def render(plan: dict[str, Any]) -> str:
             continue
         g = layout["per_gpu_gib"]
         name = "1 GPU, one process" if layout["shard"] == "none" else f"FSDP x{layout['gpus']}"
-        if layout["offload_optimizer"]:
-            name += f" + optimizer on host ({layout['host_gib_per_node']:.0f} GiB/node)"
         mark = "<- chosen" if layout is choice else ("fits" if layout["fits"] else "")
         lines.append(
             f"  {name:<46} {g['weights']:7.1f} {g['gradients']:7.1f} {g['optimizer']:7.1f} {g['activations']:6.1f} "

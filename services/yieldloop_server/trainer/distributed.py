@@ -16,6 +16,7 @@ the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -23,7 +24,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from yieldloop.errors import FailedPreconditionError, YieldloopError, invalid_field
+from yieldloop.errors import FailedPreconditionError, UnavailableError, YieldloopError, invalid_field
 from yieldloop.types import Datum
 from yieldloop_server.trainer import losses
 from yieldloop_server.trainer.trainer import (
@@ -307,6 +308,25 @@ class DistributedTrainer:
             self._groups = _init(0, world_size, address, port, config)
             self.local = Trainer(folder, _device_for(config, 0), adapter)
         self.num_pending_datums = 0
+        self._lost = False
+        """A rank stopped mid-call: the process group is unusable (close kills the others)."""
+
+    @contextlib.contextmanager
+    def _ranks(self, what: str) -> Any:
+        """Runs a call that every rank joins; a rank that stops meanwhile (killed, out of memory, its node gone)
+        fails it typed: UNAVAILABLE/WORKER_DIED, the trainer spoiled (its owner starts the ranks again from the
+        model's last checkpoint: nothing of the call, or since that checkpoint, is kept)."""
+        try:
+            yield
+        except RuntimeError as err:  # torch.distributed's own: a peer closed its connections mid-collective
+            self._lost = True
+            self.local.spoiled = True
+            raise UnavailableError(
+                f"a trainer rank stopped during {what} ({str(err).splitlines()[0][:160]}): the call was not applied; "
+                "the trainer starts its ranks again from the model's last checkpoint (gradients accumulated since "
+                "the last step are lost)",
+                reason="WORKER_DIED",
+            ) from None
 
     # The Trainer interface -------------------------------------------------------------------
 
@@ -337,19 +357,22 @@ class DistributedTrainer:
     def logprobs(self, datums: Sequence[Datum]) -> list[list[float]]:
         if not self.sharded:
             return self.local.logprobs(datums)  # the weights are the same on every rank
-        self._broadcast("logprobs", list(datums))
-        return _logprobs(self.local, self._groups, list(datums))
+        with self._ranks("logprobs"):
+            self._broadcast("logprobs", list(datums))
+            return _logprobs(self.local, self._groups, list(datums))
 
     def save(self, folder: pathlib.Path, with_state: bool = True) -> pathlib.Path:
-        if self.sharded:  # every rank gathers each tensor in turn (this one writes the sampler files)
-            self._broadcast("save", folder, with_state)
-        self.local.save(folder, with_state)
+        with self._ranks("a checkpoint's write"):
+            if self.sharded:  # every rank gathers each tensor in turn (this one writes the sampler files)
+                self._broadcast("save", folder, with_state)
+            self.local.save(folder, with_state)
         return folder
 
     def save_state(self, folder: pathlib.Path) -> pathlib.Path:
-        if self.sharded:  # every rank writes its shards of the optimizer state
-            self._broadcast("save_state", folder)
-        return self.local.save_state(folder)
+        with self._ranks("the training state's write"):
+            if self.sharded:  # every rank writes its shards of the optimizer state
+                self._broadcast("save_state", folder)
+            return self.local.save_state(folder)
 
     def _broadcast(self, *command: Any) -> None:
         import torch.distributed as dist
@@ -363,8 +386,9 @@ class DistributedTrainer:
         if not datums:
             raise invalid_field("items", "the batch is empty")
         datums = list(datums)
-        self._broadcast("forward_backward", datums, loss_fn, dict(loss_config))
-        totals = _forward_backward(self.local, self._groups, datums, loss_fn, dict(loss_config))
+        with self._ranks("forward_backward"):
+            self._broadcast("forward_backward", datums, loss_fn, dict(loss_config))
+            totals = _forward_backward(self.local, self._groups, datums, loss_fn, dict(loss_config))
         self.num_pending_datums += len(datums)
         return metrics_from_totals(totals)
 
@@ -372,26 +396,37 @@ class DistributedTrainer:
         adam.validate()
         if self.num_pending_datums == 0:
             raise FailedPreconditionError("no gradients accumulated since the last step", reason="NO_GRADIENTS")
-        self._broadcast("optim_step", adam, revocable)
-        grad_norm = _optim_step(self.local, self._groups, adam, revocable)
+        with self._ranks("the optimizer step"):
+            self._broadcast("optim_step", adam, revocable)
+            grad_norm = _optim_step(self.local, self._groups, adam, revocable)
         if not revocable:
             self.finish_step(True)
         return grad_norm
 
     def finish_step(self, committed: bool) -> None:
-        self._broadcast("finish_step", committed)
+        with self._ranks("the step's commit"):
+            self._broadcast("finish_step", committed)
         self.local.finish_step(committed)
         if committed:
             self.num_pending_datums = 0
 
     def drop_gradients(self) -> None:
-        self._broadcast("drop_gradients")
+        with self._ranks("discarding the gradients"):
+            self._broadcast("drop_gradients")
         self.local.drop_gradients()
         self.num_pending_datums = 0
 
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self._lost:  # the group is unusable: the ranks still alive are stopped, not told
+            for worker in self._workers:
+                worker.kill()
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            for worker in self._workers:
+                worker.join(30)
+            return
         if self._launched:  # torchrun's ranks stay in the group for the next session
             self._broadcast("close")
             return

@@ -155,9 +155,18 @@ class TrainingSession:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
 
     async def _run(self, fn: Any, *args: Any) -> Any:
+        """``fn`` on the trainer's thread. A call that leaves the trainer spoiled (a step gone non-finite without a
+        kept copy, a rank lost mid-call) reloads it from the head before its error goes up."""
         # In the caller's context: the trainer thread's spans are children of the call's (run_in_executor
         # alone would drop the context).
-        return await asyncio.get_running_loop().run_in_executor(self._executor, telemetry.in_context(fn), *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, telemetry.in_context(fn), *args)
+        except YieldloopError:
+            trainer = self.trainer
+            if trainer is not None and trainer.spoiled and fn != trainer.close:
+                await self.close_trainer()
+                await self.load_head()
+            raise
 
     @property
     def vocab_size(self) -> int:
@@ -553,13 +562,11 @@ class TrainingSession:
         """The AdamW step; returns the gradient norm. A refused step changes nothing, unless it spoiled the weights
         (reloaded from the head) or ``drop_if_refused`` drops the non-finite gradients."""
         assert self.trainer is not None
+        before = self.trainer
         try:
             return await self._run(self.trainer.optim_step, adam, revocable)
-        except YieldloopError as err:
-            if self.trainer.spoiled:  # a step that committed nothing went non-finite
-                await self.close_trainer()
-                await self.load_head()
-            elif drop_if_refused and err.reason == "NON_FINITE":
+        except YieldloopError as err:  # a spoiled trainer was reloaded from the head (_run)
+            if self.trainer is before and drop_if_refused and err.reason == "NON_FINITE":
                 await self._run(self.trainer.drop_gradients)
             raise
 

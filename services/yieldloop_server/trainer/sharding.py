@@ -47,6 +47,12 @@ def shard_model(model: Any, device: str, compute_dtype: str = "") -> Any:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        # untied, the embedding and the output layer each gather alone (together they would double the largest
+        # group's full weights: for Qwen2.5 each is bigger than a decoder layer)
+        for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+            if module is not None:
+                fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -135,7 +141,7 @@ def write_safetensors(
     return files
 
 
-DCP_PREFIX = "optimizer.dcp."
+DCP_PREFIX = "optimizer-dcp-"
 """The sharded optimizer state's files in a checkpoint folder: torch.distributed.checkpoint's own files (one per
 rank and its metadata), named with this prefix so that the folder stays flat."""
 
@@ -151,7 +157,7 @@ def save_optimizer(model: Any, optimizer: Any, folder: pathlib.Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    staging = folder / DCP_PREFIX.rstrip(".")
+    staging = folder / DCP_PREFIX.rstrip("-")
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(staging))
     dist.barrier()
     if dist.get_rank() == 0:

@@ -24,8 +24,8 @@ from yieldloop_server.trainer import losses
 MAX_LEARNING_RATE = 10.0
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
-STATE_FILES = (OPTIMIZER_FILE, STATE_FILE, "optimizer.dcp.")
-"""What resuming training needs beyond the sampler weights (a name ending in "." names every file it begins:
+STATE_FILES = (OPTIMIZER_FILE, STATE_FILE, "optimizer-dcp-")
+"""What resuming training needs beyond the sampler weights (a name ending in "-" names every file it begins:
 the sharded optimizer's files)."""
 
 

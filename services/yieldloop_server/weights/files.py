@@ -39,13 +39,13 @@ def describe_folder(
     """The ObjectInfos of every file of ``folder`` (each hashed here, once, where it was produced), keyed under
     the checkpoint's prefix, or under an object of ``reuse`` (the parent's) with the same name and bytes: a file
     that did not change (config, tokenizer) is not stored again. Files named in ``state_names`` are training
-    state (a name ending in "." names every file it begins)."""
+    state (a name ending in "-" names every file it begins)."""
     earlier = {(obj.name, obj.size, obj.sha256): obj.key for obj in reuse}
     objects = []
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
         size, digest = path.stat().st_size, sha256_file(path)
         key = earlier.get((path.name, size, digest)) or checkpoint_prefix(model, checkpoint_id) + path.name
-        state = any(path.name == n or (n.endswith(".") and path.name.startswith(n)) for n in state_names)
+        state = any(path.name == n or (n.endswith("-") and path.name.startswith(n)) for n in state_names)
         objects.append(ObjectInfo(name=path.name, size=size, sha256=digest, key=key, state=state))
     return objects
 
