@@ -130,7 +130,13 @@ def test_every_service_container_starts_with_arguments_the_command_takes(kustomi
         )
         assert seen["rollout"].store_url.startswith("s3://")
     if kustomization == "overlays/production":
-        assert (seen["torchrun"]["--nnodes"], seen["torchrun"]["--nproc-per-node"]) == ("2", "8")
+        # the sizing guide's 32B layout: the trainer sharded over 4 GPUs, 2 rollout servers of 4-way tensor parallel
+        assert (seen["torchrun"]["--nnodes"], seen["torchrun"]["--nproc-per-node"]) == ("1", "4")
+        assert seen["trainer"].trainer.shard == "fsdp"
         assert seen["rollout"].rollout.engine == "vllm" and seen["rollout"].device == "cuda"
+        assert seen["rollout"].rollout.tensor_parallel == 4 and seen["rollout"].rollout.validate()
+        rollout = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "yieldloop-rollout")
+        (container,) = rollout["spec"]["template"]["spec"]["containers"]
+        assert rollout["spec"]["replicas"] == 2 and int(container["resources"]["limits"]["nvidia.com/gpu"]) == 4
         hpa = next(doc for doc in docs if doc["kind"] == "HorizontalPodAutoscaler")
         assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (8, 16)
