@@ -60,6 +60,33 @@ def test_each_loss_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: 
         sharded.close()
 
 
+def test_hsdp_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """HSDP over 4 ranks: 2 replicas, each sharded over a group of 2 (as 2 nodes of 2 GPUs would be): the step
+    equals one process's, and its training state resumes on 2 ranks sharded plainly."""
+    config = TrainerConfig(micro_batch_tokens=48, shard="hsdp", shard_group=2)
+    single = Trainer(tiny_model_dir, FP32)
+    sharded = DistributedTrainer(tiny_model_dir, config, 4)
+    try:
+        for seed in (5, 6):
+            datums = ragged_datums(single.vocab_size, LENGTHS, seed=seed)
+            expected, got = single.forward_backward(datums, "ppo", {}), sharded.forward_backward(datums, "ppo", {})
+            assert got["loss_sum"] == pytest.approx(expected["loss_sum"], rel=1e-5)
+            assert sharded.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        assert_same_weights(sharded, single, tmp_path)
+        saved = sharded.save(tmp_path / "state", with_state=True)
+    finally:
+        sharded.close()
+    resumed = DistributedTrainer(saved, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2)
+    try:
+        datums = ragged_datums(single.vocab_size, LENGTHS, seed=7)
+        single.forward_backward(datums, "ppo", {})
+        resumed.forward_backward(datums, "ppo", {})
+        assert resumed.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        assert_same_weights(resumed, single, tmp_path / "resumed")
+    finally:
+        resumed.close()
+
+
 def test_untied_output_layer_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """A model whose output layer is not its embedding (each then sharded as a group of its own)."""
     from yieldloop_server.common.hf import load_causal_lm
@@ -82,7 +109,8 @@ def test_untied_output_layer_steps_as_one_process(tiny_model_dir: pathlib.Path, 
         sharded.close()
 
 
-def test_lora_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_lora_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, world_size: int) -> None:
     """A LoRA fork under FSDP (the frozen base sharded too): the adapter trains as in one process."""
     import json
 
@@ -93,7 +121,9 @@ def test_lora_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathl
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(adapter_config(LoraConfig(rank=4))))
     adapter = AdapterSetup(tmp_path / "adapter", 7)
     single = Trainer(tiny_model_dir, FP32, adapter)
-    sharded = DistributedTrainer(tiny_model_dir, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2, adapter)
+    sharded = DistributedTrainer(
+        tiny_model_dir, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), world_size, adapter
+    )
     try:
         for seed in (1, 2):
             datums = ragged_datums(single.vocab_size, LENGTHS, seed=seed)

@@ -47,3 +47,55 @@ def test_vllm_gets_tensor_parallel_memory_share_and_context(
     assert (sharded.tensor_parallel_size, sharded.distributed_executor_backend) == (4, "mp")
     assert (sharded.gpu_memory_utilization, sharded.max_model_len) == (0.8, 4096)
     assert (single.tensor_parallel_size, single.distributed_executor_backend) == (1, "uni")
+
+
+async def test_the_client_spreads_calls_over_rollout_replicas(tmp_path: pathlib.Path) -> None:
+    """Two RolloutService replicas of one model, given to the client as a list: calls go to each in turn."""
+    import contextlib
+    import dataclasses
+
+    from yieldloop.client import Client, sampling_params
+    from yieldloop.transport import TransportConfig
+    from yieldloop_server.config import EnvOptions, ServeOptions, StackConfig
+    from yieldloop_server.serve import build_service
+    from yieldloop_server.stack import InProcessStack
+
+    class Count:
+        def __init__(self) -> None:
+            self.generates = 0
+
+        @contextlib.asynccontextmanager
+        async def intercept(self, call: Any) -> Any:
+            if call.method.endswith("RolloutService/Generate"):
+                self.generates += 1
+            yield
+
+    first, second = Count(), Count()
+    config = StackConfig(
+        data_dir=tmp_path,
+        store=str(tmp_path / "store"),
+        env=EnvOptions(workers=0),
+        hud=False,
+        transport=TransportConfig(server_interceptors=(first,)),
+    )
+    stack = InProcessStack(config)
+    await stack.start()
+    options = ServeOptions.of(stack.config, "rollout", stack.addresses)
+    replica = await build_service(
+        dataclasses.replace(
+            options,
+            data_dir=tmp_path / "replica",
+            transport=dataclasses.replace(options.transport, server_interceptors=(second,)),
+        )
+    )
+    address = await replica.start()
+    try:
+        rollouts = [stack.addresses["rollout"], address]
+        async with Client(rollout=rollouts, api_key=stack.api_key, timeout=120) as client:
+            for _ in range(4):
+                completion = await client.generate([1, 2, 3], sampling=sampling_params(max_tokens=2))
+                assert len(completion.token_ids) == 2
+        assert (first.generates, second.generates) == (2, 2)
+    finally:
+        await replica.stop(1.0)
+        await stack.stop()

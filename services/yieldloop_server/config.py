@@ -71,11 +71,14 @@ class TrainerOptions:
     compile: bool = dataclasses.field(default=False, metadata={"flag": "--trainer-compile"})
     """torch.compile the trained model (worth it on a GPU: fused norms, rotary and activations; each new batch
     shape compiles first)."""
-    shard: Literal["none", "fsdp"] = dataclasses.field(default="none", metadata={"flag": "--trainer-shard"})
+    shard: Literal["none", "fsdp", "hsdp"] = dataclasses.field(default="none", metadata={"flag": "--trainer-shard"})
     """fsdp: every weight, gradient and AdamW moment sharded over the --nproc ranks (or torchrun's), FSDP2,
     each decoder layer's weights gathered only while it computes, gradients reduced in fp32.
     The training state is written by every rank at once (torch.distributed.checkpoint) and resumes on any number
-    of ranks. none: every rank holds the whole model (data parallel)."""
+    of ranks. hsdp: sharded within each node (--trainer-shard-group ranks), replicated across nodes (one gradient
+    all-reduce between nodes per step). none: every rank holds the whole model (data parallel)."""
+    shard_group: int = dataclasses.field(default=0, metadata={"flag": "--trainer-shard-group"})
+    """hsdp: ranks per shard group (0: each node's ranks, torchrun's --nproc-per-node)."""
     activation_checkpointing: bool | None = dataclasses.field(
         default=None, metadata={"flag": "--trainer-activation-checkpointing"}
     )
@@ -100,7 +103,7 @@ class TrainerOptions:
     def compute_dtype(self, device: str) -> str:
         """Sharded on CUDA: layers compute in bf16 (over fp32 weights with --trainer-dtype float32), gradients
         reduced in fp32 ("": the weights' dtype throughout)."""
-        return "bfloat16" if self.shard == "fsdp" and device.startswith("cuda") else ""
+        return "bfloat16" if self.shard != "none" and device.startswith("cuda") else ""
 
 
 @dataclasses.dataclass

@@ -113,6 +113,12 @@ class Completion:
     """A :class:`~yieldloop.types.StopReason` value."""
 
 
+def _addresses(given: str | Sequence[str] | None) -> list[str]:
+    """Addresses given as one string (comma-separated) or a list of them."""
+    items = [given] if isinstance(given, str) else list(given or ())
+    return [a.strip() for item in items for a in item.split(",") if a.strip()]
+
+
 class Client:
     """Async client for EnvService, RolloutService, TrainerService and CheckpointService.
 
@@ -121,7 +127,8 @@ class Client:
             for round-robin across replicas) of each service; a service left
             out raises FailedPreconditionError when used. ``env`` may name
             several EnvService replicas (a list, or comma-separated): episodes
-            are spread across them in turn.
+            are spread across them in turn; ``rollout`` likewise several
+            RolloutService replicas of one model: each call goes to the next.
         timeout: Default deadline in seconds for unary calls (None: no deadline).
         transport: How channels are built (message limits, interceptors; see :mod:`yieldloop.transport`).
         api_key: Sent with every call (``authorization: Bearer``); overrides ``transport.api_key``.
@@ -136,7 +143,7 @@ class Client:
     def __init__(
         self,
         env: str | Sequence[str] | None = None,
-        rollout: str | None = None,
+        rollout: str | Sequence[str] | None = None,
         trainer: str | None = None,
         checkpoint: str | None = None,
         *,
@@ -157,8 +164,7 @@ class Client:
         self.raw = RawStubs(self)
         """The generated stubs, one per service (``client.raw.trainer.OptimStep(...)``): protobuf in and out."""
         self._owns_channels = True
-        envs = [env] if isinstance(env, str) else list(env or ())
-        self._env_addresses = [a.strip() for item in envs for a in item.split(",") if a.strip()]
+        self._env_addresses = _addresses(env)
         # (address, connection): episodes take every replica in turn, then each replica's next connection
         self._env_targets = [
             (address, connection)
@@ -166,7 +172,13 @@ class Client:
             for address in self._env_addresses
         ]
         self._next_env = itertools.count()
-        self._addresses = {"rollout": rollout, "trainer": trainer, "checkpoint": checkpoint}
+        self._rollout_addresses = _addresses(rollout)
+        self._next_rollout = itertools.count()
+        self._addresses = {
+            "rollout": self._rollout_addresses[0] if self._rollout_addresses else None,
+            "trainer": trainer,
+            "checkpoint": checkpoint,
+        }
 
     def with_api_key(self, api_key: str) -> Client:
         """This client calling with ``api_key`` instead, over the same channels (a front that acts for its callers
@@ -197,6 +209,8 @@ class Client:
     def channel(self, service: str, address: str | None = None, connection: int = 0) -> grpc.aio.Channel:
         """The channel to ``address`` (default: the service's); channels of other ``connection`` numbers to the same
         address are connections of their own."""
+        if address is None and service == "rollout" and len(self._rollout_addresses) > 1:  # replicas in turn
+            address = self._rollout_addresses[next(self._next_rollout) % len(self._rollout_addresses)]
         address = address or self._addresses.get(service)
         if not address:
             raise FailedPreconditionError(f"no address given for the {service} service", reason="INVALID_FIELD")

@@ -34,8 +34,9 @@ def trainer_config(options: ServeOptions) -> TrainerConfig:
         micro_batch_tokens=own.micro_batch_tokens,
         packed=own.pack,
         shard=own.shard,
+        shard_group=own.shard_group,
         compute_dtype=own.compute_dtype(options.device),
-        activation_checkpointing=own.shard == "fsdp"
+        activation_checkpointing=own.shard != "none"
         if own.activation_checkpointing is None
         else own.activation_checkpointing,
         compile=own.compile,
@@ -52,9 +53,14 @@ async def build(
     nproc = own.nproc
     if distributed.launched() is not None:
         nproc = await asyncio.to_thread(distributed.join_launched, config)
-    if own.shard == "fsdp" and nproc < 2:
+    if own.shard != "none" and nproc < 2:
         raise invalid_field(
-            "trainer.shard", "--trainer-shard fsdp shards the model over ranks: give --nproc 2 or more (or torchrun's)"
+            "trainer.shard",
+            f"--trainer-shard {own.shard} shards the model over ranks: give --nproc 2 or more (or torchrun's)",
+        )
+    if own.shard == "hsdp" and own.shard_group and (own.shard_group < 1 or nproc % own.shard_group):
+        raise invalid_field(
+            "trainer.shard_group", f"--trainer-shard-group {own.shard_group} does not divide {nproc} ranks"
         )
     work_dir = options.data_dir / "work" / options.service
     server, sessions = await make_server(

@@ -31,14 +31,23 @@ def decoder_layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def shard_model(model: Any, device: str, compute_dtype: str = "") -> Any:
-    """``model`` sharded in place over every rank of the default process group (see the module's doc)."""
+def shard_model(model: Any, device: str, compute_dtype: str = "", group: int = 0) -> Any:
+    """``model`` sharded in place over every rank of the default process group (see the module's doc); with
+    ``group`` ranks per shard group (HSDP: ``world / group`` replicas, each a full copy sharded over its group,
+    gradients reduce-scattered within a group and summed across the replicas: fast links within a node, one
+    all-reduce between nodes)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+    world, kind = dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu"
+    if group and group < world:
+        if world % group:
+            raise ValueError(f"{world} ranks do not split into shard groups of {group}")
+        mesh = init_device_mesh(kind, (world // group, group), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(kind, (world,))
     policy = MixedPrecisionPolicy()
     if compute_dtype:
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)

@@ -42,7 +42,10 @@ class TrainerConfig:
     datum; :func:`micro_batches`), so compute goes to real tokens. Off: one right-padded row per datum."""
     shard: str = "none"
     """"fsdp": every weight, gradient and moment sharded over the process group's ranks (:mod:`.sharding`);
-    "none": this process holds them all."""
+    "hsdp": sharded within groups of ``shard_group`` ranks, replicated across them; "none": this process holds
+    them all."""
+    shard_group: int = 0
+    """HSDP: ranks per shard group (0: the ranks of one node, torchrun's LOCAL_WORLD_SIZE)."""
     compute_dtype: str = ""
     """Sharded: the dtype layers compute in (bf16 on GPUs over fp32 master weights); "": ``dtype``."""
     activation_checkpointing: bool = False
@@ -225,11 +228,14 @@ class Trainer:
         self.model.train()
         if config.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.sharded = config.shard == "fsdp"
+        self.sharded = config.shard in ("fsdp", "hsdp")
         if self.sharded:
+            import os
+
             from yieldloop_server.trainer.sharding import shard_model
 
-            shard_model(self.model, config.device, config.compute_dtype)
+            group = config.shard_group or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+            shard_model(self.model, config.device, config.compute_dtype, group if config.shard == "hsdp" else 0)
         if config.compile:
             self.model.compile()  # in place: parameter names and state_dict keys stay the model's own
         trainable = [p for p in self.model.parameters() if p.requires_grad]

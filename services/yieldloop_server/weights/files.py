@@ -50,6 +50,10 @@ def describe_folder(
     return objects
 
 
+PARALLEL_UPLOADS = 8
+"""Objects of one checkpoint written to the store at once."""
+
+
 def upload_objects(
     store: ObjectStore,
     model: str,
@@ -58,10 +62,19 @@ def upload_objects(
     objects: Sequence[ObjectInfo],
 ) -> None:
     """Writes the objects of ``folder`` stored under the checkpoint's own prefix (not those shared with an
-    earlier checkpoint)."""
-    for obj in objects:
-        if obj.key.startswith(checkpoint_prefix(model, checkpoint_id)):
+    earlier checkpoint), several at once (a sharded model's files, each rank's state file: the store's
+    bandwidth, not one stream's); the first failure goes up once every upload has ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    own = [obj for obj in objects if obj.key.startswith(checkpoint_prefix(model, checkpoint_id))]
+    if len(own) <= 1:
+        for obj in own:
             store.put_file(obj.key, folder / obj.name)
+        return
+    with ThreadPoolExecutor(max_workers=min(PARALLEL_UPLOADS, len(own)), thread_name_prefix="upload") as pool:
+        futures = [pool.submit(store.put_file, obj.key, folder / obj.name) for obj in own]
+    for future in futures:
+        future.result()
 
 
 def upload_folder(store: ObjectStore, model: str, checkpoint_id: str, folder: pathlib.Path) -> list[ObjectInfo]:
