@@ -245,32 +245,14 @@ async def test_a_rank_killed_mid_step_fails_it_typed_and_the_trainer_recovers(tm
 async def test_a_weight_group_fed_by_the_sharded_trainer(tmp_path: pathlib.Path) -> None:
     """`--nproc 2 --trainer-shard fsdp` beside a rollout service taking weights by broadcast: a step's files,
     written from the shards, reach the rollout service by the group (not pulled), the bytes of the manifest."""
-    from test_weight_group import CountPulls, members, same_as_manifest, step
+    from test_weight_group import group_stack, members, same_as_manifest, step
 
-    from yieldloop.client import Client, sampling_params
-    from yieldloop.transport import TransportConfig
-    from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig, TrainerOptions
-    from yieldloop_server.stack import InProcessStack
+    from yieldloop_server.config import TrainerOptions
 
-    counter = CountPulls()
-    config = StackConfig(
-        data_dir=tmp_path,
-        env=EnvOptions(workers=0),
-        rollout=RolloutOptions(weights_from="group"),
-        trainer=TrainerOptions(nproc=2, shard="fsdp"),
-        transport=TransportConfig(server_interceptors=(counter,)),
-    )
-    stack = InProcessStack(config)
-    await stack.start()
-    try:
-        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
-            await client.fork_model("tiny", "grp")
-            await client.generate([1, 2], sampling=sampling_params(max_tokens=1), model="grp")  # served from now on
-            await step(client, 1)  # pulled: the rollout service joins the group with it
-            await members(client, 1)
-            pulls = counter.pulls
-            checkpoint_id = await step(client, 2)
-            assert counter.pulls == pulls  # by broadcast
-            await same_as_manifest(client, tmp_path / "work" / "rollout" / "grp" / checkpoint_id, checkpoint_id)
-    finally:
-        await stack.stop()
+    async with group_stack(tmp_path, TrainerOptions(nproc=2, shard="fsdp")) as (client, counter):
+        await step(client, 1)  # pulled: the rollout service joins the group with it
+        await members(client, 1)
+        pulls = counter.pulls
+        checkpoint_id = await step(client, 2)
+        assert counter.pulls == pulls  # by broadcast
+        await same_as_manifest(client, tmp_path / "work" / "rollout" / "grp" / checkpoint_id, checkpoint_id)

@@ -22,7 +22,7 @@ from test_training_safety import good_batch
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
 from yieldloop.transport import TransportConfig
-from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig
+from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig, TrainerOptions
 from yieldloop_server.stack import InProcessStack
 from yieldloop_server.weights import collective
 from yieldloop_server.weights.group import WeightSubscription
@@ -43,14 +43,16 @@ class CountPulls:
         yield
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def grouped(tmp_path_factory):
+@contextlib.asynccontextmanager
+async def group_stack(data_dir: pathlib.Path, trainer: TrainerOptions = TrainerOptions()):
+    """A stack whose rollout service takes weights by broadcast, with a full fork "grp" it serves; yields the
+    client and the PullWeights counter."""
     counter = CountPulls()
-    data_dir = tmp_path_factory.mktemp("group")
     config = StackConfig(
         data_dir=data_dir,
         env=EnvOptions(workers=0),
         rollout=RolloutOptions(weights_from="group"),
+        trainer=trainer,
         transport=TransportConfig(server_interceptors=(counter,)),
     )
     stack = InProcessStack(config)
@@ -59,9 +61,16 @@ async def grouped(tmp_path_factory):
         async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
             await client.fork_model("tiny", "grp")
             await client.generate([1, 2], sampling=sampling_params(max_tokens=1), model="grp")  # served from now on
-            yield client, counter, data_dir
+            yield client, counter
     finally:
         await stack.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def grouped(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("group")
+    async with group_stack(data_dir) as (client, counter):
+        yield client, counter, data_dir
 
 
 async def step(client: Client, seed: int) -> str:
