@@ -183,7 +183,7 @@ def test_resume_at_another_world_size(tiny_model_dir: pathlib.Path, tmp_path: pa
         expected = weights(first.save(tmp_path / "uninterrupted", with_state=False))
     finally:
         first.close()
-    for resumed in (DistributedTrainer(saved, config, 4), Trainer(saved, FP32)):
+    for resumed in (DistributedTrainer(saved, config, 4), Trainer(saved, FP32)):  # resharded, and whole
         try:
             assert resumed.step == 2
             resumed.forward_backward(ragged_datums(resumed.vocab_size, LENGTHS, seed=3), "ppo", {})
@@ -259,3 +259,23 @@ async def test_a_weight_group_fed_by_the_sharded_trainer(tmp_path: pathlib.Path)
         checkpoint_id = await step(client, 2)
         assert counter.pulls == pulls  # by broadcast
         await same_as_manifest(client, tmp_path / "work" / "rollout" / "grp" / checkpoint_id, checkpoint_id)
+
+
+def test_a_sharded_run_resumes_an_unsharded_one(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Training state written by one process (optimizer.pt) resumed sharded over 2 ranks: each keeps its shards
+    of the moments, and the next step equals the one process's."""
+    single = Trainer(tiny_model_dir, FP32)
+    for seed in (1, 2):
+        single.forward_backward(ragged_datums(single.vocab_size, LENGTHS, seed=seed), "ppo", {})
+        single.optim_step(ADAM)
+    saved = single.save(tmp_path / "step2", with_state=True)
+    resumed = DistributedTrainer(saved, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2)
+    try:
+        assert resumed.step == 2
+        datums = ragged_datums(single.vocab_size, LENGTHS, seed=3)
+        single.forward_backward(datums, "ppo", {})
+        resumed.forward_backward(datums, "ppo", {})
+        assert resumed.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        assert_same_weights(resumed, single, tmp_path)
+    finally:
+        resumed.close()

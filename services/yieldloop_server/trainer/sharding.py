@@ -194,3 +194,18 @@ def load_optimizer(model: Any, optimizer: Any, folder: pathlib.Path) -> None:
             state, checkpoint_id=view, no_dist=not dist.is_initialized() or not any(map(is_sharded, model.parameters()))
         )
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_whole_optimizer(model: Any, optimizer: Any, state: dict) -> None:
+    """An unsharded optimizer's ``state_dict()`` (moments of the whole trainable tensors, keyed by their order
+    among the model's trainable parameters) into this sharded optimizer: every rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    by_name = {
+        "state": {names[int(i)]: values for i, values in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[int(i)] for i in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

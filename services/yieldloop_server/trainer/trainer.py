@@ -249,7 +249,11 @@ class Trainer:
         if sharding.has_optimizer(folder):  # written sharded, at whatever world size: resharded to this one
             sharding.load_optimizer(self.model, self.optimizer, folder)
         elif (folder / OPTIMIZER_FILE).exists():
-            self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=config.device))
+            state = torch.load(folder / OPTIMIZER_FILE, map_location=config.device)
+            if self.sharded:  # written by one process (or data parallel): each rank keeps its shards of it
+                sharding.load_whole_optimizer(self.model, self.optimizer, state)
+            else:
+                self.optimizer.load_state_dict(state)
         self.num_pending_datums = 0
         self._stash: list[Any] | None = None
         """The gradients accumulated before the call in progress (kept apart until it is known finite)."""
