@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 MAX_SHARD_BYTES = 5 * 1024**3
@@ -81,6 +81,25 @@ def local(tensor: Any) -> Any:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
+def like(param: Any, values: Any) -> Any:
+    """``values`` (a host copy of this rank's part) as a tensor laid out like ``param``, on its device."""
+    if not is_sharded(param):
+        return values.to(param.device)
+    from torch.distributed.tensor import DTensor
+
+    device = param.to_local().device
+    return DTensor.from_local(
+        values.to(device), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+def writes_files() -> bool:
+    """Whether this rank writes the files every rank computes (rank 0)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0
+
+
 def full(tensor: Any) -> Any:
     """The whole tensor on this rank's host (a collective for a sharded one: every rank calls it in turn)."""
     whole = tensor.full_tensor() if is_sharded(tensor) else tensor
@@ -88,17 +107,10 @@ def full(tensor: Any) -> Any:
 
 
 def unique_weights(model: Any) -> list[tuple[str, Any]]:
-    """The state dict's tensors, each once: a tied weight (the output layer sharing the embedding) under its first
+    """The state dict's tensors, a tied weight (the output layer sharing the embedding) under the embedding's
     name only, as ``save_pretrained`` writes it."""
-    seen: set[int] = set()
-    out = []
-    for name, tensor in model.state_dict().items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        out.append((name, tensor))
     tied = _tied_names(model)
-    return [(name, tensor) for name, tensor in out if name not in tied]
+    return [(name, tensor) for name, tensor in model.state_dict().items() if name not in tied]
 
 
 def _tied_names(model: Any) -> set[str]:
@@ -114,7 +126,6 @@ def write_safetensors(
     named: Iterable[tuple[str, Any]],
     folder: pathlib.Path | None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-    gather: Callable[[Any], Any] = full,
 ) -> list[str]:
     """Writes ``named`` tensors as Hugging Face safetensors under ``folder`` (rank 0; other ranks pass None and
     only join the gathers): ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files of at most
@@ -136,7 +147,7 @@ def write_safetensors(
         ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     )
     for file, group in zip(files, groups, strict=True):
-        tensors = {name: gather(tensor) for name, tensor in group}  # this file's tensors only
+        tensors = {name: full(tensor) for name, tensor in group}  # this file's tensors only
         if folder is not None:
             save_file(tensors, str(folder / file), metadata={"format": "pt"})
         del tensors
@@ -169,7 +180,7 @@ def save_optimizer(model: Any, optimizer: Any, folder: pathlib.Path) -> None:
     staging = folder / DCP_PREFIX.rstrip("-")
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(staging))
     dist.barrier()
-    if dist.get_rank() == 0:
+    if writes_files():
         for path in staging.iterdir():
             path.replace(folder / (DCP_PREFIX + path.name))
         staging.rmdir()

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, invalid_field
 from yieldloop.types import Datum
-from yieldloop_server.trainer import losses
+from yieldloop_server.trainer import losses, sharding
 
 MAX_LEARNING_RATE = 10.0
 OPTIMIZER_FILE = "optimizer.pt"
@@ -232,10 +232,10 @@ class Trainer:
         if self.sharded:
             import os
 
-            from yieldloop_server.trainer.sharding import shard_model
-
             group = config.shard_group or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-            shard_model(self.model, config.device, config.compute_dtype, group if config.shard == "hsdp" else 0)
+            sharding.shard_model(
+                self.model, config.device, config.compute_dtype, group if config.shard == "hsdp" else 0
+            )
         if config.compile:
             self.model.compile()  # in place: parameter names and state_dict keys stay the model's own
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -244,8 +244,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=1e-5, **fused)
         state_path = folder / STATE_FILE
         self.step = json.loads(state_path.read_text())["step"] if state_path.exists() else 0
-        from yieldloop_server.trainer import sharding
-
         if sharding.has_optimizer(folder):  # written sharded, at whatever world size: resharded to this one
             sharding.load_optimizer(self.model, self.optimizer, folder)
         elif (folder / OPTIMIZER_FILE).exists():
@@ -525,7 +523,7 @@ class Trainer:
             )
         self.optimizer.step()
         self.step += 1
-        if not self._all_ranks(all_finite([local(p) for p in params])):
+        if not self._all_ranks(all_finite([sharding.local(p) for p in params])):
             if self._before_step is None:
                 self.spoiled = True
                 raise FailedPreconditionError(
@@ -552,8 +550,8 @@ class Trainer:
             return
         weights, grads, optimizer_state, step = before
         for param, weight, grad in zip(self._trainable(), weights, grads, strict=True):
-            local(param.data).copy_(weight)
-            param.grad = None if grad is None else like(param, grad)
+            sharding.local(param.data).copy_(weight)
+            param.grad = None if grad is None else sharding.like(param, grad)
         self.optimizer.load_state_dict(optimizer_state)
         self.step = step
 
@@ -568,7 +566,7 @@ class Trainer:
         import torch
 
         def host(t: Any) -> Any:  # sharded: this rank's shard
-            return local(t).detach().to("cpu", copy=True) if torch.is_tensor(t) else t
+            return sharding.local(t).detach().to("cpu", copy=True) if torch.is_tensor(t) else t
 
         def host_state(t: Any) -> Any:  # kept sharded: the optimizer loads its moments as it holds them
             return t.detach().to("cpu", copy=True) if torch.is_tensor(t) else t
@@ -602,11 +600,8 @@ class Trainer:
         return folder
 
     def _save_sharded(self, folder: pathlib.Path, with_state: bool) -> pathlib.Path:
-        import torch.distributed as dist
-
         folder.mkdir(parents=True, exist_ok=True)
-        writes = dist.get_rank() == 0
-        self._write_sampler_files(folder if writes else None)
+        self._write_sampler_files(folder if sharding.writes_files() else None)
         if with_state:
             self.save_state(folder)
         return folder
@@ -614,8 +609,6 @@ class Trainer:
     def _write_sampler_files(self, folder: pathlib.Path | None) -> None:
         """Sharded: the sampler files, each tensor gathered in turn; ``folder`` None on the ranks that only
         join the gathers."""
-        from yieldloop_server.trainer import sharding
-
         if self.adapter is None:
             sharding.write_safetensors(sharding.unique_weights(self.model), folder)
             if folder is not None:
@@ -636,10 +629,10 @@ class Trainer:
         import torch
 
         folder.mkdir(parents=True, exist_ok=True)
-        if self.sharded:
-            from yieldloop_server.trainer import sharding
-
+        if self.sharded:  # every rank its shards; the step once, by rank 0 (not every rank into one file)
             sharding.save_optimizer(self.model, self.optimizer, folder)
+            if not sharding.writes_files():
+                return folder
         else:
             torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
         (folder / STATE_FILE).write_text(json.dumps({"step": self.step}))
@@ -758,27 +751,3 @@ def _chunk_rows(vocab_size: int) -> int:
 
 _IDLE = Datum(input_tokens=[0], target_tokens=[0], sampling_logprobs=[0.0], advantages=[0.0], weights=[0.0])
 """The one-token datum of a sharded rank's empty pass (its loss is multiplied by 0)."""
-
-
-def local(tensor: Any) -> Any:
-    """This rank's part of a sharded tensor (the tensor itself otherwise)."""
-    from yieldloop_server.trainer.sharding import local as shard_of
-
-    return shard_of(tensor)
-
-
-def like(param: Any, values: Any) -> Any:
-    """``values`` (a host copy of this rank's part) as a tensor laid out like ``param`` on its device."""
-    from yieldloop_server.trainer.sharding import is_sharded
-
-    if not is_sharded(param):
-        return values.to(param.device)
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        values.to(param.to_local().device),
-        param.device_mesh,
-        param.placements,
-        shape=param.shape,
-        stride=param.stride(),
-    )
