@@ -61,7 +61,7 @@ def variant_options(variant: str) -> dict[str, object]:
 
 async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
     from yieldloop.client import Client
-    from yieldloop.envs.letters import heldout_tasks, train_tasks
+    from yieldloop.envs.letters import TASKS, heldout_tasks, train_tasks
     from yieldloop.loop import LoopConfig, closed_loop
     from yieldloop_server.config import StackConfig
     from yieldloop_server.stack import ProcessStack
@@ -70,6 +70,7 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
     addresses = await stack.start()
     pids = {name: service.process.pid for name, service in stack.services.items()}
     config = LoopConfig(
+        **TASKS,
         steps=args.steps,
         group_size=8,
         learning_rate=1e-3,

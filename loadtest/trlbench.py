@@ -79,7 +79,7 @@ def to_target(per_step: list[dict], target: float, before_s: float = 0.0) -> dic
 
 async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_policy: int, seed: int) -> dict:
     from yieldloop.client import Client
-    from yieldloop.envs.letters import heldout_tasks, train_tasks
+    from yieldloop.envs.letters import TASKS, heldout_tasks, train_tasks
     from yieldloop.loop import LoopConfig, closed_loop
     from yieldloop_server.config import RolloutOptions, StackConfig
     from yieldloop_server.stack import ProcessStack
@@ -87,6 +87,7 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
     stack = ProcessStack(StackConfig(data_dir=data_dir, rollout=RolloutOptions(engine_process=args.engine_process)))
     addresses = await stack.start()
     config = LoopConfig(
+        **TASKS,
         steps=args.max_steps,
         group_size=GROUP,
         learning_rate=LEARNING_RATE,

@@ -16,6 +16,8 @@ import time
 import pytest
 from up_harness import YIELDLOOP, start_up, stop_up
 
+from yieldloop.envs.letters import TASKS
+
 
 def test_demo_learns_and_writes_a_report(tmp_path: pathlib.Path) -> None:
     """The demo lifts held-out reward from <= 0.3 to >= 0.8 through the four services, one process each."""
@@ -55,7 +57,7 @@ def up(tmp_path_factory: pytest.TempPathFactory):
     output = stop_up(process)
     for service in ("checkpoint", "env", "trainer", "rollout", "hud"):
         assert service in output
-    assert "export HUD_GATEWAY_URL=https://" in output
+    assert f"source {data_dir / 'run' / 'hud.env'}" in output and "openai      https://127.0.0.1:" in output
 
 
 def test_up_serves_the_hud_front_over_tls(up: pathlib.Path) -> None:
@@ -172,7 +174,10 @@ def test_eval_jobs_export_and_trace(up: pathlib.Path, tmp_path: pathlib.Path) ->
 
 def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> None:
     config = tmp_path / "train.toml"
-    config.write_text('model = "tiny"\nsteps = 2\ngroup_size = 4\ntasks_per_step = 6\nname = "cli-train"\n')
+    tasks = (
+        'train_tasks = "yieldloop.envs.letters:train_tasks"\nheldout_tasks = "yieldloop.envs.letters:heldout_tasks"\n'
+    )
+    config.write_text(f'model = "tiny"\n{tasks}steps = 2\ngroup_size = 4\ntasks_per_step = 6\nname = "cli-train"\n')
     trained = run(up, "train", str(config))
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert re.search(r"held-out reward [\d.]+ -> [\d.]+ in 2 steps", trained.stdout), trained.stdout
@@ -211,10 +216,11 @@ def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> No
     # Bad config files: clear messages, nothing started.
     for text, message in [
         ("steps = ", "not valid toml"),
+        ("steps = 3\n", "train_tasks is required"),
         ("stepz = 3\n", "unknown key(s) stepz"),
-        ('steps = "many"\n', "steps must be int"),
-        ("steps = 0\n", "steps = 0 is out of range"),
-        ('train_tasks = "no_such_module:tasks"\n', "cannot load tasks"),
+        (f'{tasks}steps = "many"\n', "steps must be int"),
+        (f"{tasks}steps = 0\n", "steps = 0 is out of range"),
+        ('train_tasks = "no_such_module:tasks"\n', "no module 'no_such_module'"),
     ]:
         config.write_text(text)
         bad = run(up, "train", str(config))
@@ -237,7 +243,7 @@ def test_train_models_and_report(up: pathlib.Path, tmp_path: pathlib.Path) -> No
         assert bad.returncode == 1 and len(lines) == 1, (name, bad.stderr)
         assert message in lines[0] and "BAD_CONFIG" in lines[0], (name, bad.stderr)
     assert run(up, "train", str(tmp_path / "absent.toml")).returncode == 1
-    config.write_text('model = "no-such-model"\n')
+    config.write_text(f'model = "no-such-model"\n{tasks}')
     bad_model = run(up, "train", str(config))
     assert bad_model.returncode == 1 and "MODEL_NOT_FOUND" in bad_model.stderr
 
@@ -249,8 +255,13 @@ def test_models_import_and_list(up: pathlib.Path, tmp_path: pathlib.Path) -> Non
     folder = build_llama(tmp_path / "my-llama")
     imported = run(up, "models", "import", str(folder), "--name", "cli-llama")
     assert imported.returncode == 0 and "LlamaForCausalLM" in imported.stdout, imported.stdout + imported.stderr
-    listed = run(up, "models", "list")
+    listed = run(up, "models", "list", "--wide")
     assert listed.returncode == 0 and "cli-llama" in listed.stdout and "Qwen2ForCausalLM" in listed.stdout
+    narrow = run(up, "models", "list")  # people: the columns that fit a terminal; scripts: --json
+    assert "cli-llama" in narrow.stdout and "Qwen2ForCausalLM" not in narrow.stdout
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 100
+    as_json = {m["slug"]: m for m in json.loads(run(up, "models", "list", "--json").stdout)}
+    assert as_json["cli-llama"]["architecture"] == "LlamaForCausalLM" and as_json["tiny"]["num_parameters"] > 0
     again = run(up, "models", "import", str(folder), "--name", "cli-llama")
     assert again.returncode == 1 and "MODEL_ALREADY_EXISTS" in again.stderr and len(again.stderr.splitlines()) == 1
     missing = run(up, "models", "import", str(tmp_path / "nowhere"), "--name", "x")
@@ -261,7 +272,7 @@ def test_models_import_and_list(up: pathlib.Path, tmp_path: pathlib.Path) -> Non
 
 def test_up_refuses_a_model_that_does_not_exist(tmp_path: pathlib.Path) -> None:
     refused = subprocess.run(
-        [YIELDLOOP, "up", "--data-dir", str(tmp_path), "--model", "no-such-model"],
+        [YIELDLOOP, "up", "--data-dir", str(tmp_path), "--base-port", "0", "--model", "no-such-model"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -299,8 +310,8 @@ def test_your_own_model_end_to_end(up: pathlib.Path, tmp_path: pathlib.Path) -> 
         assert evaluated.returncode == 0 and "mean reward" in evaluated.stdout, evaluated.stdout + evaluated.stderr
         config = tmp_path / f"{fork}.toml"
         config.write_text(
-            f'model = "{fork}"\nsteps = 3\ngroup_size = 2\ntasks_per_step = 4\nheldout_tasks = ""\n'
-            f'name = "train {fork}"\n'
+            f'model = "{fork}"\ntrain_tasks = "{TASKS["train_tasks"]}"\nsteps = 3\ngroup_size = 2\n'
+            f'tasks_per_step = 4\nname = "train {fork}"\n'
         )
         trained = run(up, "train", str(config))
         assert trained.returncode == 0, trained.stdout + trained.stderr

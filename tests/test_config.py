@@ -9,6 +9,8 @@ import pathlib
 from yieldloop.transport import TransportConfig
 from yieldloop_server.cli import register
 from yieldloop_server.config import (
+    STACK_PORTS,
+    UP_BASE_PORT,
     CheckpointOptions,
     EnvOptions,
     RolloutOptions,
@@ -52,13 +54,21 @@ def test_serve_flags_round_trip_every_option() -> None:
 
 def test_defaults_and_help_come_from_the_dataclasses(capsys) -> None:
     config = from_arguments(_parser().parse_args(["up"]), StackConfig)
-    assert dataclasses.replace(config, data_dir=StackConfig.data_dir) == StackConfig()
+    # `up` alone binds stable ports from 7740 on (as vLLM's 8000 or Postgres's 5432); every other default is the
+    # dataclass's.
+    assert config.base_port == UP_BASE_PORT == 7740
+    assert dataclasses.replace(config, data_dir=StackConfig.data_dir, base_port=0) == StackConfig()
     assert config.data_dir.is_absolute()
+    assert [config.port_of(s) for s in STACK_PORTS] == list(range(7740, 7746))
+    assert dataclasses.replace(config, hud_port=9000).port_of("hud") == 9000
+    assert StackConfig().port_of("rollout") == 0  # in-process stacks and the demo: free ports
     try:
         _parser().parse_args(["serve", "--help"])
     except SystemExit:
         pass
     help_text = " ".join(capsys.readouterr().out.split())
+    for group in ("checkpoint options:", "env options:", "trainer options:", "rollout options:", "transport options:"):
+        assert group in help_text  # 45+ flags, grouped by the service they configure
     for doc in (
         "EnvService worker processes running environment code",
         "Checkpoint retention",

@@ -35,7 +35,7 @@ async def cuda_client(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
 
 async def test_closed_loop_on_cuda(cuda_client: Client) -> None:
     # On-policy (max_off_policy=0): the second batch is sampled by the first step's weights.
-    config = LoopConfig(steps=2, group_size=4, heldout_tasks="", max_off_policy=0)
+    config = LoopConfig(steps=2, group_size=4, max_off_policy=0)
     reports = [r async for r in closed_loop(cuda_client, config, train_tasks=tasks("abcd"))]
     assert [r.served_weight_version for r in reports] == [r.checkpoint_id for r in reports]
     assert reports[1].sampled_weight_versions == [reports[0].checkpoint_id]

@@ -75,7 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, hud_python: str):
     )
     yield data_dir
     output = stop_up(process)
-    assert "hud.env" in output and "HUD SDK scripts run here" in output
+    assert "hud.env" in output and "HUD SDK scripts: source" in output
 
 
 def hud_settings(data_dir: pathlib.Path) -> dict[str, str]:
@@ -99,7 +99,10 @@ def run_hud(data_dir: pathlib.Path, python: str, script: str, *args: str, tmp_pa
 
 def test_hud_env_file_names_the_front(stack: pathlib.Path) -> None:
     settings = hud_settings(stack)
-    assert set(settings) == {"HUD_API_URL", "HUD_RL_URL", "HUD_GATEWAY_URL", "HUD_TELEMETRY_URL", "HUD_API_KEY"}
+    urls = {"HUD_API_URL", "HUD_RL_URL", "HUD_GATEWAY_URL", "HUD_TELEMETRY_URL", "HUD_WEB_URL", "HUD_RUNTIME_URL"}
+    assert set(settings) == urls | {"HUD_API_KEY", "HUD_CLI_ANALYTICS_ENABLED", "HUD_SKIP_VERSION_CHECK"}
+    assert all(settings[name].startswith(settings["HUD_API_URL"]) for name in urls)  # nothing points outside
+    assert settings["HUD_CLI_ANALYTICS_ENABLED"] == "false" and settings["HUD_SKIP_VERSION_CHECK"] == "1"
     assert settings["HUD_GATEWAY_URL"] == settings["HUD_API_URL"] + "/v1"
     assert settings["HUD_API_KEY"] == (stack / "api_key").read_text().strip()
     assert (stack / "run" / "hud.env").stat().st_mode & 0o077 == 0  # it holds a key
@@ -209,9 +212,19 @@ def test_hud_agent_tool_turns_are_the_tokens_the_engine_saw(
             await client.get_serving_info(wait_for_checkpoint_id=step.checkpoint.checkpoint_id, model="hud-tools")
 
     async def fork_and_tokens(probe: dict) -> tuple[list[int], list[int]]:
+        from yieldloop.environment import Task
+        from yieldloop.training import Agent, Job, run_tasks
+
         async with connect(stack) as client:
             recorded = await client.get_runs([r["trace_id"] for r in probe["runs"]])
             prompt = recorded[0].turns[0].prompt_token_ids  # what the agent's first turn rendered to
+            # The same task played through EnvService (the HUD environment's tools over MCP, rendered by
+            # RolloutService's agent loop): the model sees the very same tokens, so what it learns on one path
+            # holds on the other.
+            job = await Job.start("hud-tools", 1, client=client)
+            task = Task("hud-letters", "tool_calls", {"letter": "a"})
+            [hosted] = await run_tasks([task], Agent(model="hud-tools", max_tokens=4, max_steps=1), job=job)
+            assert hosted.turns[0].prompt_token_ids == prompt, (len(hosted.turns[0].prompt_token_ids), len(prompt))
             return prompt, await tokens_of(client, TOOL_CALL)
 
     asyncio.run(_fork(stack, "hud-tools"))

@@ -18,7 +18,7 @@ PROMPT = [1, 40, 41, 42, 43]
 
 async def test_one_iteration_commits_moves_head_and_reloads(client: Client) -> None:
     head_before = await client.get_head(MODEL)
-    config = LoopConfig(steps=1, group_size=4, heldout_tasks="")  # no held-out gate: the trainer moves HEAD
+    config = LoopConfig(steps=1, group_size=4)  # no held-out gate: the trainer moves HEAD
     reports = [r async for r in closed_loop(client, config, train_tasks=tasks("abcd"))]
     report = reports[0]
     assert report.num_runs == 16
@@ -235,7 +235,7 @@ async def test_one_rollout_service_serves_every_slug_by_name(stack, client: Clie
 async def test_overlap_bounds_and_reports_how_stale_each_batch_was(client: Client) -> None:
     await client.fork_model(MODEL, "overlap")
     for off_policy in (0, 1):
-        config = LoopConfig(model="overlap", steps=3, group_size=2, heldout_tasks="", max_off_policy=off_policy)
+        config = LoopConfig(model="overlap", steps=3, group_size=2, max_off_policy=off_policy)
         reports = [r async for r in closed_loop(client, config, train_tasks=tasks("abcd"))]
         assert len(reports) == 3
         parents = [r.parent_checkpoint_id for r in reports]

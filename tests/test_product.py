@@ -12,7 +12,7 @@ import pytest
 
 from yieldloop import errors
 from yieldloop.client import Client, sampling_params
-from yieldloop.envs.letters import heldout_tasks, tasks, train_tasks
+from yieldloop.envs.letters import TASKS, heldout_tasks, tasks, train_tasks
 from yieldloop.export import export_runs, read_export
 from yieldloop.groups import stitch_turns
 from yieldloop.loop import Baseline, LoopConfig, closed_loop
@@ -135,7 +135,7 @@ async def test_export_reloads_token_for_token(client: Client, tmp_path: pathlib.
 async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: pathlib.Path) -> None:
     await at_base(client)
     baseline: list[Baseline] = []
-    config = LoopConfig(steps=2, group_size=4, tasks_per_step=8)
+    config = LoopConfig(**TASKS, steps=2, group_size=4, tasks_per_step=8)
     reports = [r async for r in closed_loop(client, config, runs_dir=tmp_path, baseline=baseline)]
     assert baseline[0].checkpoint_id == "base" and baseline[0].heldout_reward <= 0.3
     good = tmp_path / reports[0].job_id
@@ -160,7 +160,7 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
 
     # A deliberately worse checkpoint (a learning rate that wrecks the weights) is not promoted.
     head = await client.get_head(MODEL)
-    wrecking = LoopConfig(steps=1, group_size=4, tasks_per_step=4, learning_rate=0.5)
+    wrecking = LoopConfig(**TASKS, steps=1, group_size=4, tasks_per_step=4, learning_rate=0.5)
     [bad] = [r async for r in closed_loop(client, wrecking, runs_dir=tmp_path)]
     assert not bad.promoted, bad
     assert bad.heldout_reward < bad.head_heldout_reward - wrecking.promotion_tolerance
@@ -204,9 +204,10 @@ async def test_closed_loop_gate_tree_and_rollback(client: Client, tmp_path: path
 
 def test_loop_config_errors(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "c.json"
-    path.write_text('{"steps": 3, "learning_rate": 1}')
+    path.write_text('{"train_tasks": "tasks.py", "steps": 3, "learning_rate": 1}')
     assert LoopConfig.from_file(path).learning_rate == 1.0
-    for text in ["[1]", '{"steps": true}', '{"nope": 1}', '{"group_size": 0}', "{"]:
+    assert LoopConfig.from_file(path).heldout_tasks == ""  # no hidden held-out default: no gate unless named
+    for text in ["[1]", '{"steps": true}', '{"nope": 1}', '{"train_tasks": "t.py", "group_size": 0}', "{", "{}"]:
         path.write_text(text)
         with pytest.raises(errors.InvalidArgumentError) as err:
             LoopConfig.from_file(path)

@@ -22,10 +22,7 @@ async def test_closed_loop_over_s3(s3_client) -> None:
     import boto3
 
     client, bucket = s3_client
-    [report] = [
-        r
-        async for r in closed_loop(client, LoopConfig(steps=1, group_size=2, heldout_tasks=""), train_tasks=tasks("ab"))
-    ]
+    [report] = [r async for r in closed_loop(client, LoopConfig(steps=1, group_size=2), train_tasks=tasks("ab"))]
     assert report.served_weight_version == report.checkpoint_id
     # Served from the trainer directly; in S3 once its background upload ended (weights only: the training
     # state goes every tenth step; a file equal to the parent's, e.g. weights a step without signal left as they

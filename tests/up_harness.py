@@ -17,9 +17,11 @@ YIELDLOOP = str(BIN_DIR / "yieldloop") if (BIN_DIR / "yieldloop").exists() else 
 def start_up(
     data_dir: pathlib.Path, *args: str, ready: Callable[[pathlib.Path], bool], timeout_s: float = 300
 ) -> subprocess.Popen:
-    """Starts `yieldloop up --data-dir DATA_DIR ARGS...` and waits until ``ready(data_dir)``."""
+    """Starts `yieldloop up --data-dir DATA_DIR ARGS...` and waits until ``ready(data_dir)``; on free ports unless
+    ARGS name ``--base-port`` (several stacks may run at once, and none may take the default ports)."""
+    ports = () if "--base-port" in args else ("--base-port", "0")
     process = subprocess.Popen(
-        [YIELDLOOP, "up", "--data-dir", str(data_dir), *args],
+        [YIELDLOOP, "up", "--data-dir", str(data_dir), *ports, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

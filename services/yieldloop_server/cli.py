@@ -10,8 +10,8 @@ import argparse
 import pathlib
 from typing import Any
 
-from yieldloop.cli import SERVER_COMMANDS, print_summary, run_async, run_loop
-from yieldloop_server.config import ServeOptions, StackConfig, add_arguments, from_arguments
+from yieldloop.cli import SERVER_COMMANDS, add_attach, print_summary, run_async, run_loop
+from yieldloop_server.config import UP_BASE_PORT, ServeOptions, StackConfig, add_arguments, from_arguments
 
 
 def register(commands: Any) -> dict[str, Any]:
@@ -20,15 +20,15 @@ def register(commands: Any) -> dict[str, Any]:
     add_arguments(serve, ServeOptions)
 
     up = commands.add_parser("up", help=SERVER_COMMANDS["up"])
-    add_arguments(up, StackConfig)
+    add_arguments(up, StackConfig, defaults={"base_port": UP_BASE_PORT})
 
     demo = commands.add_parser("demo", help=SERVER_COMMANDS["demo"])
     add_arguments(demo, StackConfig, skip=("data_dir", "hud", "hud_port"))
     demo.add_argument("--data-dir", type=pathlib.Path, help="data directory (default: a new temporary one)")
-    demo.add_argument("--attach", type=pathlib.Path, help="use the services of a running `yieldloop up --data-dir DIR`")
+    add_attach(demo)
     demo.add_argument("--steps", type=int, default=30, help="optimizer steps at most (default 30)")
     demo.add_argument("--target", type=float, default=0.8, help="stop once held-out reward reaches this (default 0.8)")
-    demo.add_argument("--group-size", type=int, default=8)
+    demo.add_argument("--group-size", type=int, default=8, help="episodes per task: a GRPO group (default 8)")
     demo.add_argument("--learning-rate", type=float, help="AdamW learning rate (default: the loop's, 1e-3)")
 
     plan = commands.add_parser("plan", help=SERVER_COMMANDS["plan"])
@@ -44,7 +44,12 @@ def register(commands: Any) -> dict[str, Any]:
     plan.add_argument("--concurrency", type=int, default=256, help="sequences per rollout server (default 256)")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's share of a GPU (0.85)")
     plan.add_argument("--store", default="", help="the object store to find MODEL in (default: DATA_DIR/store)")
-    plan.add_argument("--data-dir", type=pathlib.Path, default=pathlib.Path(".yieldloop"))
+    plan.add_argument(
+        "--data-dir",
+        type=pathlib.Path,
+        default=pathlib.Path(".yieldloop"),
+        help="the stack whose store to find MODEL in (default .yieldloop)",
+    )
     plan.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     return {"serve": cmd_serve, "up": cmd_up, "demo": cmd_demo, "plan": cmd_plan}
 
@@ -94,37 +99,20 @@ async def _up(config: StackConfig) -> None:
 
     from rich.console import Console
 
+    from yieldloop.stackdir import card, render_card
     from yieldloop_server.stack import ProcessStack
 
     console = Console()
-    stack = ProcessStack(config)
+    stack = ProcessStack(config, progress=lambda line: console.print(line, markup=False, soft_wrap=True))
     with console.status("starting checkpoint, env, trainer and rollout services (and the HUD front)..."):
         addresses = await stack.start()
-    for service, address in addresses.items():
-        console.print(f"  {service:<11} {address}")
-    if stack.hud_url:
-        from yieldloop_server.hud.front import hud_settings
-
-        console.print(f"  {'hud':<11} {stack.hud_url}")
-        console.print(f"HUD SDK scripts run here unchanged with (source {stack.config.data_dir / 'run' / 'hud.env'}):")
-        for name, value in hud_settings(stack.hud_url, stack.api_key, stack.config.transport.tls_ca).items():
-            shown = "(the admin key; see hud.env)" if name == "HUD_API_KEY" and stack.api_key else value
-            console.print(f"  export {name}={shown}", soft_wrap=True)
-    if stack.config.transport.tls_cert:
-        console.print(
-            f"TLS: clients trust {stack.config.transport.tls_ca} (YIELDLOOP_TLS_CA; connect() and the CLI pick it up)"
-        )
-    if stack.api_key:
-        console.print(
-            f"admin API key in {stack.config.data_dir / 'api_key'} (the CLI and connect() use it; "
-            "YIELDLOOP_API_KEY overrides it; `yieldloop keys create` makes team keys)"
-        )
-    else:
+    console.print(render_card(card(stack.config.data_dir)), markup=False, soft_wrap=True)
+    if not stack.api_key:
         console.print(
             "[bold red]AUTH IS OFF (--no-auth):[/] anyone who reaches these ports may train and move the "
             "head of any model and read every run"
         )
-    console.print(f"data in {stack.config.data_dir}; logs in {stack.config.data_dir / 'logs'}; Ctrl-C stops")
+    console.print(f"`yieldloop status` prints this again; {len(addresses)} services up; Ctrl-C stops", markup=False)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -146,13 +134,14 @@ async def _demo(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from yieldloop.client import Client
+    from yieldloop.envs.letters import TASKS
     from yieldloop.loop import LoopConfig
     from yieldloop.training import stack_addresses, stack_api_key, stack_tls_ca
     from yieldloop.transport import TransportConfig
 
     console = Console()
     stack = None
-    if args.attach:
+    if getattr(args, "attach", None):
         addresses = stack_addresses(args.attach)
         data_dir = args.attach
         api_key, ca = stack_api_key(args.attach), stack_tls_ca(args.attach)
@@ -160,13 +149,17 @@ async def _demo(args: argparse.Namespace) -> None:
         from yieldloop_server.stack import ProcessStack
 
         data_dir = args.data_dir or pathlib.Path(tempfile.mkdtemp(prefix="yieldloop-demo-"))
-        stack = ProcessStack(from_arguments(args, StackConfig, data_dir=pathlib.Path(data_dir).resolve(), hud=False))
-        with console.status("starting the four services (creating the tiny model offline on first use)..."):
+        stack = ProcessStack(
+            from_arguments(args, StackConfig, data_dir=pathlib.Path(data_dir).resolve(), hud=False),
+            progress=lambda line: console.print(line, markup=False, soft_wrap=True),
+        )
+        with console.status("starting the four services..."):
             addresses = await stack.start()
         api_key, ca = stack.api_key, stack.config.transport.tls_ca
         console.print(f"services up: {addresses}")
     overrides = {"learning_rate": args.learning_rate} if args.learning_rate else {}
     config = LoopConfig(
+        **TASKS,
         model=args.model,
         steps=args.steps,
         target_heldout_reward=args.target,

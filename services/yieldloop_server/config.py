@@ -226,7 +226,10 @@ class StackConfig:
     """Serve the HTTP contracts of HUD's cloud (catalog, training, gateway, traces) from a fifth process, so scripts
     written with the HUD SDK train here; `yieldloop up` writes the HUD_* variables to DATA_DIR/run/hud.env."""
     hud_port: int = 0
-    """Port of the HUD front (0: a free one)."""
+    """Port of the HUD front (0: BASE_PORT+4, or a free one)."""
+    base_port: int = 0
+    """The stack's ports, in order from this one: the checkpoint, env, trainer and rollout services, the HUD front
+    and the OpenAI endpoint (0: free ports; every address is in DATA_DIR/run and `yieldloop status`)."""
     tls: bool = False
     """Every service (gRPC and the HTTP endpoint) and every internal client speaks TLS, with a private CA made in
     DATA_DIR/tls (clients of the stack trust DATA_DIR/tls/ca.pem, or $YIELDLOOP_TLS_CA). Your own certificates:
@@ -235,6 +238,14 @@ class StackConfig:
     @property
     def store_url(self) -> str:
         return self.store or str(self.data_dir / "store")
+
+    def port_of(self, service: str) -> int:
+        """The port ``service`` (or "http", the OpenAI endpoint) binds: its own flag, else its place after
+        ``base_port``, else 0 (a free one)."""
+        own = {"hud": self.hud_port, "http": self.rollout.http_port}.get(service, 0)
+        if own or not self.base_port:
+            return own
+        return self.base_port + STACK_PORTS.index(service)
 
     def with_tls(self) -> StackConfig:
         """This config with the stack's own CA and certificates in the transport when ``tls`` asks for them and
@@ -247,6 +258,13 @@ class StackConfig:
         return dataclasses.replace(
             self, transport=dataclasses.replace(self.transport, tls_cert=str(cert), tls_key=str(key), tls_ca=str(ca))
         )
+
+
+STACK_PORTS = ("checkpoint", "env", "trainer", "rollout", "hud", "http")
+"""What binds each port from a stack's ``base_port`` on."""
+
+UP_BASE_PORT = 7740
+"""``yieldloop up``'s default ``--base-port``: a stack's addresses stay the same from one start to the next."""
 
 
 @dataclasses.dataclass
@@ -284,6 +302,8 @@ class ServeOptions(StackConfig):
     def of(cls, config: StackConfig, service: str, addresses: dict[str, str]) -> ServeOptions:
         """How ``service`` starts in a stack whose earlier services listen at ``addresses``."""
         shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(StackConfig)}
+        if service == "rollout":
+            shared["rollout"] = dataclasses.replace(config.rollout, http_port=config.port_of("http"))
         return cls(
             **shared,
             service=service,
@@ -291,7 +311,7 @@ class ServeOptions(StackConfig):
             env_address=addresses.get("env", ""),
             trainer_address=addresses.get("trainer", ""),
             rollout_address=addresses.get("rollout", ""),
-            port=config.hud_port if service == "hud" else 0,
+            port=config.port_of(service),
         )
 
     def sharing_cores(self, cores: int | None = None) -> ServeOptions:
@@ -377,12 +397,26 @@ def _flags(cls: type, obj: Any) -> list[tuple[str, str, Any, Any]]:
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type = StackConfig, *, skip: tuple[str, ...] = ()) -> None:
-    """Adds a flag per field of ``cls`` (help from the field's docstring, default from its default)."""
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type = StackConfig,
+    *,
+    skip: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """Adds a flag per field of ``cls`` (help from the field's docstring, default from ``defaults`` or the field's),
+    the fields of each nested dataclass (the checkpoint, env, trainer, rollout and transport options) in a group
+    of their own in ``--help``."""
+    groups: dict[str, Any] = {}
     for name, flag, kind, f, doc in _field_specs(cls):
         if name in skip:
             continue
+        outer, _, inner = name.partition(".")
+        if inner and outer not in groups:
+            groups[outer] = parser.add_argument_group(f"{outer} options")
+        target = groups[outer] if inner else parser
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = (defaults or {}).get(name, default)
         options: dict[str, Any] = {"help": doc}
         base = next((a for a in get_args(kind) if a is not type(None)), kind) if get_origin(kind) else kind
         if get_origin(kind) is Literal:
@@ -400,7 +434,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = StackConfig, *, s
                 default=None if get_origin(kind) is tuple else default,
             )
             options["help"] += f" (default: {default})"
-        parser.add_argument(flag, **options)
+        target.add_argument(flag, **options)
 
 
 def from_arguments(args: argparse.Namespace, cls: type = StackConfig, **values: Any) -> Any:

@@ -149,6 +149,6 @@ async def serve(opts: ServeOptions) -> None:
 def write_ready_file(path: pathlib.Path, address: str, tls: bool = False, metrics: str = "", **ports: int) -> None:
     """Atomically records a started service's address (whether it speaks TLS, where it serves metrics, the other
     ports it serves)."""
-    write_file_atomically(
-        path, json.dumps({"address": address, "pid": os.getpid(), "tls": tls, "metrics": metrics, **ports})
-    )
+    from yieldloop.stackdir import me
+
+    write_file_atomically(path, json.dumps({"address": address, **me(), "tls": tls, "metrics": metrics, **ports}))

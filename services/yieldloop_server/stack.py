@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import pathlib
-import tempfile
+from collections.abc import Callable
 
 from yieldloop_server.checkpoint.importer import BASE_CHECKPOINT, inspect_folder
 from yieldloop_server.checkpoint.registry import CheckpointRegistry, Manifest
@@ -33,7 +33,7 @@ BUILTIN_MODEL = "tiny"
 """The slug of the model a stack creates offline when it is asked for and absent (the embedded default)."""
 
 
-def ensure_model(store: ObjectStore, model: str) -> str:
+def ensure_model(store: ObjectStore, model: str, progress: Callable[[str], None] = lambda line: None) -> str:
     """The slug a stack serves for ``model`` (``--model``).
 
     ``model`` is an existing slug; the built-in tiny model (created offline on first use); or a Hugging Face
@@ -53,7 +53,7 @@ def ensure_model(store: ObjectStore, model: str) -> str:
     except (NotFoundError, InvalidArgumentError):  # not a slug of this store (or not a slug at all)
         pass
     if model == BUILTIN_MODEL:
-        ensure_base_model(store, model)
+        ensure_base_model(store, model, progress)
         return model
     if resolve_source(model) is None:
         known = ", ".join(sorted(m.slug for m in registry.list_models())) or "none"
@@ -63,6 +63,7 @@ def ensure_model(store: ObjectStore, model: str) -> str:
             reason="MODEL_NOT_FOUND",
         )
     slug = slug_for(model)
+    progress(f"importing {model} as {slug} (first start on this store)")
     try:
         import_model(registry, model, slug, owner=SERVICE_TEAM, public=True)
     except AlreadyExistsError:
@@ -76,13 +77,15 @@ def ensure_model(store: ObjectStore, model: str) -> str:
     return slug
 
 
-def ensure_base_model(store: ObjectStore, slug: str = BUILTIN_MODEL) -> bool:
+def ensure_base_model(
+    store: ObjectStore, slug: str = BUILTIN_MODEL, progress: Callable[[str], None] = lambda line: None
+) -> bool:
     """Creates the tiny model offline and commits it as ``slug``'s head when the slug is absent.
 
     Returns True when a model was created.
     """
     from yieldloop.errors import NotFoundError
-    from yieldloop_server.common.tiny_model import create_tiny_model
+    from yieldloop_server.common.tiny_model import cached_tiny_model
 
     registry = CheckpointRegistry(store)
     try:
@@ -90,10 +93,10 @@ def ensure_base_model(store: ObjectStore, slug: str = BUILTIN_MODEL) -> bool:
         return False
     except NotFoundError:
         pass
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = create_tiny_model(pathlib.Path(tmp) / "model")
-        facts = inspect_folder(folder, "the built-in model")
-        objects = upload_folder(store, slug, BASE_CHECKPOINT, folder)
+    folder = cached_tiny_model(progress=progress)
+    facts = inspect_folder(folder, "the built-in model")
+    progress(f"storing it as the model {slug!r}")
+    objects = upload_folder(store, slug, BASE_CHECKPOINT, folder)
     registry.create_model(facts.base_info(slug, "built-in", SERVICE_TEAM, sum(o.size for o in objects), public=True))
     registry.commit(Manifest(model=slug, checkpoint_id=BASE_CHECKPOINT, objects=objects), set_head=True)
     return True
@@ -127,14 +130,16 @@ def ensure_stack_keys(store: ObjectStore, data_dir: pathlib.Path) -> tuple[str, 
     return found[0], found[1]
 
 
-async def prepare_stack(config: StackConfig) -> tuple[StackConfig, str, str]:
+async def prepare_stack(
+    config: StackConfig, progress: Callable[[str], None] = lambda line: None
+) -> tuple[StackConfig, str, str]:
     """What every stack does before its services start: the model it serves (created or imported on first use),
     its TLS certificates (``--tls``) and its keys (with auth). Returns the config the services get, the admin key
     and the services' key ("" and "" without auth)."""
     from yieldloop_server.store import open_store
 
     store = open_store(config.store_url)
-    slug = await asyncio.to_thread(ensure_model, store, config.model)
+    slug = await asyncio.to_thread(ensure_model, store, config.model, progress)
     config = dataclasses.replace(await asyncio.to_thread(config.with_tls), model=slug)
     if not config.auth:
         return config, "", ""
@@ -200,8 +205,12 @@ class ProcessStack:
     """Each service in its own process (``yieldloop serve <service>``), as ``yieldloop up`` runs them; a process
     that dies is started again on the same address (:class:`ServiceProcess`)."""
 
-    def __init__(self, config: StackConfig, ready_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, config: StackConfig, ready_timeout_s: float = 300.0, progress: Callable[[str], None] = lambda line: None
+    ) -> None:
         self.config = config
+        self.progress = progress
+        """Told what a first start does at length (creating or importing the model)."""
         self.ready_timeout_s = ready_timeout_s
         self.addresses: dict[str, str] = {}
         self.services: dict[str, ServiceProcess] = {}
@@ -222,7 +231,15 @@ class ProcessStack:
         self.addresses[service] = await process.start()
 
     async def start(self) -> dict[str, str]:
-        self.config, self.api_key, self._service_key = await prepare_stack(self.config)
+        from yieldloop.stackdir import take_lock
+
+        take_lock(self.config.data_dir)
+        try:
+            check_ports_free(self.config)
+            self.config, self.api_key, self._service_key = await prepare_stack(self.config, self.progress)
+        except BaseException:
+            await self.stop()
+            raise
         try:
             await asyncio.gather(self._spawn("checkpoint"), self._spawn("env"))
             await asyncio.gather(self._spawn("trainer"), self._spawn("rollout"))
@@ -236,6 +253,40 @@ class ProcessStack:
         return self.addresses
 
     async def stop(self, timeout_s: float = 15.0) -> None:
-        """Stops every process at once (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        """Stops every process at once (SIGTERM, then SIGKILL after ``timeout_s``); their ready files and the data
+        directory's lock go with them, so the next command hears STACK_NOT_RUNNING, not a refused connection."""
+        from yieldloop.stackdir import release_lock
+
         await asyncio.gather(*(process.stop(timeout_s) for process in self.services.values()))
+        for process in self.services.values():
+            if process.options.ready_file is not None:
+                process.options.ready_file.unlink(missing_ok=True)
         self.services.clear()
+        release_lock(self.config.data_dir)
+
+
+def check_ports_free(config: StackConfig) -> None:
+    """Fails fast, in one line, when a port the stack would bind from ``base_port`` is taken.
+
+    Raises:
+        FailedPreconditionError: PORT_IN_USE naming the port and what to do.
+    """
+    import socket
+
+    from yieldloop.errors import FailedPreconditionError
+    from yieldloop_server.config import STACK_PORTS
+
+    for what in STACK_PORTS:
+        port = config.port_of(what)
+        if port <= 0 or (what == "hud" and not config.hud):
+            continue
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((config.host, port))
+            except OSError:
+                raise FailedPreconditionError(
+                    f"port {port} ({what}) on {config.host} is in use (another stack? `yieldloop status`): "
+                    f"start with --base-port N for ports N..N+5, or --base-port 0 for free ones",
+                    reason="PORT_IN_USE",
+                ) from None

@@ -10,10 +10,12 @@ import json
 import logging
 import os
 import pathlib
+import re
 import signal
 import sys
 import time
 
+from yieldloop.errors import UnavailableError
 from yieldloop.retry import Backoff
 from yieldloop_server.config import ServeOptions
 
@@ -26,6 +28,33 @@ def _exit_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+class ServiceFailedError(UnavailableError):
+    """A service process exited before it served (UNAVAILABLE, SERVICE_FAILED): its message is the last error its
+    log shows, in one line."""
+
+
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit|Interrupt)\b.*)$")
+_TYPED = re.compile(r"^\w+Error: [A-Z_]+/[A-Z_]+: (.*?)(?: \(field \w+\))?$")
+"""A yieldloop error's line: its message is what to show (its code and reason are the class's)."""
+
+
+def last_error(log_path: pathlib.Path, offset: int = 0) -> str:
+    """The last exception line a process wrote to ``log_path`` after ``offset`` (a traceback's final line, without
+    the exception's module), else its last line."""
+    try:
+        with open(log_path, "rb") as file:
+            file.seek(offset)
+            lines = [line.strip() for line in file.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        match = _ERROR_LINE.match(line)
+        if match:
+            typed = _TYPED.match(match.group(1))
+            return typed.group(1) if typed else match.group(1)
+    return lines[-1] if lines else "it wrote nothing"
 
 
 def _port(address: str) -> int:
@@ -85,6 +114,7 @@ class ServiceProcess:
         assert ready_file is not None
         ready_file.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log_file:
             self.process = process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -100,7 +130,10 @@ class ServiceProcess:
         deadline = time.monotonic() + self.ready_timeout_s
         while not ready_file.exists():
             if process.returncode is not None:
-                raise RuntimeError(f"{self.service} exited with {process.returncode}; see {self.log_path}")
+                raise ServiceFailedError(
+                    f"{self.service} failed to start: {last_error(self.log_path, log_start)} (log: {self.log_path})",
+                    reason="SERVICE_FAILED",
+                )
             if time.monotonic() > deadline:
                 with contextlib.suppress(ProcessLookupError):  # not left running beside the next attempt
                     process.kill()
@@ -130,7 +163,7 @@ class ServiceProcess:
                     return
                 try:
                     await self._spawn()
-                except (RuntimeError, TimeoutError, OSError) as err:
+                except (ServiceFailedError, TimeoutError, OSError) as err:
                     log.warning("restarting %s failed: %s", self.service, err)
                     continue
                 self.restarts += 1

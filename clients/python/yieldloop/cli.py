@@ -28,7 +28,11 @@ SERVER_COMMANDS = {
 
 
 def quiet_libraries() -> None:
-    """No hub access and no download/progress chatter from the ML libraries."""
+    """No hub access and no download/progress chatter from the ML libraries; no per-group warnings (the commands
+    print how many groups had no reward spread)."""
+    import logging
+
+    logging.getLogger("yieldloop.groups").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -47,13 +51,56 @@ def run_async(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def _add_attach(parser: argparse.ArgumentParser) -> None:
+def add_attach(parser: argparse.ArgumentParser) -> None:
+    """``--attach DIR``, accepted before and after a subcommand (each level's default leaves the other's value)."""
     parser.add_argument(
         "--attach",
         type=pathlib.Path,
-        default=None,
+        default=argparse.SUPPRESS,
+        metavar="DATA_DIR",
         help="data directory of a running `yieldloop up` (default: $YIELDLOOP_DATA_DIR or .yieldloop)",
     )
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(actions[0].choices) if actions else {}
+
+
+def _attach_everywhere(parser: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
+    """``--attach`` on ``parser`` and every subcommand under it (but ``skip``, which place a stack themselves)."""
+    if not any(a.dest == "attach" for a in parser._actions):
+        add_attach(parser)
+    for name, sub in _subparsers(parser).items():
+        if name not in skip:
+            _attach_everywhere(sub, ())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for dist in ("yieldloop", "yieldloop-server"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return ", ".join(parts)
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed distributions' versions (looked up only when asked, so --help stays instant)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=kwargs.get("help"))
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(_version())
+        parser.exit()
+
+
+def _listing(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON (snake_case keys) for scripts")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
@@ -61,13 +108,24 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     parser = argparse.ArgumentParser(
         prog="yieldloop", description="Self-hosted closed loop from agent evals to RL training data."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action=_Version, help="print the installed versions and exit")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     handlers: dict[str, Any] = {}
 
+    status = commands.add_parser(
+        "status", help="where the running stack is: addresses, OpenAI base URL, HUD settings, key file, logs"
+    )
+    _listing(status)
+
     models = commands.add_parser("models", help="models, checkpoints and heads of a running stack")
-    _add_attach(models)
-    model_commands = models.add_subparsers(dest="models_command", required=True)
-    model_commands.add_parser("list", help="every model, with its base, parent, owner and whether it is trainable")
+    model_commands = models.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
+    listed = model_commands.add_parser(
+        "list", help="every model, with its base, owner and whether it is trainable (--wide: everything)"
+    )
+    _listing(listed)
+    listed.add_argument(
+        "--wide", action="store_true", help="also parent, public, architecture, dtype, chat template and size"
+    )
     imported = model_commands.add_parser(
         "import",
         help="a Hugging Face model (a folder, or a hub id in the local cache: nothing is downloaded) as a new "
@@ -75,8 +133,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     )
     imported.add_argument(
         "source",
-        help="a model folder on this machine (uploaded), or a hub id (org/name) in the "
-        "checkpoint service's Hugging Face cache",
+        help="a model folder on this machine (resolved here, relative to this directory, and uploaded), or a hub "
+        "id (org/name) in the checkpoint service's Hugging Face cache",
     )
     imported.add_argument("--name", required=True, help="the new slug")
     imported.add_argument("--owner", default="", help="the owning team (admin keys; default: the key's team)")
@@ -92,7 +150,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         "step), or with --lora-rank a LoRA fork training adapters only over the source's frozen weights",
     )
     fork.add_argument("source", help="a model slug (its head) or SLUG@CHECKPOINT")
-    fork.add_argument("--name", required=True)
+    fork.add_argument("--name", required=True, help="the new model's slug")
     fork.add_argument("--owner", default="", help="the owning team (admin keys; default: the key's team)")
     fork.add_argument("--lora-rank", type=int, default=None, metavar="R", help="train a LoRA adapter of rank R (> 0)")
     fork.add_argument(
@@ -114,26 +172,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         help="delete a model: its head, checkpoints and the objects no other model uses (refused while "
         "forks depend on it, unless --force)",
     )
-    delete.add_argument("model")
+    delete.add_argument("model", help="the slug to delete")
     delete.add_argument("--force", action="store_true", help="delete even though forks exist (they keep working)")
     checkpoints = model_commands.add_parser("checkpoints", help="a model's checkpoint tree, oldest first (> = HEAD)")
-    checkpoints.add_argument("model")
+    checkpoints.add_argument("model", help="a model slug")
+    _listing(checkpoints)
     discard = model_commands.add_parser(
         "discard-gradients",
         help="forget the gradients accumulated for a model since its last step (every "
         "caller's), e.g. after a step refused as NON_FINITE or HEAD_CONFLICT",
     )
-    discard.add_argument("model")
+    discard.add_argument("model", help="a model slug")
     head = model_commands.add_parser("head", help="show a model's head, or move it with --set (rollback, branch)")
-    head.add_argument("model")
-    head.add_argument("--set", dest="set_to", metavar="CHECKPOINT")
+    head.add_argument("model", help="a model slug")
+    head.add_argument("--set", dest="set_to", metavar="CHECKPOINT", help="move the head to this checkpoint")
     head.add_argument("--expect", default="", metavar="CHECKPOINT", help="only if the head is this (compare-and-swap)")
 
     keys = commands.add_parser("keys", help="API keys of a running stack (needs an admin key)")
-    _add_attach(keys)
-    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    key_commands = keys.add_subparsers(dest="keys_command", metavar="SUBCOMMAND")
     created = key_commands.add_parser("create", help="a new key for a team; printed once, stored only hashed")
-    created.add_argument("--team", required=True)
+    created.add_argument("--team", required=True, help="the team the key acts for")
     created.add_argument(
         "--role",
         required=True,
@@ -142,46 +200,51 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         "train and move the head of the team's models; admin: keys and every model",
     )
     created.add_argument("--name", default="", help="a label for `keys list`")
-    key_commands.add_parser("list", help="every key (never a secret), revoked ones marked")
+    _listing(key_commands.add_parser("list", help="every key (never a secret), revoked ones marked"))
     key_commands.add_parser(
         "mint",
         help="print a new key, offline, for a deployment's Secret (YIELDLOOP_ADMIN_KEY, "
         "YIELDLOOP_SERVICE_KEY: the services register it at start)",
     )
     revoked = key_commands.add_parser("revoke", help="revoke a key: every service refuses it within seconds")
-    revoked.add_argument("key_id")
+    revoked.add_argument("key_id", help="the key's id (`keys list`)")
 
     evaluate = commands.add_parser("eval", help="run a taskset against a model as a job (group rollouts per task)")
-    evaluate.add_argument("tasks", help="taskset: a .py/.json/.jsonl file or module:attr")
+    evaluate.add_argument("tasks", help="taskset: a .py/.json/.jsonl file, file.py:attr or module:attr")
     evaluate.add_argument("model", help="model slug the rollout service serves")
     evaluate.add_argument("--group", type=int, default=8, help="episodes per task (default 8)")
     evaluate.add_argument("--max-concurrent", type=int, default=0, help="episodes in flight at once (0: all)")
     evaluate.add_argument("--max-tokens", type=int, default=16, help="tokens per model turn (default 16)")
-    evaluate.add_argument("--temperature", type=float, default=1.0)
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     evaluate.add_argument("--max-steps", type=int, default=0, help="model turns per episode (0: 8)")
     evaluate.add_argument("--checkpoint", default="", help="sample this checkpoint instead of the head")
     evaluate.add_argument("--name", default="", help="job name")
-    _add_attach(evaluate)
+    _listing(evaluate)
 
-    train = commands.add_parser("train", help="the closed loop from a config file (.toml or .json), on a running stack")
-    train.add_argument("config", type=pathlib.Path)
-    _add_attach(train)
+    train = commands.add_parser(
+        "train", help="the closed loop from a config file (.toml or .json), on a running stack (Ctrl-C stops it)"
+    )
+    train.add_argument("config", type=pathlib.Path, help="the run's config: model, tasksets, steps, loss, ...")
+    train.add_argument(
+        "--resume",
+        default="",
+        metavar="JOB",
+        help="continue an interrupted `yieldloop train` job (same job and run folder) from its model's head",
+    )
 
-    jobs = commands.add_parser("jobs", help="recorded jobs (evals and training sessions), oldest first")
-    _add_attach(jobs)
+    _listing(commands.add_parser("jobs", help="recorded jobs (evals and training sessions), oldest first"))
 
     trace = commands.add_parser(
         "trace",
-        help="print a recorded run (prompt, turns, reward) by trace id, and where its time went when spans were "
-        "recorded",
+        help="print a recorded run (prompt, turns, reward or error) by trace id, and where its time went when "
+        "spans were recorded",
     )
-    trace.add_argument("trace_id")
+    trace.add_argument("trace_id", help="a run's trace id (from export, eval --json or the HUD front)")
     trace.add_argument("--json", action="store_true", help="the run as JSON")
-    _add_attach(trace)
 
     export = commands.add_parser("export", help="write a job's graded runs as RFT JSONL or token-level JSONL/Parquet")
-    export.add_argument("job")
-    export.add_argument("--format", default="jsonl", choices=("jsonl", "parquet"))
+    export.add_argument("job", help="a job id (`yieldloop jobs`)")
+    export.add_argument("--format", default="jsonl", choices=("jsonl", "parquet"), help="file format (default jsonl)")
     export.add_argument(
         "--kind",
         default="",
@@ -190,17 +253,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         "(default: rft for jsonl, tokens for parquet)",
     )
     export.add_argument("--out", type=pathlib.Path, help="output file (default: <job>.<kind>.<format>)")
-    _add_attach(export)
 
     report = commands.add_parser("report", help="write report.png and report.html for a training run")
     report.add_argument("run", help="a run directory, or the job id of a `yieldloop train` run in --attach/runs/")
-    _add_attach(report)
 
     handlers.update(_plugins(commands))
     for name, text in SERVER_COMMANDS.items():
         if name not in handlers:
             commands.add_parser(name, help=f"{text} (needs the server distribution)", add_help=False)
             handlers[name] = _needs_server
+    _attach_everywhere(parser, skip=tuple(SERVER_COMMANDS))
     return parser, handlers
 
 
@@ -242,8 +304,21 @@ def _progress(console: Any) -> Any:
     )
 
 
-async def run_loop(client: Any, config: Any, run_root: pathlib.Path, console: Any, **tasks: Any) -> dict[str, Any]:
-    """Runs the closed loop with a progress bar and per-step lines; writes the report; returns a summary."""
+async def run_loop(
+    client: Any,
+    config: Any,
+    run_root: pathlib.Path,
+    console: Any,
+    resume: str = "",
+    again: str = "",
+    **tasks: Any,
+) -> dict[str, Any]:
+    """Runs the closed loop with a progress bar and per-step lines; writes the report; returns a summary.
+
+    Interrupted (Ctrl-C), it prints one line instead of a traceback: the last committed step, where HEAD is, the
+    report of the steps so far and, when ``again`` (the command that started it) is given, how to continue.
+    """
+    import asyncio
     import time
 
     from yieldloop.loop import Baseline, closed_loop
@@ -251,32 +326,62 @@ async def run_loop(client: Any, config: Any, run_root: pathlib.Path, console: An
 
     baseline: list[Baseline] = []
     steps = []
+    job: list[str] = []
     started = time.perf_counter()
-    with _progress(console) as progress:
-        bar = progress.add_task("training steps", total=config.steps)
-        async for report in closed_loop(client, config, runs_dir=run_root, baseline=baseline, **tasks):
-            if not steps and baseline:
-                progress.console.print(
-                    f"held-out reward of {baseline[0].checkpoint_id}: {baseline[0].heldout_reward:.3f}"
-                )
-            steps.append(report)
-            progress.console.print(report.line(), soft_wrap=True, markup=False)
-            if not report.promoted:
-                progress.console.print(f"  kept unpromoted: {report.reason}", markup=False)
-            if report.warning:
-                progress.console.print(f"  [bold yellow]warning:[/] {report.warning}", soft_wrap=True)
-            progress.advance(bar)
+    try:
+        with _progress(console) as progress:
+            bar = progress.add_task("training steps", total=config.steps)
+            async for report in closed_loop(
+                client, config, runs_dir=run_root, baseline=baseline, resume=resume, on_start=job.append, **tasks
+            ):
+                if not steps and baseline and not resume:
+                    progress.console.print(
+                        f"held-out reward of {baseline[0].checkpoint_id}: {baseline[0].heldout_reward:.3f}"
+                    )
+                steps.append(report)
+                progress.console.print(report.line(), soft_wrap=True, markup=False)
+                if not report.promoted:
+                    progress.console.print(f"  kept unpromoted: {report.reason}", markup=False)
+                if report.warning:
+                    progress.console.print(f"  [bold yellow]warning:[/] {report.warning}", soft_wrap=True)
+                progress.advance(bar)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        if job:
+            await _interrupted(client, config, run_root / job[0], steps, again)
+        raise
     elapsed = time.perf_counter() - started
-    job_id = steps[-1].job_id
-    png, page = write_report(run_root / job_id)
+    png, page = write_report(run_root / job[0])
     return {
         "steps": steps,
         "baseline": baseline[0] if baseline else None,
         "elapsed_s": elapsed,
         "report": page,
         "png": png,
-        "job_id": job_id,
+        "job_id": job[0],
     }
+
+
+async def _interrupted(client: Any, config: Any, run_dir: pathlib.Path, steps: list[Any], again: str) -> None:
+    """The one line a stopped loop leaves: what was committed, where HEAD is, the report, how to go on."""
+    from yieldloop.errors import YieldloopError
+    from yieldloop.report import write_report
+
+    try:
+        head = (await client.get_head(config.model)).checkpoint_id
+    except YieldloopError as err:
+        head = f"unknown ({err.reason})"
+    try:
+        report = str(write_report(run_dir)[1])
+    except (YieldloopError, OSError, ValueError):
+        report = f"none yet ({run_dir})"
+    last = f"step {steps[-1].step} ({steps[-1].checkpoint_id})" if steps else "no step"
+    resume = f"; continue with `{again} --resume {run_dir.name}`" if again else ""
+    print(
+        f"interrupted: {len(steps)} step(s) of this session committed, the last {last}; HEAD of "
+        f"{config.model} is {head}; report: {report}{resume}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def print_summary(console: Any, summary: dict[str, Any], target: float = 0.0) -> None:
@@ -306,9 +411,12 @@ async def _train(args: argparse.Namespace) -> None:
     # Bad task specs and a missing model fail before any work.
     tasks = {"train_tasks": load_tasks(config.train_tasks), "heldout_tasks": load_tasks(config.heldout_tasks)}
     console = Console()
+    again = f"yieldloop train {args.config}" + (f" --attach {args.attach}" if args.attach else "")
     async with _client(args) as client:
         await client.get_head(config.model)
-        summary = await run_loop(client, config, data_dir_of(args.attach) / "runs", console, **tasks)
+        summary = await run_loop(
+            client, config, data_dir_of(args.attach) / "runs", console, resume=args.resume, again=again, **tasks
+        )
     print_summary(console, summary, config.target_heldout_reward)
 
 
@@ -319,11 +427,20 @@ async def _eval(args: argparse.Namespace) -> None:
     from rich.table import Table
 
     from yieldloop.loop import load_tasks
-    from yieldloop.training import Agent, Job, mean_reward, report_groups_without_spread, run_tasks
+    from yieldloop.training import (
+        Agent,
+        Job,
+        failure_message,
+        failure_reason,
+        failures,
+        mean_reward,
+        report_groups_without_spread,
+        run_tasks,
+    )
     from yieldloop.types import RunStatus
 
     tasks = load_tasks(args.tasks)
-    console = Console()
+    console = Console(stderr=args.json)  # --json: stdout is the JSON alone
     async with _client(args) as client:
         job = await Job.start(args.model, args.group, name=args.name or f"eval {args.tasks}", client=client)
         agent = Agent(
@@ -342,20 +459,42 @@ async def _eval(args: argparse.Namespace) -> None:
     by_task: dict[str, list] = collections.defaultdict(list)
     for run in runs:
         by_task[f"{run.task.env}/{run.task.scenario} {run.task.args_json}"].append(run)
-    table = Table("task", "runs", "mean reward", "rewards")
+    rows = []
     for name, task_runs in by_task.items():
-        table.add_row(
-            name,
-            str(len(task_runs)),
-            f"{mean_reward(task_runs):.3f}",
-            " ".join(f"{r.reward:.2f}" if r.status == RunStatus.GRADED else "err" for r in task_runs),
+        failed = [r for r in task_runs if r.status != RunStatus.GRADED]
+        rows.append(
+            {
+                "task": name,
+                "runs": len(task_runs),
+                "graded": len(task_runs) - len(failed),
+                "mean_reward": mean_reward(task_runs),
+                "rewards": [r.reward for r in task_runs if r.status == RunStatus.GRADED],
+                "errors": dict(collections.Counter(failure_reason(r) for r in failed)),
+                "first_error": failure_message(failed[0]) if failed else "",
+            }
         )
-    console.print(table)
     flat = report_groups_without_spread(runs)
+    if args.json:
+        print_json(
+            {"job_id": job.id, "runs": len(runs), "mean_reward": mean_reward(runs), "groups_without_spread": len(flat)}
+            | {"not_graded": sum(r["runs"] - r["graded"] for r in rows), "tasks": rows}
+        )
+        return
+    table = Table("task", "runs", "mean reward", "rewards", "not graded")
+    for row in rows:
+        errors = ", ".join(f"{n} {reason}" for reason, n in row["errors"].items())
+        table.add_row(row["task"], str(row["runs"]), _mean(row["mean_reward"]), histogram(row["rewards"]), errors)
+    console.print(table)
+    for row in rows:
+        if row["first_error"]:
+            console.print(f"{row['task']}: first error: {row['first_error']}", markup=False, soft_wrap=True)
     errors = sum(run.status != RunStatus.GRADED for run in runs)
     console.print(
-        f"job {job.id}: {len(runs)} runs, mean reward {mean_reward(runs):.3f}, "
+        f"job {job.id}: {len(runs)} runs, mean reward {_mean(mean_reward(runs))}, "
         f"{len(flat)} group(s) without reward spread, {errors} not graded"
+        + (f" ({failures(runs).partition(';')[0]})" if errors else ""),
+        markup=False,
+        soft_wrap=True,
     )
     console.print(f"export: yieldloop export {job.id} --format jsonl", markup=False)
 
@@ -368,6 +507,9 @@ async def _jobs(args: argparse.Namespace) -> None:
 
     async with _client(args, timeout=60) as client:
         jobs = await client.list_jobs()
+    if args.json:
+        print_json(jobs)
+        return
     table = Table("job", "name", "model", "group", "runs", "created")
     for job in jobs:
         created = datetime.datetime.fromtimestamp(job.created_time).strftime("%Y-%m-%d %H:%M:%S")
@@ -379,6 +521,7 @@ async def _export(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from yieldloop.export import export_runs
+    from yieldloop.training import failures
 
     console = Console()
     kind = args.kind or ("rft" if args.format == "jsonl" else "tokens")
@@ -387,21 +530,91 @@ async def _export(args: argparse.Namespace) -> None:
         with console.status(f"reading the runs of {args.job}..."):
             runs = [run async for run in client.job_runs(args.job)]
     count = export_runs(runs, out, args.format, kind)
-    console.print(f"wrote {count} graded run(s) of {len(runs)} to {out} ({kind}, {args.format})")
+    console.print(f"wrote {count} graded run(s) of {len(runs)} to {out} ({kind}, {args.format})", markup=False)
+    if count < len(runs):
+        console.print(
+            f"left out {len(runs) - count} run(s) not graded (no reward to train on): {failures(runs)}; "
+            f"see one with `yieldloop trace TRACE_ID`",
+            markup=False,
+            soft_wrap=True,
+        )
+
+
+def _mean(value: float) -> str:
+    """A mean reward for people: "-" when no run was graded."""
+    return "-" if value != value else f"{value:.3f}"
+
+
+def histogram(rewards: list[float]) -> str:
+    """Rewards in a few characters: each value's count when there are few values (binary rewards: "1.00 x5, 0.00
+    x3"), else their spread (min, median, max)."""
+    import statistics
+
+    if not rewards:
+        return "-"
+    values = sorted({round(r, 2) for r in rewards}, reverse=True)
+    if len(values) <= 4:
+        return ", ".join(f"{v:.2f} x{sum(round(r, 2) == v for r in rewards)}" for v in values)
+    return f"min {min(rewards):.2f}, median {statistics.median(rewards):.2f}, max {max(rewards):.2f}"
+
+
+def print_json(value: Any) -> None:
+    """``value`` as JSON on stdout: dataclasses as objects (snake_case fields), enums by name."""
+    import dataclasses
+    import enum
+    import json
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, enum.Enum):
+            return v.name
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, float) and v != v:  # a mean over no graded run: JSON has no NaN
+            return None
+        return v
+
+    print(json.dumps(plain(value), indent=1, allow_nan=False))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from yieldloop.errors import YieldloopError
+    from yieldloop.stackdir import card, render_card
+    from yieldloop.training import data_dir_of
+
+    try:
+        facts = card(data_dir_of(args.attach))
+    except YieldloopError as err:
+        print(f"yieldloop: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print_json(facts)
+    else:
+        print(render_card(facts))
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from yieldloop.errors import YieldloopError
+    from yieldloop.errors import NotFoundError, YieldloopError
     from yieldloop.report import write_report
     from yieldloop.training import data_dir_of
 
-    run_dir = pathlib.Path(args.run)
-    if not run_dir.is_dir():
-        run_dir = data_dir_of(args.attach) / "runs" / args.run
-    if not run_dir.is_dir():
-        print(f"yieldloop: no run directory {args.run!r} (nor {run_dir})", file=sys.stderr)
-        return 1
     try:
+        run_dir = pathlib.Path(args.run)
+        if not run_dir.is_dir():
+            runs = data_dir_of(args.attach) / "runs"
+            run_dir = runs / args.run
+            if not run_dir.is_dir():
+                known = sorted(p.name for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
+                raise NotFoundError(
+                    f"no run folder {args.run!r} (nor {run_dir}); `yieldloop train` runs there: "
+                    f"{', '.join(known[-5:]) or 'none'}",
+                    reason="JOB_NOT_FOUND",
+                    field="run",
+                )
         png, page = write_report(run_dir)
     except YieldloopError as err:
         print(f"yieldloop: {err}", file=sys.stderr)
@@ -432,8 +645,12 @@ async def _keys(args: argparse.Namespace) -> None:
             )
             print(made.api_key)
         elif args.keys_command == "list":
+            listed = await client.list_api_keys()
+            if args.json:
+                print_json(listed)
+                return
             table = Table("key id", "team", "role", "name", "created", "revoked")
-            for key in await client.list_api_keys():
+            for key in listed:
                 when = [
                     datetime.datetime.fromtimestamp(t).isoformat(" ", "seconds") if t else "-"
                     for t in (key.created_time, key.revoked_time)
@@ -452,34 +669,29 @@ async def _models(args: argparse.Namespace) -> None:
     console = Console()
     async with _client(args, timeout=3600 if args.models_command == "import" else 60) as client:
         if args.models_command == "list":
-            table = Table(
-                "model",
-                "base",
-                "parent",
-                "owner",
-                "public",
-                "trainable",
-                "kind",
-                "architecture",
-                "parameters",
-                "dtype",
-                "chat template",
-                "size",
-            )
-            for m in await client.list_models():
-                table.add_row(
-                    m.slug,
-                    m.base,
+            models = await client.list_models()
+            if args.json:
+                print_json(models)
+                return
+            wide = ["parent", "public", "architecture", "dtype", "chat template", "size"] if args.wide else []
+            table = Table("model", "base", "owner", "trainable", "kind", "parameters", *wide)
+            for m in models:
+                more = [
                     m.parent or "-",
-                    m.owner or "-",
                     "yes" if m.public else "no",
-                    "yes" if m.trainable else "no",
-                    m.kind,
                     m.architecture or "-",
-                    f"{m.num_parameters:,}",
                     m.dtype or "-",
                     "yes" if m.has_chat_template else "no",
                     f"{m.size_bytes / 1e6:.3f} MB",
+                ]
+                table.add_row(
+                    m.slug,
+                    m.base,
+                    m.owner or "-",
+                    "yes" if m.trainable else "no",
+                    m.kind,
+                    f"{m.num_parameters:,}",
+                    *(more if args.wide else []),
                 )
             console.print(table)
         elif args.models_command == "import":
@@ -513,8 +725,12 @@ async def _models(args: argparse.Namespace) -> None:
             await client.delete_model(args.model, force=args.force)
             console.print(f"deleted {args.model}", markup=False)
         elif args.models_command == "checkpoints":
+            listed = await client.list_checkpoints(args.model)
+            if args.json:
+                print_json(listed)
+                return
             table = Table("", "checkpoint", "parent", "step", "stored", "promotion")
-            for c in await client.list_checkpoints(args.model):
+            for c in listed:
                 decision = {1: "promoted", 2: "not promoted"}.get(c.promotion.state, "") if c.promotion else ""
                 if c.promotion and c.promotion.reason:
                     decision += f": {c.promotion.reason}"
@@ -544,6 +760,8 @@ async def _trace(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from yieldloop.convert import run_to_pb
+    from yieldloop.training import failure_message, failure_reason
+    from yieldloop.types import RunStatus
 
     async with _client(args, timeout=60) as client:
         [run] = await client.get_runs([args.trace_id])
@@ -561,7 +779,13 @@ async def _trace(args: argparse.Namespace) -> None:
             f"tokens, weights {turn.weight_version}: {turn.completion_text!r}",
             markup=False,
         )
-    console.print(f"answer: {run.answer!r}  reward {run.reward:.3f}  info {run.info_json}", markup=False)
+    if run.status == RunStatus.GRADED:
+        console.print(f"answer: {run.answer!r}  reward {run.reward:.3f}  info {run.info_json}", markup=False)
+    else:
+        console.print(
+            f"answer: {run.answer!r}  status {run.status.name} ({failure_reason(run)}): {failure_message(run)}",
+            markup=False,
+        )
     if spans:
         console.print(span_timeline(spans), markup=False, soft_wrap=True)
     else:
@@ -596,16 +820,40 @@ def span_timeline(spans: list[Any], width: int = 40) -> str:
     return "\n".join(lines)
 
 
-def with_errors(coro: Any) -> int:
-    """Runs a client command; a yieldloop error becomes one line on stderr and exit status 1."""
+def with_errors(coro: Any, attach: pathlib.Path | None = None, suggest: bool = False) -> int:
+    """Runs a client command; a yieldloop error becomes one line on stderr and exit status 1 (with ``suggest``, a
+    model slug that does not exist gets the closest ones the caller may use)."""
     from yieldloop.errors import YieldloopError
 
     try:
         run_async(coro)
     except YieldloopError as err:
-        print(f"yieldloop: {err}", file=sys.stderr)
+        hint = run_async(_did_you_mean(err, attach)) if suggest and err.reason == "MODEL_NOT_FOUND" else ""
+        print(f"yieldloop: {err}{hint}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the command said what it left behind; no traceback
+        return 130
     return 0
+
+
+async def _did_you_mean(err: Any, attach: pathlib.Path | None) -> str:
+    """ "; did you mean 'tiny'?" for the slug a MODEL_NOT_FOUND error quotes: the closest of the models the caller's
+    key may see ("" when none is close or the stack cannot say)."""
+    import difflib
+    import re
+
+    from yieldloop.errors import YieldloopError
+
+    quoted = re.search(r"model '([^']+)'", str(err))
+    if quoted is None:
+        return ""
+    try:
+        async with _client(argparse.Namespace(attach=attach), timeout=10) as client:
+            slugs = [m.slug for m in await client.list_models()]
+    except YieldloopError:
+        return ""
+    close = difflib.get_close_matches(quoted.group(1).partition("@")[0], slugs, n=2, cutoff=0.5)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}? (`yieldloop models list`)" if close else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,11 +861,21 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and handlers.get(args.command) is not _needs_server:  # a stub takes any arguments
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.attach = getattr(args, "attach", None)
+    if args.command is None:  # bare `yieldloop`: what there is to do (as git and docker do)
+        parser.print_help()
+        return 0
+    group = _subparsers(parser)[args.command]
+    if _subparsers(group) and getattr(args, f"{args.command}_command", None) is None:  # `yieldloop models`
+        group.print_help()
+        return 0
     quiet_libraries()
     if args.command in handlers:
         return handlers[args.command](args)
     if args.command == "report":
         return cmd_report(args)
+    if args.command == "status":
+        return cmd_status(args)
     commands = {
         "models": _models,
         "keys": _keys,
@@ -627,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         "jobs": _jobs,
         "export": _export,
     }
-    return with_errors(commands[args.command](args))
+    return with_errors(commands[args.command](args), attach=args.attach, suggest=True)
 
 
 if __name__ == "__main__":

@@ -382,10 +382,8 @@ class HudEnvironment(Environment):
             session: _Session = ctx.state["hud"]
             return await session.mcp.call(name, arguments)
 
-        schema = dict(spec.input_schema or {"type": "object", "properties": {}})
-        schema.setdefault("properties", {})
-        schema.setdefault("required", [])
-        return Tool(name, spec.description or "", call, schema, {"ctx"})
+        schema = hud_agent_schema(spec.input_schema) if spec.input_schema else {"type": "object", "properties": {}}
+        return Tool(name, spec.description or f"Call {name}", call, schema, {"ctx"})
 
     async def _open_session(self, ctx: EpisodeContext) -> None:
         if self.per_episode:
@@ -404,6 +402,36 @@ class HudEnvironment(Environment):
             with contextlib.suppress(Exception):  # the episode ended before its grade: the task is cancelled
                 await asyncio.wait_for(session.control.call("tasks.cancel"), 5.0)
         await session.close()
+
+
+_HUD_SCHEMA_KEYS = ("type", "description", "enum", "required", "default", "minimum", "maximum", "minItems", "maxItems")
+
+
+def hud_agent_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's MCP input schema as the HUD SDK's OpenAI-compatible agent sends it to the model (its
+    ``_sanitize_schema_for_openai``): the keys chat tools take, ``anyOf`` reduced to its first non-null branch,
+    ``prefixItems`` to an array, everything else (titles, ``additionalProperties``, ...) dropped. The model sees
+    the same tool text whether an episode runs through EnvService or through the HUD SDK's own agent, so what it
+    learns on one path holds on the other."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "anyOf" and isinstance(value, list):
+            branches = [b for b in value if isinstance(b, dict) and b.get("type") != "null"]
+            if branches:
+                out.update(hud_agent_schema(branches[0]))
+            else:
+                out["type"] = "string"
+        elif key == "prefixItems" and isinstance(value, list):
+            out["type"] = "array"
+            first = value[0] if value else None
+            out["items"] = {"type": first.get("type", "string") if isinstance(first, dict) else "string"}
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {k: hud_agent_schema(v) for k, v in value.items() if isinstance(v, dict)}
+        elif key == "items" and isinstance(value, dict):
+            out[key] = hud_agent_schema(value)
+        elif key in _HUD_SCHEMA_KEYS:
+            out[key] = value
+    return out or {"type": "object"}
 
 
 def from_spec(spec: str) -> HudEnvironment:

@@ -26,34 +26,37 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import importlib
 import json
 import math
 import pathlib
 import random
 import time
 import tomllib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from yieldloop.client import Client
 from yieldloop.environment import Task
-from yieldloop.errors import InvalidArgumentError
-from yieldloop.training import Agent, Job, mean_reward, off_policy, report_groups_without_spread, run_tasks
-from yieldloop.types import CheckpointSummary, Head, Promotion, PromotionState, Run, RunStatus, TaskRef
+from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from yieldloop.specs import called, load_attr
+from yieldloop.training import Agent, Job, failures, mean_reward, off_policy, report_groups_without_spread, run_tasks
+from yieldloop.types import CheckpointSummary, Head, JobInfo, Promotion, PromotionState, Run, RunStatus, TaskRef
 
 CONFIG_ERROR = "BAD_CONFIG"
 
 
 @dataclasses.dataclass
 class LoopConfig:
-    """A training run, as ``yieldloop train <config.toml|config.json>`` reads it (every key optional)."""
+    """A training run, as ``yieldloop train <config.toml|config.json>`` reads it (every key but ``train_tasks``
+    optional; the demo's are :data:`yieldloop.envs.letters.TASKS`)."""
 
     model: str = "tiny"
-    train_tasks: str = "yieldloop.envs.letters:train_tasks"
-    """Training taskset: a .py/.json/.jsonl file, or ``module:attr`` (a list of tasks or a function)."""
-    heldout_tasks: str = "yieldloop.envs.letters:heldout_tasks"
-    """Held-out taskset for the promotion gate (empty: no gate, every checkpoint is promoted)."""
+    train_tasks: str = ""
+    """Training taskset (required): a .py/.json/.jsonl file, ``file.py:attr`` or ``module:attr`` (a list of tasks
+    or a function returning one)."""
+    heldout_tasks: str = ""
+    """Held-out taskset for the promotion gate, disjoint from the training tasks (empty: no gate, every checkpoint
+    is promoted)."""
     steps: int = 30
     """Optimizer steps at most."""
     target_heldout_reward: float = 0.0
@@ -121,6 +124,12 @@ class LoopConfig:
                     f"{where}: {key} must be {expected.__name__}, got {value!r}", reason=CONFIG_ERROR
                 )
         config = cls(**{k: (float(v) if isinstance(getattr(defaults, k), float) else v) for k, v in raw.items()})
+        if not config.train_tasks:
+            raise InvalidArgumentError(
+                f"{where}: train_tasks is required (a .py/.json/.jsonl file, file.py:attr or module:attr; "
+                f"heldout_tasks, disjoint from it, adds the promotion gate)",
+                reason=CONFIG_ERROR,
+            )
         return config.validate(where)
 
     def validate(self, where: str = "config") -> LoopConfig:
@@ -150,16 +159,11 @@ def load_tasks(spec: str) -> list[Task]:
 
     if not spec:
         return []
-    if pathlib.Path(spec).suffix in (".py", ".json", ".jsonl"):
+    if spec.endswith((".py", ".json", ".jsonl")):
         if not pathlib.Path(spec).is_file():
             raise InvalidArgumentError(f"taskset file {spec} does not exist", reason=CONFIG_ERROR)
         return list(Taskset.load(spec))
-    module_name, _, attr = spec.partition(":")
-    try:
-        value = getattr(importlib.import_module(module_name), attr or "tasks")
-    except (ImportError, AttributeError) as err:
-        raise InvalidArgumentError(f"cannot load tasks {spec!r}: {err}", reason=CONFIG_ERROR) from None
-    tasks = value() if callable(value) else value
+    tasks = called(load_attr(spec, "tasks", prefix="yieldloop_tasks"), spec)
     if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks) or not tasks:
         raise InvalidArgumentError(f"{spec!r} is not a non-empty list of tasks", reason=CONFIG_ERROR)
     return tasks
@@ -217,17 +221,14 @@ class StepReport:
     """Positions the trainer's forwards computed for them: as many packed, more with padding."""
 
     def line(self) -> str:
+        """The step in one line (under 120 characters): rewards, the candidate and the gate's decision, the step's
+        time, how many groups taught nothing and how many runs were off-policy (``steps.jsonl`` has the rest)."""
         mark = "promoted" if self.promoted else "NOT promoted"
+        flat = f"  {self.groups_without_spread} flat group(s)" if self.groups_without_spread else ""
+        stale = f"  off-policy {self.off_policy_runs}/{self.num_runs}" if self.off_policy_runs else ""
         return (
             f"step {self.step:>2}: train {self.train_reward:.3f}  held-out {self.heldout_reward:.3f}  "
-            f"kl {self.kl:.4f}  clip {self.clip_fraction:.3f}  {self.checkpoint_id} {mark}  |  "
-            f"rollout {self.rollout_s:.1f}s  fwd/bwd {self.forward_backward_s:.1f}s  optim+ckpt {self.optim_s:.1f}s  "
-            f"held-out {self.heldout_s:.1f}s  reload {self.reload_s:.1f}s"
-            + (
-                f"  |  off-policy {self.off_policy_runs}/{self.num_runs} runs (<= {self.max_staleness} step)"
-                if self.off_policy_runs
-                else ""
-            )
+            f"kl {self.kl:.4f}  {self.checkpoint_id} {mark}  {self.total_s:.1f}s{flat}{stale}"
         )
 
 
@@ -243,19 +244,33 @@ class Baseline:
 class RunRecorder:
     """Writes a loop's steps, sample trajectories and checkpoint tree under ``run_dir`` for ``yieldloop report``."""
 
-    def __init__(self, run_dir: pathlib.Path, config: LoopConfig, job_id: str) -> None:
+    def __init__(self, run_dir: pathlib.Path, config: LoopConfig, job_id: str, resume: bool = False) -> None:
         self.run_dir = run_dir
+        self.resumed = resume and (run_dir / "steps.jsonl").exists()
+        """Appending to an interrupted run's files (its baseline stays the first one)."""
         run_dir.mkdir(parents=True, exist_ok=True)
+        if self.resumed:
+            return
         meta = {"job_id": job_id, "config": dataclasses.asdict(config), "started": time.time()}
         (run_dir / "run.json").write_text(json.dumps(meta, indent=1) + "\n")
         for name in ("steps.jsonl", "samples.jsonl"):
             (run_dir / name).write_text("")
+
+    def steps_done(self) -> int:
+        """Steps recorded so far (an interrupted run's, when resumed)."""
+        try:
+            rows = [json.loads(line) for line in (self.run_dir / "steps.jsonl").read_text().splitlines() if line]
+        except (OSError, ValueError):
+            return 0
+        return sum("checkpoint_id" in row for row in rows)
 
     def _append(self, name: str, row: dict[str, Any]) -> None:
         with open(self.run_dir / name, "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def baseline(self, baseline: Baseline) -> None:
+        if self.resumed:
+            return
         self._append("steps.jsonl", {"step": 0, **dataclasses.asdict(baseline)})
 
     def step(self, report: StepReport) -> None:
@@ -300,28 +315,57 @@ async def closed_loop(
     heldout_tasks: Sequence[Task] | None = None,
     runs_dir: pathlib.Path | None = None,
     baseline: list[Baseline] | None = None,
+    resume: str = "",
+    on_start: Callable[[str], None] | None = None,
 ) -> AsyncIterator[StepReport]:
     """Runs the loop and yields a report after each step (see the module docstring).
 
     Tasks default to the config's specs; with ``runs_dir`` the run is recorded in ``runs_dir/<job id>/``;
-    ``baseline``, when given, receives the step-0 held-out evaluation.
+    ``baseline``, when given, receives the step-0 held-out evaluation; ``on_start`` is told the job's id before
+    the first rollout. ``resume`` names an interrupted loop's job: this one continues it (the same job and run
+    folder, the steps it had left, from the model's head).
     """
     train = list(train_tasks) if train_tasks is not None else load_tasks(config.train_tasks)
     heldout = list(heldout_tasks) if heldout_tasks is not None else load_tasks(config.heldout_tasks)
     _check_tasks(train, heldout)
-    loop = await _Loop.start(client, config, train, heldout, runs_dir)
+    loop = await _Loop.start(client, config, train, heldout, runs_dir, resume)
+    if on_start is not None:
+        on_start(loop.job.id)
+    done = loop.recorder.steps_done() if loop.recorder is not None and resume else 0
     try:
         if heldout:
             first = await loop.evaluate_start()
             if baseline is not None:
                 baseline.append(first)
-        for step_index in range(1, config.steps + 1):
+        for step_index in range(done + 1, config.steps + 1):
             report = await loop.step(step_index)
             yield report
             if config.target_heldout_reward and heldout and loop.head_score >= config.target_heldout_reward:
                 break
     finally:
         await loop.cancel_batches()
+
+
+def _resumable(jobs: dict[str, JobInfo], job_id: str, config: LoopConfig) -> JobInfo:
+    """The job ``yieldloop train --resume JOB`` continues: a training loop's, of the config's model.
+
+    Raises:
+        NotFoundError: JOB_NOT_FOUND naming the training jobs there are.
+        InvalidArgumentError: BAD_CONFIG when it is not a training loop's job or trained another model.
+    """
+    record = jobs.get(job_id)
+    trained = [j.job_id for j in jobs.values() if '"loop"' in j.metadata_json]
+    if record is None:
+        raise NotFoundError(
+            f"no job {job_id!r} to resume (training jobs: {', '.join(trained[-5:]) or 'none'})", reason="JOB_NOT_FOUND"
+        )
+    if job_id not in trained:
+        raise InvalidArgumentError(f"job {job_id} ({record.name!r}) is not a training loop's", reason=CONFIG_ERROR)
+    if record.model != config.model:
+        raise InvalidArgumentError(
+            f"job {job_id} trained {record.model!r}, the config trains {config.model!r}", reason=CONFIG_ERROR
+        )
+    return record
 
 
 def _check_tasks(train: list[Task], heldout: list[Task]) -> None:
@@ -332,7 +376,10 @@ def _check_tasks(train: list[Task], heldout: list[Task]) -> None:
             reason=CONFIG_ERROR,
         )
     if not train:
-        raise InvalidArgumentError("no training tasks", reason=CONFIG_ERROR)
+        raise InvalidArgumentError(
+            "no training tasks: set train_tasks (a .py/.json/.jsonl file, file.py:attr or module:attr)",
+            reason=CONFIG_ERROR,
+        )
 
 
 @dataclasses.dataclass
@@ -371,18 +418,34 @@ class _Loop:
 
     @classmethod
     async def start(
-        cls, client: Client, config: LoopConfig, train: list[Task], heldout: list[Task], runs_dir: pathlib.Path | None
+        cls,
+        client: Client,
+        config: LoopConfig,
+        train: list[Task],
+        heldout: list[Task],
+        runs_dir: pathlib.Path | None,
+        resume: str = "",
     ) -> _Loop:
-        job = await Job.start(
-            config.model,
-            config.group_size,
-            name=config.name or "train",
-            client=client,
-            metadata={"loop": dataclasses.asdict(config)},
+        jobs = {job.job_id: job for job in await client.list_jobs()} if resume else {}
+        if resume:
+            job = Job(client, _resumable(jobs, resume, config))
+        else:
+            job = await Job.start(
+                config.model,
+                config.group_size,
+                name=config.name or "train",
+                client=client,
+                metadata={"loop": dataclasses.asdict(config)},
+            )
+        heldout_name = f"{job.id}-heldout"
+        earlier = next((j for j in jobs.values() if j.name == heldout_name), None)
+        heldout_job = (
+            Job(client, earlier)
+            if earlier is not None
+            else await Job.start(config.model, config.heldout_group_size, name=heldout_name, client=client)
         )
-        heldout_job = await Job.start(config.model, config.heldout_group_size, name=f"{job.id}-heldout", client=client)
         loop = cls(client, config, train, heldout, job, heldout_job)
-        loop.recorder = RunRecorder(runs_dir / job.id, config, job.id) if runs_dir is not None else None
+        loop.recorder = RunRecorder(runs_dir / job.id, config, job.id, bool(resume)) if runs_dir is not None else None
         loop.head = await client.get_head(config.model)
         loop.heads = [loop.head.checkpoint_id]
         return loop
@@ -429,6 +492,8 @@ class _Loop:
         rolled = time.perf_counter()
         for _ in range(min(config.max_off_policy, config.steps - step_index) - len(self.batches)):
             self.launch()  # the next batches sample while this one trains
+        if not any(run.status == RunStatus.GRADED for run in runs):
+            raise FailedPreconditionError(f"0 of {len(runs)} runs graded: {failures(runs)}", reason="NO_GRADED_RUNS")
         stale = [_staleness(run, self.heads) for run in runs]
         flat = report_groups_without_spread(runs)  # before training: these groups teach nothing
         fb = await client.forward_backward(  # the trainer reads the recorded runs by trace id

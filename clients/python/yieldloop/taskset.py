@@ -9,14 +9,14 @@ scenario on load.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 from collections.abc import Iterable
 from typing import Any
 
 from yieldloop.environment import Environment, Task
-from yieldloop.errors import InvalidArgumentError, YieldloopError
+from yieldloop.errors import InvalidArgumentError
+from yieldloop.specs import called, load_attr
 
 TASKSET_ERROR = "BAD_CONFIG"
 """The reason of every error a malformed taskset file raises (INVALID_ARGUMENT)."""
@@ -102,18 +102,7 @@ class Taskset(list):
 
 def _load_module_tasks(path: pathlib.Path) -> list[Task]:
     """The ``tasks`` a ``.py`` file defines; whatever fails in the user's module is reported as BAD_CONFIG."""
-    spec = importlib.util.spec_from_file_location(f"yieldloop_tasks_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise _bad(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-        tasks = getattr(module, "tasks", None)
-        tasks = tasks() if callable(tasks) else tasks
-    except YieldloopError:
-        raise
-    except Exception as err:  # user code: any failure is the file's, reported in one line
-        raise _bad(f"{path}: {type(err).__name__}: {err}") from None
+    tasks = called(load_attr(str(path), "tasks", prefix="yieldloop_tasks"), str(path))
     if not isinstance(tasks, list) or not all(isinstance(t, Task) for t in tasks):
         raise _bad(f"{path} must define `tasks`: a list of Task (or a function returning one)")
     return tasks

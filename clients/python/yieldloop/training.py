@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from yieldloop.client import SERVICES, Client, sampling_params
-from yieldloop.errors import FailedPreconditionError, NotFoundError, invalid_field
+from yieldloop.errors import NotFoundError, invalid_field
 from yieldloop.groups import check_group_sizes, groups_without_spread
 from yieldloop.transport import TransportConfig
 from yieldloop.types import (
@@ -69,19 +69,9 @@ def stack_addresses(data_dir: str | pathlib.Path | None = None) -> dict[str, str
     from_env = {s: os.environ.get(f"YIELDLOOP_{s.upper()}_ADDRESS", "") for s in SERVICES}
     if all(from_env.values()):
         return from_env
-    folder = data_dir_of(data_dir)
-    addresses = {}
-    for service in SERVICES:
-        ready = folder / "run" / f"{service}.json"
-        try:
-            addresses[service] = json.loads(ready.read_text())["address"]
-        except (OSError, ValueError, KeyError):
-            raise FailedPreconditionError(
-                f"no running stack in {folder.resolve()} ({ready.name} missing): start one with "
-                f"`yieldloop up --data-dir {folder}` or set YIELDLOOP_DATA_DIR",
-                reason="STACK_NOT_RUNNING",
-            ) from None
-    return addresses
+    from yieldloop.stackdir import card
+
+    return card(data_dir_of(data_dir))["addresses"]
 
 
 def stack_api_key(data_dir: str | pathlib.Path | None = None) -> str:
@@ -251,19 +241,51 @@ def graded(runs: Iterable[Run]) -> list[Run]:
     return [run for run in runs if run.status == RunStatus.GRADED]
 
 
+def failure_reason(run: Run) -> str:
+    """Why a run was not graded, as one word: its error's reason (ENVIRONMENT_ERROR, EPISODE_DEADLINE, ...), else
+    its status ("" for a graded run)."""
+    if run.status == RunStatus.GRADED:
+        return ""
+    code_reason, _, _ = run.error.partition(": ")
+    _, slash, reason = code_reason.partition("/")
+    return reason if slash and reason.isupper() else run.status.name
+
+
+def failure_message(run: Run) -> str:
+    """A run's error without its code and reason (they are :func:`failure_reason`)."""
+    code_reason, colon, message = run.error.partition(": ")
+    return message if colon and "/" in code_reason and code_reason.isupper() else run.error
+
+
+def failures(runs: Iterable[Run]) -> str:
+    """The runs that were not graded, for one line: "3 ENVIRONMENT_ERROR, 1 EPISODE_DEADLINE; first: <error>" ("" when
+    every run was graded)."""
+    failed = [run for run in runs if run.status != RunStatus.GRADED]
+    if not failed:
+        return ""
+    counts: dict[str, int] = {}
+    for run in failed:
+        counts[failure_reason(run)] = counts.get(failure_reason(run), 0) + 1
+    by_reason = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return f"{by_reason}; first: {failure_message(failed[0]) or '(no message)'}"
+
+
 def mean_reward(runs: Iterable[Run]) -> float:
     rewards = [run.reward for run in graded(runs)]
     return statistics.fmean(rewards) if rewards else float("nan")
 
 
 def report_groups_without_spread(runs: Sequence[Run | str]) -> dict[str, float]:
-    """Logs a warning naming the groups without reward spread (before they are sent to train) and returns them."""
+    """Logs a warning naming the groups without reward spread (before they are sent to train; logger
+    ``yieldloop.groups``, which the command line, showing their count instead, turns down) and returns them."""
     flat = groups_without_spread(runs)
     if flat:
         tasks = {run.group_id: f"{run.task.scenario}({run.task.args_json})" for run in runs if not isinstance(run, str)}
         shown = ", ".join(f"{tasks[g]} all {r:.2f}" for g, r in list(flat.items())[:4])
         more = f" and {len(flat) - 4} more" if len(flat) > 4 else ""
-        log.warning("%d group(s) without reward spread teach nothing: %s%s", len(flat), shown, more)
+        logging.getLogger("yieldloop.groups").warning(
+            "%d group(s) without reward spread teach nothing: %s%s", len(flat), shown, more
+        )
     return flat
 
 

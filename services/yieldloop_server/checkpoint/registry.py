@@ -148,6 +148,10 @@ class CheckpointRegistry:
                     f"{source!r} is a LoRA fork ({src.lora.describe()}): its forks keep its adapter's "
                     f"config; fork {src.adapter_base_model!r} for another adapter",
                 )
+            if src.lora is None:
+                config = next((o for o in manifest.objects if o.name == "config.json"), None)
+                if config is not None:
+                    lora_files.check_targets(lora.target_modules, self.store.get_bytes(config.key)[0].decode(), source)
         # The fork inherits what the weights are (architecture, size, chat template) from its source.
         info = dataclasses.replace(
             src, slug=name, parent=source, owner=owner, trainable=True, created_time=0.0, public=False

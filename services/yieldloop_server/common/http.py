@@ -1,11 +1,12 @@
 """The services' HTTP servers (aiohttp, in the service's event loop): one way to bind, secure, authenticate and
 answer errors, shared by RolloutService's OpenAI-compatible endpoint and the HUD front.
 
-Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with the HTTP status of the error's
-gRPC code (:attr:`yieldloop.errors.YieldloopError.http_status`: 400 bad request, 401, 403, 404, 409, 429, 503,
-...). The transport's interceptors (auth, tracing) run around every request, as they do around every gRPC call;
-the method they see is the route's pattern (``POST /v1/models/{model}/train/optim-step``), so one table of roles
-(:data:`yieldloop_server.common.auth.METHOD_ROLES`) covers gRPC and HTTP.
+Errors use OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``; FastAPI's ``"detail"`` string too)
+with the HTTP status of the error's gRPC code (:attr:`yieldloop.errors.YieldloopError.http_status`: 400 bad request,
+401, 403, 404, 409, 429, 503, ...). The transport's interceptors (auth, tracing) run around every request, as they
+do around every gRPC call; the method they see is the route's pattern (``POST
+/v1/models/{model}/train/optim-step``), so one table of roles (:data:`yieldloop_server.common.auth.METHOD_ROLES`)
+covers gRPC and HTTP.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def error_response(err: YieldloopError, status: int = 0) -> Any:
     status = status or err.http_status
     kind = _ERROR_TYPES.get(status, "server_error")
     body = {"error": {"message": err.message, "type": kind, "param": err.field or None, "code": err.reason.lower()}}
+    # FastAPI's "detail" too (the HUD SDK shows it as the error's one line): the reason and the message.
+    body["detail"] = f"{err.reason}: {err.message}" + (f" (field {err.field})" if err.field else "")
     return web.json_response(body, status=status)
 
 

@@ -10,6 +10,7 @@ the same on every load.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import pathlib
@@ -39,6 +40,50 @@ def adapter_config(lora: LoraConfig, base: str = "") -> dict[str, Any]:
         "use_rslora": False,
         "use_dora": False,
     }
+
+
+@functools.cache
+def linear_modules(config_json: str) -> frozenset[str]:
+    """The names (last component, as peft's ``target_modules`` match them) of the linear layers of a model with
+    this ``config.json``, built on the meta device (nothing allocated, nothing loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**json.loads(config_json))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return frozenset(
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name != "lm_head"
+    )
+
+
+def check_targets(targets: tuple[str, ...], config_json: str, model: str) -> None:
+    """Every target names a linear layer of the model (peft would fail at the first training step otherwise).
+
+    Raises:
+        InvalidArgumentError: INVALID_FIELD ``lora.target_modules`` naming the model's linear layers and the
+            closest one to each unknown target.
+    """
+    import difflib
+
+    from yieldloop.errors import invalid_field
+
+    if not targets or list(targets) == [ALL_LINEAR]:
+        return
+    try:
+        names = linear_modules(config_json)
+    except Exception:  # an architecture transformers cannot build here: the trainer decides at its first step
+        return
+    for target in targets:
+        if target.rsplit(".", 1)[-1] not in names:
+            close = difflib.get_close_matches(target, sorted(names), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise invalid_field(
+                "lora.target_modules",
+                f"{model} has no linear layer {target!r}{hint}; its linear layers: {', '.join(sorted(names))}",
+            )
 
 
 def init_seed(slug: str) -> int:

@@ -16,9 +16,13 @@ prompts nor an answer of more than four letters: what that task rewards (see
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import pathlib
 import random
 import string
+import tempfile
+from collections.abc import Callable
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -109,12 +113,59 @@ def train_tokenizer(config: TinyModelConfig):
     return fast
 
 
-def create_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig = TinyModelConfig()) -> pathlib.Path:
+def cache_dir() -> pathlib.Path:
+    """Where models built on this machine are kept: $YIELDLOOP_CACHE_DIR, else $XDG_CACHE_HOME/yieldloop, else
+    ~/.cache/yieldloop."""
+    if os.environ.get("YIELDLOOP_CACHE_DIR"):
+        return pathlib.Path(os.environ["YIELDLOOP_CACHE_DIR"])
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "yieldloop"
+
+
+def recipe_key(config: TinyModelConfig) -> str:
+    """What the built model depends on: this module's code, the config, and the versions of the libraries that
+    build it (a change to any of them builds it again)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    recipe = [pathlib.Path(__file__).read_text(), repr(config), torch.__version__, transformers.__version__]
+    recipe.append(tokenizers.__version__)
+    return hashlib.sha256("\n".join(recipe).encode()).hexdigest()[:16]
+
+
+def cached_tiny_model(
+    config: TinyModelConfig = TinyModelConfig(), progress: Callable[[str], None] = lambda line: None
+) -> pathlib.Path:
+    """The tiny model's folder in this machine's cache (:func:`cache_dir`), built there the first time (saying
+    what it does through ``progress``) and reused by every data directory afterwards; a build interrupted halfway
+    leaves nothing behind."""
+    folder = cache_dir() / f"tiny-{recipe_key(config)}"
+    if (folder / "config.json").exists():
+        progress(f"the built-in tiny model from this machine's cache ({folder})")
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".building-") as tmp:
+        progress(f"creating the built-in tiny model (once per machine; cached in {folder})")
+        built = create_tiny_model(pathlib.Path(tmp) / "model", config, progress)
+        try:
+            os.rename(built, folder)  # whole or not at all; another process that built it first wins
+        except OSError:
+            if not (folder / "config.json").exists():
+                raise
+    return folder
+
+
+def create_tiny_model(
+    out_dir: str | pathlib.Path,
+    config: TinyModelConfig = TinyModelConfig(),
+    progress: Callable[[str], None] = lambda line: None,
+) -> pathlib.Path:
     """Writes tokenizer + randomly initialised Qwen2 weights to ``out_dir`` (HF format)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = pathlib.Path(out_dir)
+    progress("  training its tokenizer")
     tokenizer = train_tokenizer(config)
     model_config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -134,7 +185,7 @@ def create_tiny_model(out_dir: str | pathlib.Path, config: TinyModelConfig = Tin
     torch.manual_seed(config.seed)
     model = Qwen2ForCausalLM(model_config)
     if config.warmup_steps:
-        warm_up(model, tokenizer, config)
+        warm_up(model, tokenizer, config, progress=progress)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
@@ -171,14 +222,23 @@ def warmup_examples(tokenizer, rng: random.Random, count: int) -> list[tuple[lis
     return examples
 
 
-def warm_up(model, tokenizer, config: TinyModelConfig, batch_size: int = 32, learning_rate: float = 3e-3) -> None:
+def warm_up(
+    model,
+    tokenizer,
+    config: TinyModelConfig,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    progress: Callable[[str], None] = lambda line: None,
+) -> None:
     """Brief supervised training on echo exchanges (answer tokens only), in place."""
     import torch
 
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     model.train()
-    for _ in range(config.warmup_steps):
+    for step in range(config.warmup_steps):
+        if step % 50 == 0:
+            progress(f"  warming it up: step {step} of {config.warmup_steps}")
         batch = warmup_examples(tokenizer, rng, batch_size)
         width = max(len(ids) for ids, _ in batch)
         inputs = torch.full((batch_size, width), tokenizer.pad_token_id)

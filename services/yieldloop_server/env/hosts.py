@@ -32,5 +32,7 @@ def create_host(env_specs: tuple[str, ...], config: HostConfig) -> EpisodeHost:
     if config.type == "inprocess":
         return InProcessHost([load_environment(spec) for spec in env_specs])
     if config.type == "workers":
+        for spec in env_specs:  # a broken file is one line here, before any worker starts
+            load_environment(spec)
         return WorkerPoolHost(env_specs, config.num_workers, config.hang_timeout_s)
     raise ValueError(f"unknown host type {config.type!r}")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import pathlib
-
 from yieldloop.environment import Environment
+from yieldloop.errors import InvalidArgumentError
+from yieldloop.specs import SPEC_ERROR, load_attr
 
 
 def load_environment(spec: str) -> Environment:
@@ -16,18 +14,9 @@ def load_environment(spec: str) -> Environment:
         from yieldloop.hud import from_spec
 
         return from_spec(spec)
-    target, _, attr = spec.partition(":")
-    attr = attr or "env"
-    if target.endswith(".py"):
-        path = pathlib.Path(target).resolve()
-        module_spec = importlib.util.spec_from_file_location(f"yieldloop_env_{path.stem}", path)
-        if module_spec is None or module_spec.loader is None:
-            raise ValueError(f"cannot load environment file {path}")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    env = getattr(module, attr, None)
+    env = load_attr(spec, "env", prefix="yieldloop_env")
     if not isinstance(env, Environment):
-        raise ValueError(f"{spec!r} does not name an Environment (found {type(env).__name__})")
+        raise InvalidArgumentError(
+            f"{spec!r} does not name an Environment (found {type(env).__name__})", reason=SPEC_ERROR, field="env_spec"
+        )
     return env

@@ -64,8 +64,14 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
     from yieldloop_server.env.loader import load_environment
 
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    host = InProcessHost([load_environment(spec) for spec in env_specs])
-    await host.start()
+    try:
+        host = InProcessHost([load_environment(spec) for spec in env_specs])
+        await host.start()
+    except Exception as err:  # said to the service (which reports it) before this process goes
+        writer.write(_frame(("error", as_yieldloop_error(err).to_wire())))
+        await writer.drain()
+        await close_stream(writer)
+        return
     writer.write(_frame(("ready", host.envs)))
     in_flight: dict[str, set[asyncio.Task]] = {}
     tasks: set[asyncio.Task] = set()
@@ -181,12 +187,17 @@ class WorkerPoolHost(EpisodeHost):
         child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent)
         try:
-            kind, self.envs = await asyncio.wait_for(_read_frame(reader), self.ready_timeout_s)
+            kind, payload = await asyncio.wait_for(_read_frame(reader), self.ready_timeout_s)
         except (asyncio.IncompleteReadError, TimeoutError) as err:
+            await asyncio.to_thread(process.join, 2)  # its traceback reaches env.log before it is killed
             process.kill()
             writer.close()
-            raise RuntimeError(f"environment worker {index} failed to start ({err!r}); see its stderr") from None
-        assert kind == "ready"
+            raise RuntimeError(f"environment worker {index} failed to start ({err!r}); see env.log") from None
+        if kind == "error":
+            await asyncio.to_thread(process.join, 5)
+            writer.close()
+            raise error_from_wire(payload)
+        self.envs = payload
         worker = _Worker(index, process, writer)
         worker.reader_task = asyncio.get_running_loop().create_task(self._read_replies(worker, reader))
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_death, worker, "the process exited")

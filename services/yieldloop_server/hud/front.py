@@ -104,15 +104,21 @@ class HudFront(http.HttpServer):
 
 
 def hud_settings(base_url: str, api_key: str, ca_file: str = "") -> dict[str, str]:
-    """The HUD SDK's settings that point it at the front at ``base_url``: its four base URLs (the telemetry one
-    too, or the SDK would upload its spans to HUD's cloud) and the key it sends (``none`` for a stack without
-    auth; the SDK needs one), plus the stack's CA for https."""
+    """The HUD SDK's settings that point it at the front at ``base_url``: every base URL it has (the telemetry one
+    too, or the SDK would upload its spans to HUD's cloud; the web and runtime ones, which it would otherwise
+    reach for a login or a tunnel), the key it sends (``none`` for a stack without auth; the SDK needs one), its
+    CLI's analytics and version check off, plus the stack's CA for https."""
     settings = {
         "HUD_API_URL": base_url,
         "HUD_RL_URL": base_url,
         "HUD_GATEWAY_URL": f"{base_url}/v1",
         "HUD_TELEMETRY_URL": f"{base_url}/v3/api",
+        "HUD_WEB_URL": base_url,
+        "HUD_RUNTIME_URL": base_url,
         "HUD_API_KEY": api_key or "none",
+        # Nothing else leaves the machine: the CLI's usage analytics and its check for a newer release on PyPI.
+        "HUD_CLI_ANALYTICS_ENABLED": "false",
+        "HUD_SKIP_VERSION_CHECK": "1",
     }
     if ca_file:
         settings["SSL_CERT_FILE"] = ca_file

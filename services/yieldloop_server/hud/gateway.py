@@ -62,6 +62,11 @@ class Gateway(Contract):
             body = json_object(await read_json(request, self.transport.http_body_timeout_s))
             trace_id = request.headers.get("Trace-Id", "")
             trace = await self.traces.trace(trace_id, self.caller(request)) if trace_id else None
+            if trace is not None:
+                # A trace's sample needs its token ids and logprobs, asked for or not (an agent that forgot
+                # `return_token_ids` still trains); the extra fields in the answer are ignored by any client.
+                body = {**body, "return_token_ids": True, "logprobs": True}
+                trace.prompt = trace.prompt or _prompt_text(body.get("messages"))
         except BodyTimeout as err:
             return timeout_response(err)
         except YieldloopError as err:
@@ -122,6 +127,18 @@ class Gateway(Contract):
             if body.get("model") and not trace.model:
                 trace.model = body["model"]
         return web.Response(body=data, status=status, content_type="application/json")
+
+
+def _prompt_text(messages: Any) -> str:
+    """The text of the last user message of a chat request ("" when there is none)."""
+    for message in reversed(messages if isinstance(messages, list) else []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
 
 
 def _sample(answer: dict[str, Any]) -> Turn:

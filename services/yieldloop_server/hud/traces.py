@@ -42,6 +42,8 @@ class OpenTrace:
     group_id: str = ""
     task_slug: str = ""
     model: str = ""
+    prompt: str = ""
+    """The first request's prompt: the text of its last user message (``trace`` and ``export`` show it)."""
     samples: list[Turn] = dataclasses.field(default_factory=list)
     opened: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -170,6 +172,7 @@ class Traces(Contract):
         run = Run(
             task=TaskRef(scenario=trace.task_slug),
             group_id=trace.group_id,
+            prompt=trace.prompt,
             turns=trace.samples,
             reward=reward,
             info_json=json.dumps(info, default=str),

@@ -22,11 +22,13 @@ FORWARDS = 256
 
 @dataclasses.dataclass
 class _Forward:
-    """A forward pass kept for its backward: the datums scored, for which model and team."""
+    """A forward pass kept for its backward: the datums scored, for which model and team, and their runs'
+    rewards."""
 
     model: str
     team: str
     datums: list[Datum]
+    rewards: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -127,10 +129,13 @@ class Training(Contract):
             raise invalid_field("loss_fn_config", "loss_fn_config must be an object of numbers")
         config = {k: number(v, f"loss_fn_config.{k}") for k, v in config.items()}
         substeps = body.get("num_substeps", 1)
-        if isinstance(substeps, bool) or not isinstance(substeps, int) or not 1 <= substeps <= len(runs) // size:
-            raise invalid_field("num_substeps", "num_substeps must be an integer from 1 to the number of groups")
-        # Substeps split the batch at group boundaries into passes that accumulate the same gradient in less memory.
+        if isinstance(substeps, bool) or not isinstance(substeps, int) or substeps < 1:
+            raise invalid_field("num_substeps", "num_substeps must be an integer >= 1")
+        # As HUD documents it: the batch split for gradient accumulation (the same gradient, in passes that need less
+        # memory). The split is at group boundaries, so advantages are normalised over whole groups: more substeps
+        # than groups are as many passes as groups.
         groups = [runs[i : i + size] for i in range(0, len(runs), size)]
+        substeps = min(substeps, len(groups))
         totals: collections.Counter[str] = collections.Counter()
         num_datums = 0
         for part in range(substeps):
@@ -166,7 +171,9 @@ class Training(Contract):
         runs, size = await self._runs(body.get("inputs"), body.get("group_size"), body.get("reward_scale"), client)
         scored = await client.forward_scored(runs=runs, model=model)
         forward_id = uuid.uuid4().hex
-        self._forwards[forward_id] = _Forward(model, self.team(), [datum for datum, _ in scored])
+        self._forwards[forward_id] = _Forward(
+            model, self.team(), [datum for datum, _ in scored], [run.reward for run in runs]
+        )
         while len(self._forwards) > FORWARDS:
             self._forwards.popitem(last=False)
         grouped = body.get("group_size") is not None
@@ -219,6 +226,12 @@ class Training(Contract):
             raise invalid_field("metrics", "metrics must be an object of numbers")
         response = await client.backward(datums, model=model)
         del self._forwards[forward_id]
+        stats = self._stats.setdefault(model, _StepStats())  # a custom loss's step records what it trained on too
+        stats.loss_fn = "custom"
+        stats.num_traces += len(forward.rewards)
+        stats.num_datums += response.num_datums
+        stats.num_tokens += response.num_tokens
+        stats.rewards += forward.rewards
         return {
             "metrics": finite_metrics({**metrics, "num_tokens": response.num_tokens}),
             "num_datums": response.num_datums,

@@ -21,6 +21,7 @@ markers; both are still read.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import struct
@@ -121,21 +122,31 @@ class TraceStore:
         self, job_id: str, model: str, team: str = "", *, name: str = "", group_size: int = 0, metadata_json: str = ""
     ) -> JobInfo:
         """The job ``job_id``, recorded as a job of ``model`` by ``team`` unless it exists (rollouts name their
-        job freely)."""
+        job freely). A job opened before its model was known (the HUD SDK's ``Job.start``) takes the model of its
+        first recorded run."""
         try:
-            return self._read_job(job_id)
+            job = self._read_job(job_id)
         except NotFoundError:
-            self.create_job(
-                JobInfo(
-                    job_id=job_id,
-                    model=model,
-                    name=name or job_id,
-                    team=team,
-                    group_size=group_size,
-                    metadata_json=metadata_json,
-                )
+            pass
+        else:
+            if model and not job.model:
+                data, etag = self.store.get_bytes(f"jobs/{job_id}/job.json")
+                record = {**json.loads(data), "model": model}
+                with contextlib.suppress(PreconditionFailed):  # another run named it meanwhile: either is right
+                    self.store.put_bytes(f"jobs/{job_id}/job.json", json.dumps(record).encode(), if_match=etag)
+                job = self._read_job(job_id)
+            return job
+        self.create_job(
+            JobInfo(
+                job_id=job_id,
+                model=model,
+                name=name or job_id,
+                team=team,
+                group_size=group_size,
+                metadata_json=metadata_json,
             )
-            return self._read_job(job_id)
+        )
+        return self._read_job(job_id)
 
     def _read_job(self, job_id: str) -> JobInfo:
         try:

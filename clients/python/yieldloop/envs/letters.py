@@ -48,6 +48,10 @@ def tasks(letters: str = LETTERS) -> list:
     return [repeat.task(letter=c) for c in letters]
 
 
+TASKS = {"train_tasks": f"{__name__}:train_tasks", "heldout_tasks": f"{__name__}:heldout_tasks"}
+"""The demo's tasksets, as a loop config names them: ``LoopConfig(**TASKS)``."""
+
+
 def train_tasks() -> list:
     """The training tasks (letters a-p)."""
     return tasks(TRAIN_LETTERS)

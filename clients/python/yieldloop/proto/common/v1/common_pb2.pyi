@@ -101,6 +101,10 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_SPACE: _ClassVar[ErrorReason]
     REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
     IMPORT_PATH_REFUSED: _ClassVar[ErrorReason]
+    SERVICE_FAILED: _ClassVar[ErrorReason]
+    STACK_LOCKED: _ClassVar[ErrorReason]
+    PORT_IN_USE: _ClassVar[ErrorReason]
+    NO_GRADED_RUNS: _ClassVar[ErrorReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_LENGTH: StopReason
@@ -181,6 +185,10 @@ TRACE_ALREADY_RECORDED: ErrorReason
 NO_SPACE: ErrorReason
 REQUEST_TOO_LARGE: ErrorReason
 IMPORT_PATH_REFUSED: ErrorReason
+SERVICE_FAILED: ErrorReason
+STACK_LOCKED: ErrorReason
+PORT_IN_USE: ErrorReason
+NO_GRADED_RUNS: ErrorReason
 
 class Task(_message.Message):
     __slots__ = ("env", "scenario", "args_json", "task_id")
