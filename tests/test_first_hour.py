@@ -17,28 +17,9 @@ import time
 import pytest
 from up_harness import YIELDLOOP
 
-ENV_FILE = '''
-from yieldloop import Environment, Grade
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
-env = Environment("shop")
-PRICES = {"apple": 3, "pear": 5, "plum": 2, "fig": 7, "kiwi": 4, "lime": 6}
-
-
-@env.tool()
-def price(item: str) -> int:
-    """The price of an item in the shop.
-
-    Args:
-        item: The item's name.
-    """
-    return PRICES[item]
-
-
-@env.scenario()
-async def quote(item: str):
-    answer = yield f"What does a {item} cost?"
-    yield Grade(1.0 if str(PRICES[item]) in answer else 0.0)
-
+BROKEN_GRADERS = """
 
 @env.scenario()
 async def too_generous(item: str):
@@ -57,10 +38,14 @@ async def forgets(item: str):
     yield f"Name a {item}."  # no second yield
 
 
-train = [quote.task(item=item) for item in ("apple", "pear", "kiwi", "lime")]
-heldout = [quote.task(item=item) for item in ("plum", "fig")]
 broken = [too_generous.task(item="apple"), crashes.task(item="pear"), forgets.task(item="plum")]
-'''
+"""
+
+
+def walkthrough_env() -> str:
+    """The README walkthrough's `my_env.py`, as a newcomer copies it (plus three graders that go wrong)."""
+    section = (REPO / "README.md").read_text().split("## Your own environment and model, from an empty folder")[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1) + BROKEN_GRADERS
 
 
 def yl(folder: pathlib.Path, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
@@ -101,13 +86,13 @@ def project(tmp_path_factory: pytest.TempPathFactory):
 
     folder = tmp_path_factory.mktemp("newcomer")
     build_llama(folder / "my-model")
-    (folder / "my_env.py").write_text(ENV_FILE)
+    (folder / "my_env.py").write_text(walkthrough_env())
     (folder / "broken_env.py").write_text("from yieldloop import Environment\nenv = Environment('x'\n")
 
     # Mistake: a syntax error in the environment file. One line naming file:line, exit 1, nothing left running.
     broken = yl(folder, "up", "--env-spec", "broken_env.py:env", "--model", "./my-model", timeout=600)
     line = one_line(broken, "env failed to start", "broken_env.py:2: SyntaxError", "SERVICE_FAILED")
-    assert "logs/env.log" in line
+    assert "logs/env.log" in line and "broken_env.py:2: SyntaxError" in (folder / ".yieldloop/logs/env.log").read_text()
     assert not list((folder / ".yieldloop" / "run").glob("*.json"))
     missing = yl(folder, "up", "--env-spec", "nowhere.py:env", "--model", "./my-model", timeout=600)
     one_line(missing, "nowhere.py: no such file")
@@ -146,6 +131,7 @@ def test_the_first_hour(project) -> None:
     assert facts["openai_base_url"] == "http://127.0.0.1:7745/v1" and facts["pid"] == process.pid
     ready = json.loads((data_dir / "run" / "rollout.json").read_text())
     assert ready["http_port"] == 7745 and ready["pid"] > 0 and "started" in ready
+    assert ready["openai_base_url"] == facts["openai_base_url"]
 
     # Mistake: a second `up` on the same data directory. Refused, naming who holds it; the first one is unharmed.
     second = yl(folder, "up", "--base-port", "0", timeout=120)

@@ -74,6 +74,18 @@ async def test_training_routes_validate_strictly_and_answer_typed(stack, client:
         assert status == 400 and error["error"]["param"] == field, (body, error)
     status, error = await request(stack, "POST", f"{base}/forward-backward", key, {"inputs": inputs, "loss_fn": "nope"})
     assert status == 400 and error["error"]["code"] == "loss_unknown"
+    # FastAPI's "detail" too: the HUD SDK's HudRequestError shows it as its one line ("Request failed: ...").
+    assert error["detail"].startswith("LOSS_UNKNOWN: ") and error["error"]["message"] in error["detail"]
+    status, error = await request(stack, "GET", f"{base}/losses", "yl_wrong_key")
+    assert status == 401 and error["detail"].startswith("API_KEY_INVALID: ") and len(error["detail"]) < 200
+    # num_substeps as HUD documents it (>= 1, the batch split for gradient accumulation): more than the groups
+    # are as many passes as groups.
+    status, split = await request(
+        stack, "POST", f"{base}/forward-backward", key, {"inputs": inputs, "group_size": 1, "num_substeps": 5}
+    )
+    assert status == 200 and split["num_datums"] == 2
+    status, error = await request(stack, "POST", f"{base}/forward-backward", key, {"inputs": inputs, "num_substeps": 0})
+    assert status == 400 and error["error"]["param"] == "num_substeps"
     status, error = await request(stack, "POST", f"{base}/forward-backward", key, {"inputs": ["0" * 32, "1" * 32]})
     assert status == 404 and error["error"]["code"] == "trace_not_found"
 
@@ -107,7 +119,8 @@ async def test_training_routes_validate_strictly_and_answer_typed(stack, client:
 
     status, rows = await request(stack, "GET", "/v2/models/hud-front-model/checkpoints", key)
     assert [row["id"] for row in rows] == ["base", step["checkpoint_id"]]
-    assert rows[1]["is_active"] and rows[1]["num_traces"] == 2 and rows[1]["mean_reward"] == 0.5
+    # The step trained the two forward-backwards' trajectories and the custom loss's (forward + backward): 3 x 2.
+    assert rows[1]["is_active"] and rows[1]["num_traces"] == 6 and rows[1]["mean_reward"] == 0.5
     status, moved = await request(stack, "PUT", "/v2/models/hud-front-model/head", key, {"checkpoint_id": "base"})
     assert status == 200 and (await client.get_head("hud-front-model")).checkpoint_id == "base"
     status, error = await request(stack, "PUT", "/v2/models/hud-front-model/head", key, {"checkpoint_id": "nope"})
@@ -174,11 +187,14 @@ async def test_gateway_records_samples_under_the_trace_id(stack, client: Client)
     trace's samples, and a continued turn (prompt_token_ids + continuation_from) extends the previous one."""
     trace_id = "cd" * 16
     key = stack.api_key
+    status, _ = await request(stack, "POST", "/v2/trace/job/hud-front-job/enter", key, {"name": "gateway", "group": 1})
+    assert status == 200
+    status, _ = await request(stack, "POST", f"/v2/trace/{trace_id}/enter", key, {"job_id": "hud-front-job"})
+    assert status == 200
     messages = [{"role": "user", "content": [{"type": "text", "text": "Say a."}]}]
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}", "Trace-Id": trace_id}) as http:
-        async with http.post(
-            stack.hud_url + "/v1/chat/completions",
-            json={"model": "tiny", "messages": messages, "max_tokens": 3, "logprobs": True, "return_token_ids": True},
+        async with http.post(  # an agent that forgot return_token_ids and logprobs: the trace still gets them
+            stack.hud_url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 3}
         ) as response:
             assert response.status == 200
             first = (await response.json())["choices"][0]
@@ -207,6 +223,11 @@ async def test_gateway_records_samples_under_the_trace_id(stack, client: Client)
     assert [t.prompt_token_ids for t in run.turns] == [first["prompt_token_ids"], second["prompt_token_ids"]]
     assert run.turns[1].completion_token_ids == second["token_ids"]
     assert run.turns[0].weight_version == "base"
+    assert len(run.turns[0].completion_logprobs) == len(first["token_ids"])
+    # What `trace`, `export` and `jobs` show of it: its prompt, and the job's model (opened before it was known).
+    assert run.prompt == "Say a." and run.model == "tiny"
+    jobs = {job.job_id: job for job in await client.list_jobs()}
+    assert jobs["hud-front-job"].model == "tiny"
 
 
 async def test_trace_ids_are_owned_like_runs(stack, client: Client) -> None:

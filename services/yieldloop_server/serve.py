@@ -148,7 +148,11 @@ async def serve(opts: ServeOptions) -> None:
 
 def write_ready_file(path: pathlib.Path, address: str, tls: bool = False, metrics: str = "", **ports: int) -> None:
     """Atomically records a started service's address (whether it speaks TLS, where it serves metrics, the other
-    ports it serves)."""
+    ports it serves, and the OpenAI base URL when it serves one), with the process that serves them."""
     from yieldloop.stackdir import me
 
-    write_file_atomically(path, json.dumps({"address": address, **me(), "tls": tls, "metrics": metrics, **ports}))
+    urls = {}
+    if ports.get("http_port"):
+        urls["openai_base_url"] = f"{'https' if tls else 'http'}://{address.rsplit(':', 1)[0]}:{ports['http_port']}/v1"
+    record = {"address": address, **me(), "tls": tls, "metrics": metrics, **ports, **urls}
+    write_file_atomically(path, json.dumps(record))

@@ -138,7 +138,11 @@ class ServiceProcess:
                 with contextlib.suppress(ProcessLookupError):  # not left running beside the next attempt
                     process.kill()
                 await process.wait()
-                raise TimeoutError(f"{self.service} not ready after {self.ready_timeout_s}s")
+                raise ServiceFailedError(
+                    f"{self.service} not ready after {self.ready_timeout_s:g}s; its log ends: "
+                    f"{last_error(self.log_path, log_start)} (log: {self.log_path})",
+                    reason="SERVICE_FAILED",
+                )
             await asyncio.sleep(0.1)
         ready = json.loads(ready_file.read_text())
         self.address = ready["address"]
@@ -163,7 +167,7 @@ class ServiceProcess:
                     return
                 try:
                     await self._spawn()
-                except (ServiceFailedError, TimeoutError, OSError) as err:
+                except (ServiceFailedError, OSError) as err:
                     log.warning("restarting %s failed: %s", self.service, err)
                     continue
                 self.restarts += 1

@@ -831,6 +831,9 @@ def with_errors(coro: Any, attach: pathlib.Path | None = None, suggest: bool = F
         hint = run_async(_did_you_mean(err, attach)) if suggest and err.reason == "MODEL_NOT_FOUND" else ""
         print(f"yieldloop: {err}{hint}", file=sys.stderr)
         return 1
+    except OSError as err:  # the machine's answer (a file not writable, a disk full): one line too
+        print(f"yieldloop: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: the command said what it left behind; no traceback
         return 130
     return 0

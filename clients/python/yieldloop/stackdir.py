@@ -155,7 +155,8 @@ def card(data_dir: pathlib.Path) -> dict[str, Any]:
         "pid": lock.get("pid") if lock else None,
         "since": lock.get("since") if lock else None,
         "addresses": {s: (readies[s] or {})["address"] for s in SERVICES},
-        "openai_base_url": f"{scheme}://{host}:{rollout['http_port']}/v1" if rollout.get("http_port") else "",
+        "openai_base_url": rollout.get("openai_base_url")
+        or (f"{scheme}://{host}:{rollout['http_port']}/v1" if rollout.get("http_port") else ""),
         "hud_url": (hud["address"] if "://" in hud["address"] else f"{scheme}://{hud['address']}") if hud else "",
         "hud_env": str(data_dir / "run" / "hud.env") if hud else "",
         "api_key_file": str(key_file) if key_file.exists() else "",
