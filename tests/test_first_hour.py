@@ -159,6 +159,12 @@ def test_the_first_hour(project) -> None:
     assert "shop-lora" not in yl(folder, "models", "list").stdout
     forked = yl(folder, "models", "fork", "my-model", "--name", "shop-agent")
     assert forked.returncode == 0 and "shop-agent at base" in forked.stdout, forked.stderr
+    # A relative folder is the client's (read here and uploaded), wherever the services run.
+    (folder / "elsewhere").mkdir()
+    copied = yl(
+        folder / "elsewhere", "models", "import", "../my-model", "--name", "my-copy", "--attach", "../.yieldloop"
+    )
+    assert copied.returncode == 0 and "imported ../my-model as my-copy: LlamaForCausalLM" in copied.stdout
     misspelt = yl(folder, "eval", "my_env.py:heldout", "shop-agnet", "--group", "2")
     one_line(misspelt, "MODEL_NOT_FOUND", "did you mean 'shop-agent'")
 
@@ -224,6 +230,11 @@ def test_the_first_hour(project) -> None:
     resumed = yl(folder, "train", "train.toml", "--resume", job, timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"job {job}; report" in resumed.stdout
+    # One line a step that fits the terminal; groups without reward spread are a count in it, not a warning each.
+    step_lines = [line for line in resumed.stdout.splitlines() if line.startswith("step")]
+    done = int(re.search(r"interrupted: (\d+) step\(s\) of this job committed", said).group(1))
+    assert len(step_lines) == 3 - done and all(len(line) <= 120 for line in step_lines), (said, step_lines)
+    assert "without reward spread" not in resumed.stderr and "flat group(s)" in resumed.stdout + first
     steps = [
         json.loads(line) for line in (folder / ".yieldloop" / "runs" / job / "steps.jsonl").read_text().splitlines()
     ]

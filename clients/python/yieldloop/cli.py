@@ -13,6 +13,7 @@ command imports what it needs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import sys
@@ -28,11 +29,7 @@ SERVER_COMMANDS = {
 
 
 def quiet_libraries() -> None:
-    """No hub access and no download/progress chatter from the ML libraries; no per-group warnings (the commands
-    print how many groups had no reward spread)."""
-    import logging
-
-    logging.getLogger("yieldloop.groups").setLevel(logging.ERROR)
+    """No hub access and no download/progress chatter from the ML libraries."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -291,6 +288,20 @@ def _client(args: argparse.Namespace, timeout: float = 300.0) -> Any:
     return connect(args.attach, timeout=timeout)
 
 
+@contextlib.contextmanager
+def _group_counts_only() -> Any:
+    """While a command prints how many groups had no reward spread, the per-group warnings stay quiet."""
+    import logging
+
+    logger = logging.getLogger("yieldloop.groups")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _progress(console: Any) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -329,7 +340,7 @@ async def run_loop(
     job: list[str] = []
     started = time.perf_counter()
     try:
-        with _progress(console) as progress:
+        with _progress(console) as progress, _group_counts_only():
             bar = progress.add_task("training steps", total=config.steps)
             async for report in closed_loop(
                 client, config, runs_dir=run_root, baseline=baseline, resume=resume, on_start=job.append, **tasks
@@ -347,7 +358,7 @@ async def run_loop(
                 progress.advance(bar)
     except (asyncio.CancelledError, KeyboardInterrupt):
         if job:
-            await _interrupted(client, config, run_root / job[0], steps, again)
+            await _interrupted(client, config, run_root / job[0], again)
         raise
     elapsed = time.perf_counter() - started
     png, page = write_report(run_root / job[0])
@@ -361,9 +372,11 @@ async def run_loop(
     }
 
 
-async def _interrupted(client: Any, config: Any, run_dir: pathlib.Path, steps: list[Any], again: str) -> None:
-    """The one line a stopped loop leaves: what was committed, where HEAD is, the report, how to go on."""
+async def _interrupted(client: Any, config: Any, run_dir: pathlib.Path, again: str) -> None:
+    """The one line a stopped loop leaves: what its run folder recorded (a step may have committed after the last
+    line printed), where HEAD is, the report, how to go on."""
     from yieldloop.errors import YieldloopError
+    from yieldloop.loop import recorded_steps
     from yieldloop.report import write_report
 
     try:
@@ -374,10 +387,11 @@ async def _interrupted(client: Any, config: Any, run_dir: pathlib.Path, steps: l
         report = str(write_report(run_dir)[1])
     except (YieldloopError, OSError, ValueError):
         report = f"none yet ({run_dir})"
-    last = f"step {steps[-1].step} ({steps[-1].checkpoint_id})" if steps else "no step"
+    steps = recorded_steps(run_dir)
+    last = f"step {steps[-1]['step']} ({steps[-1]['checkpoint_id']})" if steps else "no step"
     resume = f"; continue with `{again} --resume {run_dir.name}`" if again else ""
     print(
-        f"interrupted: {len(steps)} step(s) of this session committed, the last {last}; HEAD of "
+        f"interrupted: {len(steps)} step(s) of this job committed, the last {last}; HEAD of "
         f"{config.model} is {head}; report: {report}{resume}",
         file=sys.stderr,
         flush=True,
@@ -426,6 +440,7 @@ async def _eval(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from yieldloop.groups import groups_without_spread
     from yieldloop.loop import load_tasks
     from yieldloop.training import (
         Agent,
@@ -434,7 +449,6 @@ async def _eval(args: argparse.Namespace) -> None:
         failure_reason,
         failures,
         mean_reward,
-        report_groups_without_spread,
         run_tasks,
     )
     from yieldloop.types import RunStatus
@@ -473,7 +487,7 @@ async def _eval(args: argparse.Namespace) -> None:
                 "first_error": failure_message(failed[0]) if failed else "",
             }
         )
-    flat = report_groups_without_spread(runs)
+    flat = groups_without_spread(runs)  # counted below, not a warning each
     if args.json:
         print_json(
             {"job_id": job.id, "runs": len(runs), "mean_reward": mean_reward(runs), "groups_without_spread": len(flat)}

@@ -710,13 +710,3 @@ class Client:
 async def _deltas(call: Any) -> AsyncIterator[GenerateDelta]:
     async for message in _stream(call):
         yield from_pb(GenerateDelta, message)
-
-
-def __getattr__(name: str) -> Any:
-    """``yieldloop.client.connect``: :func:`yieldloop.training.connect` (which imports this module), found here too,
-    where the client is."""
-    if name == "connect":
-        from yieldloop.training import connect
-
-        return connect
-    raise AttributeError(f"module 'yieldloop.client' has no attribute {name!r}")

@@ -258,11 +258,7 @@ class RunRecorder:
 
     def steps_done(self) -> int:
         """Steps recorded so far (an interrupted run's, when resumed)."""
-        try:
-            rows = [json.loads(line) for line in (self.run_dir / "steps.jsonl").read_text().splitlines() if line]
-        except (OSError, ValueError):
-            return 0
-        return sum("checkpoint_id" in row for row in rows)
+        return len(recorded_steps(self.run_dir))
 
     def _append(self, name: str, row: dict[str, Any]) -> None:
         with open(self.run_dir / name, "a") as f:
@@ -295,6 +291,15 @@ class RunRecorder:
     async def checkpoint_tree(self, client: Client, model: str) -> None:
         rows = [_summary_record(c) for c in await client.list_checkpoints(model)]
         (self.run_dir / "checkpoints.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def recorded_steps(run_dir: pathlib.Path) -> list[dict[str, Any]]:
+    """The optimizer steps a run folder records (``steps.jsonl`` without its baseline row), oldest first."""
+    try:
+        rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return []
+    return [row for row in rows if "checkpoint_id" in row]
 
 
 def _summary_record(summary: CheckpointSummary) -> dict:
