@@ -89,9 +89,9 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
                 reports.append(report)
                 if len(reports) == args.warmup:  # measure from here
                     started = time.perf_counter()
-                    before = {name: tree_cpu_s(pid) for name, pid in pids.items()} | {"loop client": _own_cpu_s()}
+                    before = {name: tree_cpu_s(pid) for name, pid in pids.items()} | {"loop client": own_cpu_s()}
         wall = time.perf_counter() - started
-        after = {name: tree_cpu_s(pid) for name, pid in pids.items()} | {"loop client": _own_cpu_s()}
+        after = {name: tree_cpu_s(pid) for name, pid in pids.items()} | {"loop client": own_cpu_s()}
     finally:
         await stack.stop()
     measured = reports[args.warmup :]
@@ -116,7 +116,8 @@ async def run_loop(args: argparse.Namespace, variant: str, seed: int) -> dict:
     }
 
 
-def _own_cpu_s() -> float:
+def own_cpu_s() -> float:
+    """User + system CPU seconds of this process so far."""
     times = os.times()
     return times.user + times.system
 

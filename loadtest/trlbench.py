@@ -20,12 +20,16 @@ also leave out part of its sampling (TRL does nothing else while it evaluates).
   every candidate promoted; ``--off-policy`` lists the overlap settings to run (``max_off_policy``).
 - TRL: ``GRPOTrainer`` (``loss_type="bnpo"``, one optimizer step per generation batch), on CPU, in this process.
 
+Each step's CPU is recorded in every process (each service of the stack with its children, the loop's client; TRL's
+process) and reported as milliseconds of CPU per episode (``cpu_ms_per_episode``); TRL runs with torch's default
+threads and with one (``--trl-threads``), and each side runs to the target (``--max-steps`` is only a bound).
+
 Differences that remain: TRL normalises the loss by the number of completion tokens, yieldloop's
 ``importance_sampling`` loss sums over tokens (AdamW makes the update scale-free up to eps); TRL generates with
 ``transformers``' ``generate`` in the training process, yieldloop with its rollout engine in another process.
 
-Usage: ``pip install -e '.[bench]'`` then ``python loadtest/trlbench.py [--seeds 2] [--target 0.8] [--max-steps 20]
-[--off-policy 0 1] [--out r.json]``
+Usage: ``pip install -e '.[bench]'`` then ``python loadtest/trlbench.py [--seeds 2] [--target 0.8] [--max-steps 60]
+[--off-policy 0 1] [--trl-threads 0 1] [--out r.json]``
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from envbench import tree_cpu_s
+from loopbench import own_cpu_s
 from scratch import scratch_dir
 from trainerbench import run_and_report
 
@@ -86,6 +92,13 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
 
     stack = ProcessStack(StackConfig(data_dir=data_dir, rollout=RolloutOptions(engine_process=args.engine_process)))
     addresses = await stack.start()
+    pids = {name: service.process.pid for name, service in stack.services.items() if service.process is not None}
+
+    def cpu_now() -> dict[str, float]:
+        """CPU seconds so far of each service process (with its children: the engine's, env workers) and of this
+        one (the loop's client)."""
+        return {name: tree_cpu_s(pid) for name, pid in pids.items()} | {"client": own_cpu_s()}
+
     config = LoopConfig(
         **TASKS,
         steps=args.max_steps,
@@ -102,9 +115,11 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
     baseline: list = []
     try:
         async with Client(**addresses, timeout=300, api_key=stack.api_key) as client:
+            cpu = cpu_now()
             async for report in closed_loop(
                 client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks(), baseline=baseline
             ):
+                cpu, before = cpu_now(), cpu
                 per_step.append(
                     {
                         "heldout": report.heldout_reward,
@@ -116,6 +131,8 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
                         "optim_s": report.optim_s,
                         "reload_s": report.reload_s,
                         "off_policy_runs": report.off_policy_runs,
+                        "episodes": report.num_runs,
+                        "cpu_s": {name: round(cpu[name] - before[name], 4) for name in cpu},
                     }
                 )
     finally:
@@ -125,6 +142,19 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
 
 
 def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
+    """TRL's run, with ``args.trl_threads_now`` torch threads (0: torch's default) for its duration."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.trl_threads_now:
+        torch.set_num_threads(args.trl_threads_now)
+    try:
+        return _train_trl(base, out, args, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
     import torch
     from datasets import Dataset  # pyright: ignore[reportMissingImports] (the bench extra)
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -176,10 +206,11 @@ def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, see
 
     class Measure(TrainerCallback):
         def on_step_begin(self, *_: object, **__: object) -> None:
-            self.started, self.tokens = time.perf_counter(), tokens[0]
+            self.started, self.tokens, self.cpu = time.perf_counter(), tokens[0], own_cpu_s()
 
         def on_step_end(self, _args: object, state: object, control: object, **__: object) -> None:
             train_s = time.perf_counter() - self.started
+            cpu_s = own_cpu_s() - self.cpu  # the step's generate, reward, forward/backward and optimizer
             score = heldout()
             per_step.append(
                 {
@@ -187,6 +218,8 @@ def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, see
                     "train_s": train_s,
                     "eval_s": time.perf_counter() - self.started - train_s,
                     "tokens": tokens[0] - self.tokens,
+                    "episodes": GROUP * len(TRAIN_LETTERS),
+                    "cpu_s": {"trl": round(cpu_s, 4)},
                 }
             )
             if score >= args.target:
@@ -240,11 +273,15 @@ async def bench(args: argparse.Namespace) -> dict:
     store_dir = root / "base-store"
     ensure_model(open_store(str(store_dir)), "tiny")
     base = store_dir / "models" / "tiny" / "checkpoints" / "base"
-    results: dict[str, list[dict]] = {f"yieldloop_off_policy_{n}": [] for n in args.off_policy} | {"trl": []}
+    trl_runs = {trl_name(n): n for n in args.trl_threads}
+    results: dict[str, list[dict]] = {f"yieldloop_off_policy_{n}": [] for n in args.off_policy}
+    results |= {name: [] for name in trl_runs}
     for seed in range(args.seeds):
         for n in args.off_policy:
             results[f"yieldloop_off_policy_{n}"].append(await run_yieldloop(root / f"yl-{n}-{seed}", args, n, seed))
-        results["trl"].append(await asyncio.to_thread(run_trl, base, root / f"trl-{seed}", args, seed))
+        for name, threads in trl_runs.items():
+            args.trl_threads_now = threads
+            results[name].append(await asyncio.to_thread(run_trl, base, root / f"{name}-{seed}", args, seed))
     summary: dict[str, object] = {
         "target_heldout_reward": args.target,
         "seeds": args.seeds,
@@ -260,27 +297,50 @@ async def bench(args: argparse.Namespace) -> dict:
             "median_eval_s": round(statistics.median(s["eval_s"] for r in runs for s in r["per_step"]), 3),
             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "median_s_per_step": round(statistics.median(s["train_s"] for r in runs for s in r["per_step"]), 3),
+            "cpu_ms_per_episode": cpu_per_episode([s for r in runs for s in r["per_step"]]),
         }
-        if name != "trl":
+        if name.startswith("yieldloop"):
             steps = [s for r in runs for s in r["per_step"]]
             summary[name]["per_step_split_s"] = {
                 part: round(statistics.median(s[part] for s in steps), 3)
                 for part in ("rollout_s", "forward_backward_s", "optim_s", "reload_s")
             }
     for n in args.off_policy:
-        for key, label in (("median_wall_seconds", "wall_ratio"), ("median_seconds", "training_only_ratio")):
-            ours, trl = summary[f"yieldloop_off_policy_{n}"][key], summary["trl"][key]  # type: ignore[index]
-            if ours and trl:
-                summary[f"{label}_yieldloop_off_policy_{n}_to_trl"] = round(ours / trl, 2)
+        for trl_run in trl_runs:
+            for key, label in (("median_wall_seconds", "wall_ratio"), ("median_seconds", "training_only_ratio")):
+                ours, trl = summary[f"yieldloop_off_policy_{n}"][key], summary[trl_run][key]  # type: ignore[index]
+                if ours and trl:
+                    summary[f"{label}_yieldloop_off_policy_{n}_to_{trl_run}"] = round(ours / trl, 2)
     summary["runs"] = results
     return summary
+
+
+def trl_name(threads: int) -> str:
+    """The result's name of TRL run with ``threads`` torch threads (0: torch's default)."""
+    return "trl" if threads == 0 else f"trl_{threads}_thread"
+
+
+def cpu_per_episode(steps: list[dict]) -> dict[str, float]:
+    """Median milliseconds of CPU per episode of a step (the step's CPU over its episodes), per process and summed
+    over them: what one episode costs the whole system, sampling and training included."""
+    names = sorted({name for s in steps for name in s["cpu_s"]})
+    per = {name: round(statistics.median(s["cpu_s"][name] / s["episodes"] for s in steps) * 1e3, 3) for name in names}
+    per["total"] = round(statistics.median(sum(s["cpu_s"].values()) / s["episodes"] for s in steps) * 1e3, 3)
+    return per
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--max-steps", type=int, default=60, help="steps at most: a run stops at the target")
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        nargs="+",
+        default=[0, 1],
+        help="TRL runs with these torch thread counts (0: torch's default, one per core)",
+    )
     parser.add_argument("--off-policy", type=int, nargs="+", default=[0, 1])
     parser.add_argument(
         "--engine-process",
