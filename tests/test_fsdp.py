@@ -33,6 +33,14 @@ def assert_same_weights(sharded: DistributedTrainer, single: Trainer, tmp: pathl
     assert float(diff.abs().max()) <= rtol
 
 
+def step_both(single: Trainer, sharded: DistributedTrainer, seed: int, loss: str = "ppo") -> None:
+    """One step of each on the same ragged batch: the sharded step's gradient norm is the single process's."""
+    datums = ragged_datums(single.vocab_size, LENGTHS, seed=seed)
+    single.forward_backward(datums, loss, {})
+    sharded.forward_backward(datums, loss, {})
+    assert sharded.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_each_loss_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path, world_size: int) -> None:
     """One step of each loss, then a custom loss's (logprobs, then the weighted cross-entropy backward): the
@@ -81,10 +89,7 @@ def test_hsdp_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathl
         sharded.close()
     resumed = DistributedTrainer(saved, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2)
     try:
-        datums = ragged_datums(single.vocab_size, LENGTHS, seed=7)
-        single.forward_backward(datums, "ppo", {})
-        resumed.forward_backward(datums, "ppo", {})
-        assert resumed.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        step_both(single, resumed, 7)
         assert_same_weights(resumed, single, tmp_path / "resumed")
     finally:
         resumed.close()
@@ -102,10 +107,7 @@ def test_untied_output_layer_steps_as_one_process(tiny_model_dir: pathlib.Path, 
     single = Trainer(tmp_path / "untied", FP32)
     sharded = DistributedTrainer(tmp_path / "untied", TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2)
     try:
-        datums = ragged_datums(single.vocab_size, LENGTHS, seed=4)
-        single.forward_backward(datums, "ppo", {})
-        sharded.forward_backward(datums, "ppo", {})
-        assert sharded.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        step_both(single, sharded, 4)
         assert_same_weights(sharded, single, tmp_path)
         assert "lm_head.weight" in weights(tmp_path / "sharded")
     finally:
@@ -129,10 +131,7 @@ def test_lora_steps_as_one_process(tiny_model_dir: pathlib.Path, tmp_path: pathl
     )
     try:
         for seed in (1, 2):
-            datums = ragged_datums(single.vocab_size, LENGTHS, seed=seed)
-            single.forward_backward(datums, "importance_sampling", {})
-            sharded.forward_backward(datums, "importance_sampling", {})
-            assert sharded.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+            step_both(single, sharded, seed, "importance_sampling")
         assert_same_weights(sharded, single, tmp_path)
     finally:
         sharded.close()
@@ -272,10 +271,7 @@ def test_a_sharded_run_resumes_an_unsharded_one(tiny_model_dir: pathlib.Path, tm
     resumed = DistributedTrainer(saved, TrainerConfig(micro_batch_tokens=48, shard="fsdp"), 2)
     try:
         assert resumed.step == 2
-        datums = ragged_datums(single.vocab_size, LENGTHS, seed=3)
-        single.forward_backward(datums, "ppo", {})
-        resumed.forward_backward(datums, "ppo", {})
-        assert resumed.optim_step(ADAM) == pytest.approx(single.optim_step(ADAM), rel=1e-5)
+        step_both(single, resumed, 3)
         assert_same_weights(resumed, single, tmp_path)
     finally:
         resumed.close()

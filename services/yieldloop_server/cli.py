@@ -141,7 +141,7 @@ async def _demo(args: argparse.Namespace) -> None:
 
     console = Console()
     stack = None
-    if getattr(args, "attach", None):
+    if args.attach:  # main() sets it, given or not
         addresses = stack_addresses(args.attach)
         data_dir = args.attach
         api_key, ca = stack_api_key(args.attach), stack_tls_ca(args.attach)

@@ -359,7 +359,7 @@ def _resumable(jobs: dict[str, JobInfo], job_id: str, config: LoopConfig) -> Job
         InvalidArgumentError: BAD_CONFIG when it is not a training loop's job or trained another model.
     """
     record = jobs.get(job_id)
-    trained = [j.job_id for j in jobs.values() if '"loop"' in j.metadata_json]
+    trained = [j.job_id for j in jobs.values() if "loop" in _metadata(j)]
     if record is None:
         raise NotFoundError(
             f"no job {job_id!r} to resume (training jobs: {', '.join(trained[-5:]) or 'none'})", reason="JOB_NOT_FOUND"
@@ -371,6 +371,15 @@ def _resumable(jobs: dict[str, JobInfo], job_id: str, config: LoopConfig) -> Job
             f"job {job_id} trained {record.model!r}, the config trains {config.model!r}", reason=CONFIG_ERROR
         )
     return record
+
+
+def _metadata(job: JobInfo) -> dict[str, Any]:
+    """A job's metadata (a training loop's holds its config under "loop"); {} when it holds no JSON object."""
+    try:
+        metadata = json.loads(job.metadata_json or "{}")
+    except ValueError:
+        return {}
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def _check_tasks(train: list[Task], heldout: list[Task]) -> None:
