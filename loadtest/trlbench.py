@@ -1,14 +1,20 @@
 """yieldloop against TRL's GRPOTrainer: steps, wall seconds and tokens/s to a held-out target, in one run.
 
-The task is the embedded ``letters`` environment (``yieldloop.envs.letters``): write a given letter at least
-eight times; partial credit for shorter or mixed answers. Training letters a-p, held-out letters q-z (never
-trained on). Both systems start from the same tiny Qwen2 model (built offline, as ``yieldloop up`` does), use the
-same prompts (the user message through the model's chat template), 8 completions per prompt, all 16 training
-prompts per step (128 episodes), at most 12 new tokens at temperature 1, AdamW at lr 1e-3 with betas (0.9, 0.95),
-constant schedule, no gradient clipping, no KL penalty, advantages = reward - group mean (no std scaling). The
-held-out metric is the mean reward of greedy answers to the 10 held-out prompts, evaluated after every step by
-each system's own means (yieldloop: RolloutService on the candidate checkpoint; TRL: one batched
-``model.generate``). Runs alternate between the systems (seed 0 of each, then seed 1, ...).
+Two tasks (``--tasks``), each from one base model folder both systems load:
+
+- ``letters``: the embedded ``letters`` environment (``yieldloop.envs.letters``) on the built-in tiny model: write
+  a given letter at least eight times, partial credit for shorter or mixed answers; training letters a-p,
+  held-out letters q-z; prompts through the model's chat template; at most 12 new tokens.
+- ``short``: episodes of the common short shape (``shorttask``): a 0.5M-parameter model with a character
+  tokenizer and no chat template, raw prompts of 3-4 characters, answers of ~4 tokens then EOS, a binary reward;
+  at most 8 new tokens.
+
+Both systems use the same prompts, 8 completions per prompt, all 16 training prompts per step (128 episodes),
+temperature 1, AdamW at lr 1e-3 with betas (0.9, 0.95), constant schedule, no gradient clipping, no KL penalty,
+advantages = reward - group mean (no std scaling). The held-out metric is the mean reward of greedy answers to the
+held-out prompts, evaluated after every step by each system's own means (yieldloop: RolloutService on the
+candidate checkpoint; TRL: one batched ``model.generate``). Runs alternate between the systems (seed 0 of each,
+then seed 1, ...).
 
 Two times to the target: **wall** seconds, everything each loop did from its start (yieldloop: the evaluation of
 the starting head its promotion gate compares against, then every step with its evaluation; TRL: every step with
@@ -28,19 +34,21 @@ Differences that remain: TRL normalises the loss by the number of completion tok
 ``importance_sampling`` loss sums over tokens (AdamW makes the update scale-free up to eps); TRL generates with
 ``transformers``' ``generate`` in the training process, yieldloop with its rollout engine in another process.
 
-Usage: ``pip install -e '.[bench]'`` then ``python loadtest/trlbench.py [--seeds 2] [--target 0.8] [--max-steps 60]
-[--off-policy 0 1] [--trl-threads 0 1] [--out r.json]``
+Usage: ``pip install -e '.[bench]'`` then ``python loadtest/trlbench.py [--tasks letters short] [--seeds 2]
+[--target 0.8] [--max-steps 60] [--off-policy 0 1] [--trl-threads 0 1] [--out r.json]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from envbench import tree_cpu_s
@@ -50,11 +58,108 @@ from trainerbench import run_and_report
 
 LEARNING_RATE = 1e-3
 GROUP = 8
-MAX_TOKENS = 12
 
 
-def prompt(letter: str) -> str:
-    return f'Write the letter "{letter}" at least eight times.'
+@dataclasses.dataclass
+class BenchTask:
+    """One task both systems train on, from the same base model folder."""
+
+    name: str
+    model: pathlib.Path
+    """The base model's folder (Hugging Face format): TRL loads it, the stack serves it."""
+    stack_model: str
+    """What the stack is given (``StackConfig.model``) and the slug the loop trains."""
+    loop_model: str
+    env_specs: tuple[str, ...]
+    tasks: dict[str, str]
+    """The loop's tasksets (``LoopConfig.train_tasks``/``heldout_tasks``)."""
+    max_tokens: int
+    train_rows: list[dict]
+    """TRL's dataset: a ``prompt`` (chat messages or raw text) and the reward's own columns."""
+    reward: Callable[..., list[float]]
+    """TRL's reward function: (completion texts, the rows' columns) -> rewards."""
+    heldout_texts: list[str]
+    """The held-out prompts as the model reads them (chat template applied, or raw)."""
+    heldout_score: Callable[[list[str]], float]
+    """Mean reward of the held-out answers, in ``heldout_texts``' order."""
+
+
+def completion_text(completion: object) -> str:
+    """A TRL completion's text: a conversational completion is a list of messages."""
+    return completion[0]["content"] if isinstance(completion, list) else str(completion)  # type: ignore[index]
+
+
+def letters_task(root: pathlib.Path) -> BenchTask:
+    """The embedded default's ``letters`` task on the built-in tiny model, prompts through its chat template."""
+    from transformers import AutoTokenizer
+
+    from yieldloop.envs.letters import HELDOUT_LETTERS, TASKS, TRAIN_LETTERS, letter_reward
+    from yieldloop_server.config import DEFAULT_ENV_SPEC
+    from yieldloop_server.stack import ensure_model
+    from yieldloop_server.store import open_store
+
+    store_dir = root / "base-store"
+    ensure_model(open_store(str(store_dir)), "tiny")
+    model = store_dir / "models" / "tiny" / "checkpoints" / "base"
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def prompt(letter: str) -> str:
+        return f'Write the letter "{letter}" at least eight times.'
+
+    def reward(completions: list, letter: list, **_: object) -> list[float]:
+        return [letter_reward(completion_text(c), t) for c, t in zip(completions, letter, strict=True)]
+
+    return BenchTask(
+        name="letters",
+        model=model,
+        stack_model="tiny",
+        loop_model="tiny",
+        env_specs=(DEFAULT_ENV_SPEC,),
+        tasks=TASKS,
+        max_tokens=12,
+        train_rows=[{"prompt": [{"role": "user", "content": prompt(c)}], "letter": c} for c in TRAIN_LETTERS],
+        reward=reward,
+        heldout_texts=[
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt(c)}], add_generation_prompt=True, tokenize=False
+            )
+            for c in HELDOUT_LETTERS
+        ],
+        heldout_score=lambda answers: statistics.mean(
+            letter_reward(a, c) for a, c in zip(answers, HELDOUT_LETTERS, strict=True)
+        ),
+    )
+
+
+def short_task(root: pathlib.Path) -> BenchTask:
+    """The short-episode task (``shorttask``): a character-tokenizer model, raw prompts, binary reward."""
+    import shorttask
+
+    from yieldloop_server.checkpoint.importer import slug_for
+
+    model = shorttask.build_model(root / "short-model")
+
+    def reward(completions: list, prompts: list, **_: object) -> list[float]:
+        return [shorttask.reward(completion_text(c), p) for c, p in zip(completions, prompts, strict=True)]
+
+    return BenchTask(
+        name="short",
+        model=model,
+        stack_model=str(model),
+        loop_model=slug_for(str(model)),
+        env_specs=(shorttask.ENV_SPEC,),
+        tasks=shorttask.TASKS,
+        max_tokens=8,
+        train_rows=[{"prompt": p} for p in shorttask.TRAIN_PROMPTS],
+        reward=reward,
+        heldout_texts=list(shorttask.HELDOUT_PROMPTS),
+        heldout_score=lambda answers: statistics.mean(
+            shorttask.reward(a, p) for a, p in zip(answers, shorttask.HELDOUT_PROMPTS, strict=True)
+        ),
+    )
+
+
+TASK_BUILDERS = {"letters": letters_task, "short": short_task}
 
 
 def to_target(per_step: list[dict], target: float, before_s: float = 0.0) -> dict:
@@ -83,14 +188,22 @@ def to_target(per_step: list[dict], target: float, before_s: float = 0.0) -> dic
     }
 
 
-async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_policy: int, seed: int) -> dict:
+async def run_yieldloop(
+    task: BenchTask, data_dir: pathlib.Path, args: argparse.Namespace, off_policy: int, seed: int
+) -> dict:
     from yieldloop.client import Client
-    from yieldloop.envs.letters import TASKS, heldout_tasks, train_tasks
     from yieldloop.loop import LoopConfig, closed_loop
-    from yieldloop_server.config import RolloutOptions, StackConfig
+    from yieldloop_server.config import EnvOptions, RolloutOptions, StackConfig
     from yieldloop_server.stack import ProcessStack
 
-    stack = ProcessStack(StackConfig(data_dir=data_dir, rollout=RolloutOptions(engine_process=args.engine_process)))
+    stack = ProcessStack(
+        StackConfig(
+            data_dir=data_dir,
+            model=task.stack_model,
+            env=EnvOptions(specs=task.env_specs),
+            rollout=RolloutOptions(engine_process=args.engine_process),
+        )
+    )
     addresses = await stack.start()
     pids = {name: service.process.pid for name, service in stack.services.items() if service.process is not None}
 
@@ -100,25 +213,24 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
         return {name: tree_cpu_s(pid) for name, pid in pids.items()} | {"client": own_cpu_s()}
 
     config = LoopConfig(
-        **TASKS,
+        **task.tasks,
+        model=task.loop_model,
         steps=args.max_steps,
         group_size=GROUP,
         learning_rate=LEARNING_RATE,
-        max_tokens=MAX_TOKENS,
+        max_tokens=task.max_tokens,
         promotion_tolerance=1.0,
         max_off_policy=off_policy,
         seed=seed,
         target_heldout_reward=args.target,
-        name=f"trlbench-{seed}",
+        name=f"trlbench-{task.name}-{seed}",
     )
     per_step = []
     baseline: list = []
     try:
         async with Client(**addresses, timeout=300, api_key=stack.api_key) as client:
             cpu = cpu_now()
-            async for report in closed_loop(
-                client, config, train_tasks=train_tasks(), heldout_tasks=heldout_tasks(), baseline=baseline
-            ):
+            async for report in closed_loop(client, config, baseline=baseline):
                 cpu, before = cpu_now(), cpu
                 per_step.append(
                     {
@@ -141,7 +253,7 @@ async def run_yieldloop(data_dir: pathlib.Path, args: argparse.Namespace, off_po
     return {"per_step": per_step, "baseline_s": before, **to_target(per_step, args.target, before)}
 
 
-def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
+def run_trl(task: BenchTask, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
     """TRL's run, with ``args.trl_threads_now`` torch threads (0: torch's default) for its duration."""
     import torch
 
@@ -149,39 +261,25 @@ def run_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, see
     if args.trl_threads_now:
         torch.set_num_threads(args.trl_threads_now)
     try:
-        return _train_trl(base, out, args, seed)
+        return _train_trl(task, out, args, seed)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
+def _train_trl(task: BenchTask, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
     import torch
     from datasets import Dataset  # pyright: ignore[reportMissingImports] (the bench extra)
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]
 
-    from yieldloop.envs.letters import HELDOUT_LETTERS, TRAIN_LETTERS, letter_reward
-
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    dataset = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": prompt(c)}], "letter": c} for c in TRAIN_LETTERS]
-    )
+    tokenizer = AutoTokenizer.from_pretrained(task.model)
+    model = AutoModelForCausalLM.from_pretrained(task.model, dtype=torch.float32)
+    dataset = Dataset.from_list(task.train_rows)
     tokens = [0]
 
-    def reward(completions: list, letter: list, completion_ids: list | None = None, **_: object) -> list[float]:
+    def reward(completions: list, completion_ids: list | None = None, **columns: object) -> list[float]:
         tokens[0] += sum(len(ids) for ids in completion_ids or [])
-        return [
-            letter_reward(c[0]["content"] if isinstance(c, list) else c, target)
-            for c, target in zip(completions, letter, strict=True)
-        ]
-
-    chats = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt(c)}], add_generation_prompt=True, tokenize=False
-        )
-        for c in HELDOUT_LETTERS
-    ]
+        return task.reward(completions, **columns)
 
     def heldout() -> float:
         """The held-out prompts answered greedily in one batch (left-padded), as fast as ``generate`` goes."""
@@ -189,10 +287,10 @@ def _train_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, 
         side, tokenizer.padding_side = tokenizer.padding_side, "left"
         try:
             with torch.no_grad():
-                batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+                batch = tokenizer(task.heldout_texts, return_tensors="pt", padding=True, add_special_tokens=False)
                 generated = model.generate(
                     **batch,
-                    max_new_tokens=MAX_TOKENS,
+                    max_new_tokens=task.max_tokens,
                     do_sample=False,
                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
                 )
@@ -200,7 +298,7 @@ def _train_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, 
         finally:
             tokenizer.padding_side = side
         model.train()
-        return statistics.mean(letter_reward(a, c) for a, c in zip(answers, HELDOUT_LETTERS, strict=True))
+        return task.heldout_score(answers)
 
     per_step: list[dict] = []
 
@@ -218,7 +316,7 @@ def _train_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, 
                     "train_s": train_s,
                     "eval_s": time.perf_counter() - self.started - train_s,
                     "tokens": tokens[0] - self.tokens,
-                    "episodes": GROUP * len(TRAIN_LETTERS),
+                    "episodes": GROUP * len(task.train_rows),
                     "cpu_s": {"trl": round(cpu_s, 4)},
                 }
             )
@@ -236,10 +334,10 @@ def _train_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, 
         adam_epsilon=1e-8,
         weight_decay=0.0,
         max_grad_norm=0.0,
-        per_device_train_batch_size=GROUP * len(TRAIN_LETTERS),
+        per_device_train_batch_size=GROUP * len(task.train_rows),
         gradient_accumulation_steps=1,
         num_generations=GROUP,
-        max_completion_length=MAX_TOKENS,
+        max_completion_length=task.max_tokens,
         temperature=1.0,
         beta=0.0,
         scale_rewards="none",
@@ -266,27 +364,32 @@ def _train_trl(base: pathlib.Path, out: pathlib.Path, args: argparse.Namespace, 
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    from yieldloop_server.stack import ensure_model
-    from yieldloop_server.store import open_store
-
     root = scratch_dir("yl-trlbench-")
-    store_dir = root / "base-store"
-    ensure_model(open_store(str(store_dir)), "tiny")
-    base = store_dir / "models" / "tiny" / "checkpoints" / "base"
     trl_runs = {trl_name(n): n for n in args.trl_threads}
-    results: dict[str, list[dict]] = {f"yieldloop_off_policy_{n}": [] for n in args.off_policy}
-    results |= {name: [] for name in trl_runs}
-    for seed in range(args.seeds):
-        for n in args.off_policy:
-            results[f"yieldloop_off_policy_{n}"].append(await run_yieldloop(root / f"yl-{n}-{seed}", args, n, seed))
-        for name, threads in trl_runs.items():
-            args.trl_threads_now = threads
-            results[name].append(await asyncio.to_thread(run_trl, base, root / f"{name}-{seed}", args, seed))
     summary: dict[str, object] = {
         "target_heldout_reward": args.target,
         "seeds": args.seeds,
         "cpu_threads": os.cpu_count(),
     }
+    for name in args.tasks:
+        task = TASK_BUILDERS[name](root / name)
+        results: dict[str, list[dict]] = {f"yieldloop_off_policy_{n}": [] for n in args.off_policy}
+        results |= {system: [] for system in trl_runs}
+        for seed in range(args.seeds):
+            for n in args.off_policy:
+                data_dir = root / name / f"yl-{n}-{seed}"
+                results[f"yieldloop_off_policy_{n}"].append(await run_yieldloop(task, data_dir, args, n, seed))
+            for system, threads in trl_runs.items():
+                args.trl_threads_now = threads
+                out = root / name / f"{system}-{seed}"
+                results[system].append(await asyncio.to_thread(run_trl, task, out, args, seed))
+        summary[name] = summarize(results, args, trl_runs)
+    return summary
+
+
+def summarize(results: dict[str, list[dict]], args: argparse.Namespace, trl_runs: dict[str, int]) -> dict:
+    """Each system's medians over its runs, the ratios of yieldloop's to TRL's, and the runs themselves."""
+    summary: dict[str, object] = {}
     for name, runs in results.items():
         reached = [r for r in runs if r["reached"]]
         summary[name] = {
@@ -307,7 +410,11 @@ async def bench(args: argparse.Namespace) -> dict:
             }
     for n in args.off_policy:
         for trl_run in trl_runs:
-            for key, label in (("median_wall_seconds", "wall_ratio"), ("median_seconds", "training_only_ratio")):
+            for key, label in (
+                ("median_wall_seconds", "wall_ratio"),
+                ("median_seconds", "training_only_ratio"),
+                ("median_steps", "steps_ratio"),
+            ):
                 ours, trl = summary[f"yieldloop_off_policy_{n}"][key], summary[trl_run][key]  # type: ignore[index]
                 if ours and trl:
                     summary[f"{label}_yieldloop_off_policy_{n}_to_{trl_run}"] = round(ours / trl, 2)
@@ -331,6 +438,7 @@ def cpu_per_episode(steps: list[dict]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASK_BUILDERS), default=["letters", "short"])
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--max-steps", type=int, default=60, help="steps at most: a run stops at the target")
@@ -341,7 +449,7 @@ def main() -> None:
         default=[0, 1],
         help="TRL runs with these torch thread counts (0: torch's default, one per core)",
     )
-    parser.add_argument("--off-policy", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--off-policy", type=int, nargs="*", default=[0, 1])
     parser.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,

@@ -159,14 +159,19 @@ def create_tiny_model(
     out_dir: str | pathlib.Path,
     config: TinyModelConfig = TinyModelConfig(),
     progress: Callable[[str], None] = lambda line: None,
+    tokenizer=None,
+    examples: Callable | None = None,
 ) -> pathlib.Path:
-    """Writes tokenizer + randomly initialised Qwen2 weights to ``out_dir`` (HF format)."""
+    """Writes tokenizer + a small Qwen2 model to ``out_dir`` (HF format), warmed up on ``examples`` (a function
+    like :func:`warmup_examples`; default: the echo exchanges) for ``config.warmup_steps``. ``tokenizer``:
+    another tokenizer than the built-in BPE one (e.g. a character tokenizer for a benchmark's task)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = pathlib.Path(out_dir)
-    progress("  training its tokenizer")
-    tokenizer = train_tokenizer(config)
+    if tokenizer is None:
+        progress("  training its tokenizer")
+        tokenizer = train_tokenizer(config)
     model_config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -185,7 +190,7 @@ def create_tiny_model(
     torch.manual_seed(config.seed)
     model = Qwen2ForCausalLM(model_config)
     if config.warmup_steps:
-        warm_up(model, tokenizer, config, progress=progress)
+        warm_up(model, tokenizer, config, progress=progress, examples=examples or warmup_examples)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
@@ -229,8 +234,9 @@ def warm_up(
     batch_size: int = 32,
     learning_rate: float = 3e-3,
     progress: Callable[[str], None] = lambda line: None,
+    examples: Callable = warmup_examples,
 ) -> None:
-    """Brief supervised training on echo exchanges (answer tokens only), in place."""
+    """Brief supervised training on ``examples`` (default: echo exchanges; answer tokens only), in place."""
     import torch
 
     rng = random.Random(config.seed)
@@ -239,7 +245,7 @@ def warm_up(
     for step in range(config.warmup_steps):
         if step % 50 == 0:
             progress(f"  warming it up: step {step} of {config.warmup_steps}")
-        batch = warmup_examples(tokenizer, rng, batch_size)
+        batch = examples(tokenizer, rng, batch_size)
         width = max(len(ids) for ids, _ in batch)
         inputs = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
