@@ -37,6 +37,27 @@ def _frame(message: Any) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
+class _Outbox:
+    """Frames for one peer, written together once per turn of the event loop: the frames of a burst (a rollout's
+    episodes starting at once) leave in one write, a system call for all of them instead of one each. Buffered:
+    a busy peer never blocks the loop."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self._frames: list[bytes] = []
+
+    def put(self, message: Any) -> None:
+        if not self._frames:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._frames.append(_frame(message))
+
+    def flush(self) -> None:
+        if self._frames:
+            frames, self._frames = self._frames, []
+            if not self.writer.is_closing():
+                self.writer.write(b"".join(frames))
+
+
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
     """The next message; asyncio.IncompleteReadError when the peer is gone."""
     size = int.from_bytes(await reader.readexactly(4), "big")
@@ -73,6 +94,7 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
         await close_stream(writer)
         return
     writer.write(_frame(("ready", host.envs)))
+    replies = _Outbox(writer)
     in_flight: dict[str, set[asyncio.Task]] = {}
     tasks: set[asyncio.Task] = set()
 
@@ -93,7 +115,7 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
             if not isinstance(err, YieldloopError):
                 log.exception("worker op %s failed", op)
             reply = (request_id, False, as_yieldloop_error(err).to_wire())
-        writer.write(_frame(reply))  # buffered: a busy peer never blocks this loop
+        replies.put(reply)
 
     while True:
         try:
@@ -111,6 +133,7 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
             episode_tasks.add(task)
             task.add_done_callback(episode_tasks.discard)
     await host.stop()
+    replies.flush()
     await close_stream(writer)
 
 
@@ -132,6 +155,7 @@ class _Worker:
     index: int
     process: Any
     writer: asyncio.StreamWriter
+    outbox: _Outbox
     reader_task: asyncio.Task | None = None
     pending: dict[int, asyncio.Future] = dataclasses.field(default_factory=dict)
     episodes: set[str] = dataclasses.field(default_factory=set)
@@ -198,7 +222,7 @@ class WorkerPoolHost(EpisodeHost):
             writer.close()
             raise error_from_wire(payload)
         self.envs = payload
-        worker = _Worker(index, process, writer)
+        worker = _Worker(index, process, writer, _Outbox(writer))
         worker.reader_task = asyncio.get_running_loop().create_task(self._read_replies(worker, reader))
         asyncio.get_running_loop().add_reader(process.sentinel, self._on_death, worker, "the process exited")
         self.workers[index] = worker
@@ -212,7 +236,8 @@ class WorkerPoolHost(EpisodeHost):
         for worker in self.workers:
             if worker is not None and worker.alive:
                 self._detach(worker)
-                worker.writer.write(_frame(None))
+                worker.outbox.put(None)
+                worker.outbox.flush()
                 with contextlib.suppress(OSError):
                     await worker.writer.drain()
         for worker in self.workers:
@@ -243,7 +268,7 @@ class WorkerPoolHost(EpisodeHost):
         worker.pending[request_id] = future
         try:
             # The caller's trace context travels with the request (the worker's spans are its children).
-            worker.writer.write(_frame((request_id, op, args, telemetry.inject())))
+            worker.outbox.put((request_id, op, args, telemetry.inject()))
             ok, payload = await future
         finally:
             worker.pending.pop(request_id, None)

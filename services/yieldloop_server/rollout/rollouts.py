@@ -157,7 +157,8 @@ async def agent_loop(engine: Engine, episode, started, run: Run, sampling: Sampl
             return answer
         try:
             with telemetry.span("generate", {"yieldloop.turn": step, "yieldloop.prompt_tokens": len(prompt_ids)}):
-                turn = await asyncio.wait_for(sample_turn(engine, prompt_ids, seeded(sampling, step)), remaining)
+                turn_sampled = sample_turn(engine, prompt_ids, seeded(sampling, step))
+                turn = await (turn_sampled if remaining is None else asyncio.wait_for(turn_sampled, remaining))
         except TimeoutError:
             run.agent_stop_reason = AgentStopReason.DEADLINE
             return answer

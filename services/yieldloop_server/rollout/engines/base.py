@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 import pathlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError, invalid_field
@@ -169,7 +169,8 @@ weights, calls fail with the death's error for this many seconds before the next
 
 
 class ChatRenders:
-    """A tokenizer's chat renderings, the last RENDER_CACHE_SIZE remembered by conversation: a group's episodes
+    """A tokenizer's prompt renderings (chats, raw texts), the last RENDER_CACHE_SIZE of each kind remembered by
+    conversation or text: a group's episodes
     (and every group of a batch over the same tasks) share their prompts, rendered once instead of once per episode.
     Long conversations (rendered off the event loop), anything not plain JSON, and every conversation of a template
     that writes today's date (Llama 3's renders differently tomorrow) are rendered each time."""
@@ -177,8 +178,10 @@ class ChatRenders:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._ids: collections.OrderedDict[str, tuple[int, ...]] | None = (
-            None if "strftime_now" in str(tokenizer.chat_template) else collections.OrderedDict()
+            None if "strftime_now" in str(getattr(tokenizer, "chat_template", None)) else collections.OrderedDict()
         )
+        self._raw: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        """Raw texts' ids (remembered even when chats are not)."""
 
     def render(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, add_generation_prompt: bool
@@ -187,22 +190,35 @@ class ChatRenders:
         if self._ids is not None:
             with contextlib.suppress(TypeError, ValueError):
                 key = json.dumps([messages, tools, add_generation_prompt], sort_keys=True)
-        key = key if len(key) < OFFLOAD_CHARS else ""
-        ids = self._ids.pop(key, None) if key else None  # pop, then put back last: the most recently used
+        return self._remembered(
+            self._ids,
+            key,
+            lambda: self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            ),
+        )
+
+    def raw(self, text: str) -> list[int]:
+        """Ids of raw text with the special tokens the tokenizer adds to a sequence, remembered as chats are (by
+        text: a template's date plays no part)."""
+        return self._remembered(self._raw, text, lambda: self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    @staticmethod
+    def _remembered(
+        cache: collections.OrderedDict[str, tuple[int, ...]] | None, key: str, render: Callable[[], Sequence[int]]
+    ) -> list[int]:
+        if cache is None or not key or len(key) >= OFFLOAD_CHARS:
+            return list(render())
+        ids = cache.pop(key, None)  # pop, then put back last: the most recently used
         if ids is None:
-            ids = tuple(
-                self.tokenizer.apply_chat_template(
-                    list(messages),
-                    tools=list(tools) if tools else None,
-                    add_generation_prompt=add_generation_prompt,
-                    tokenize=True,
-                    return_dict=False,
-                )
-            )
-        if key:
-            self._ids[key] = ids
-            if len(self._ids) > RENDER_CACHE_SIZE:
-                self._ids.popitem(last=False)
+            ids = tuple(render())
+        cache[key] = ids
+        if len(cache) > RENDER_CACHE_SIZE:
+            cache.popitem(last=False)
         return list(ids)
 
 
@@ -326,7 +342,12 @@ class Engine(abc.ABC):
 
     def render_raw(self, text: str) -> list[int]:
         """Prompt ids for raw text, with the special tokens the tokenizer adds to a sequence (e.g. BOS)."""
-        return list(self._require_tokenizer()(text, add_special_tokens=True)["input_ids"])
+        return self._renders_of(self._require_tokenizer()).raw(text)
+
+    def _renders_of(self, tokenizer: Any) -> ChatRenders:
+        if self._renders is None or self._renders.tokenizer is not tokenizer:  # a load brought another tokenizer
+            self._renders = ChatRenders(tokenizer)
+        return self._renders
 
     def render_chat(
         self,
@@ -348,10 +369,7 @@ class Engine(abc.ABC):
                 reason="NO_CHAT_TEMPLATE",
                 field="messages",
             )
-        tokenizer = self._require_tokenizer()
-        if self._renders is None or self._renders.tokenizer is not tokenizer:  # a load brought another tokenizer
-            self._renders = ChatRenders(tokenizer)
-        return self._renders.render(messages, tools, add_generation_prompt)
+        return self._renders_of(self._require_tokenizer()).render(messages, tools, add_generation_prompt)
 
     def render_chat_text(
         self,

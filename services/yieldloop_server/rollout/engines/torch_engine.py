@@ -268,7 +268,9 @@ class TorchEngine(Engine):
             128 or 256 episodes decodes as one batch; at 64 the loop's 128 episodes decoded in two waves, each decode
             step paying the model's fixed cost for half the rows: -20% per loop step on 2 CPU cores at 256);
             0: that default.
-        batch_wait_s: When nothing is running, how long the worker waits for more requests to start with.
+        batch_wait_s: When nothing is running, how long the worker waits for another request to start with (each
+            arrival waits again, up to ``batch_wait_max_s`` in all).
+        batch_wait_max_s: The longest a batch waits for company before it starts.
         spare_max_bytes: Models up to this size stay loaded after a swap, for the next reload to copy its weights
             into (:func:`reload_in_place`); larger ones are freed (the memory of one model copy while serving)
             and built again at each reload, whose time reading the weights dominates anyway.
@@ -288,6 +290,7 @@ class TorchEngine(Engine):
         dtype: str = "float32",
         max_batch_size: int = 256,
         batch_wait_s: float = 0.005,
+        batch_wait_max_s: float = 0.05,
         spare_max_bytes: int = 4 << 30,
     ) -> None:
         self.device = device
@@ -295,6 +298,7 @@ class TorchEngine(Engine):
         self.spare_max_bytes = spare_max_bytes
         self.max_batch_size = max_batch_size or 256
         self.batch_wait_s = batch_wait_s
+        self.batch_wait_max_s = batch_wait_max_s
         self._weights: _Weights | None = None
         self._spare: _Weights | None = None
         """The weights served before the current ones, once nothing uses them: the next reload goes into them."""
@@ -476,19 +480,25 @@ class TorchEngine(Engine):
         batch = _Batch(self)
         while not self._stopping:
             self._apply_swaps(weights_too=not batch.rows)  # base weights only between requests
-            # Block only when nothing runs; then wait batch_wait_s for company, as requests come in bursts.
+            # Block only when nothing runs; then gather company while requests keep coming (a burst: a rollout's
+            # episodes reach the engine over some milliseconds as their environments start): each arrival within
+            # batch_wait_s of the previous one waits for more, up to batch_wait_max_s in all. A batch started with
+            # the burst's first few would prefill the rest a few at a time, a forward pass each.
             if not batch.rows and not waiting:
                 first = self._pending.get()
                 if first is not _WAKE:
                     waiting.append(first)
-                deadline = time.monotonic() + self.batch_wait_s
+                last = time.monotonic()
+                cutoff = last + self.batch_wait_max_s
                 while waiting and len(waiting) < self.max_batch_size:
                     try:
-                        item = self._pending.get(timeout=max(0.0, deadline - time.monotonic()))
+                        wait = min(last + self.batch_wait_s, cutoff) - time.monotonic()
+                        item = self._pending.get(timeout=max(0.0, wait))
                     except queue.Empty:
                         break
                     if item is not _WAKE:
                         waiting.append(item)
+                        last = time.monotonic()
             while True:
                 try:
                     item = self._pending.get_nowait()
