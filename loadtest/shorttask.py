@@ -2,8 +2,8 @@
 
 The common shape of a small RL task: no chat template (prompts are raw text), prompts of 3-4 characters (two or
 three lowercase letters and ``=``), answers of about four tokens then EOS, a binary reward. The task: answer with
-the prompt's first letter written exactly four times (``"kqz="`` -> ``"kkkk"``). Training prompts start with a
-letter a-p, held-out prompts with q-z (never trained on).
+the prompt's first letter written exactly four times (``"kqz="`` -> ``"kkkk"``). Training prompts and held-out
+prompts start with the letters a-p; no held-out prompt is a training prompt.
 
 The model is a Qwen2 (hidden 128, four layers, head size 32) whose tokenizer has one token per character plus EOS
 and padding, warmed up (supervised, seconds on a CPU) on the same prompts answered with their first letter written
@@ -20,33 +20,32 @@ import dataclasses
 import pathlib
 import random
 import string
+from collections.abc import Sequence
 
 from yieldloop.environment import Environment, Grade
 
 env = Environment("short")
 
-TRAIN_FIRST = string.ascii_lowercase[:16]
-HELDOUT_FIRST = string.ascii_lowercase[16:]
 ANSWER_LENGTH = 4
 WARMUP_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8)
 """Answer lengths of the warm-up, drawn uniformly: the right one is one in six."""
 
 
-def make_prompts(first_letters: str, count: int, seed: int) -> list[str]:
-    """``count`` distinct prompts, each a first letter from ``first_letters``, one or two more letters, and ``=``
-    (3-4 characters); first letters taken in turn so each appears about equally often."""
+def make_prompts(first_letters: str, count: int, seed: int, besides: Sequence[str] = ()) -> list[str]:
+    """``count`` distinct prompts not in ``besides``, each a first letter from ``first_letters``, one or two more
+    letters, and ``=`` (3-4 characters); first letters taken in turn so each appears about equally often."""
     rng = random.Random(seed)
     prompts: list[str] = []
     while len(prompts) < count:
         first = first_letters[len(prompts) % len(first_letters)]
         text = first + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 2))) + "="
-        if text not in prompts:
+        if text not in prompts and text not in besides:
             prompts.append(text)
     return prompts
 
 
-TRAIN_PROMPTS = make_prompts(TRAIN_FIRST, 16, seed=1)
-HELDOUT_PROMPTS = make_prompts(HELDOUT_FIRST, 20, seed=2)
+TRAIN_PROMPTS = make_prompts(string.ascii_lowercase[:16], 16, seed=1)
+HELDOUT_PROMPTS = make_prompts(string.ascii_lowercase[:16], 32, seed=2, besides=TRAIN_PROMPTS)
 
 
 def reward(answer: str, prompt: str) -> float:
