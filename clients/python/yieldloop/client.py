@@ -329,9 +329,13 @@ class Client:
             max_attempts=max_attempts,
             checkpoint_id=checkpoint_id,
             model=model,
+            batch_runs=True,
         )
         async for response in _stream(self.raw.rollout.StreamRollouts(request, timeout=timeout)):
-            yield run_from_pb(response.run)
+            for run in response.runs:
+                yield run_from_pb(run)
+            if response.HasField("run"):  # a server that does not batch
+                yield run_from_pb(response.run)
 
     async def create_job(
         self, model: str = "", name: str = "", group_size: int = 0, metadata_json: str = ""

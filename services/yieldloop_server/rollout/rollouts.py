@@ -249,9 +249,10 @@ async def run_episode(
 async def _attempt(engine: Engine, env: Client, run: Run, sampling: SamplingConfig, config: AgentConfig) -> None:
     episode = env.episode(run.task)
     try:
-        started = await episode.start()
-        run.prompt = started.prompt
-        run.answer = await agent_loop(engine, episode, started, run, sampling, config)
+        with engine.expect():  # a batch about to start waits for this episode's first turn (ends once submitted)
+            started = await episode.start()
+            run.prompt = started.prompt
+            run.answer = await agent_loop(engine, episode, started, run, sampling, config)
         last = run.turns[-1] if run.turns else Turn()
         with telemetry.span("grade"):
             graded = await episode.submit(
@@ -270,7 +271,15 @@ async def _attempt(engine: Engine, env: Client, run: Run, sampling: SamplingConf
         await episode.close()
 
 
-async def stream_rollouts(
+async def stream_rollouts(*args: Any, **kwargs: Any) -> AsyncIterator[Run]:
+    """Runs as they finish: :func:`stream_rollout_batches`' runs one at a time."""
+    async with contextlib.aclosing(stream_rollout_batches(*args, **kwargs)) as batches:
+        async for batch in batches:
+            for run in batch:
+                yield run
+
+
+async def stream_rollout_batches(
     engine: Engine,
     env: Client,
     tasks: Sequence[TaskRef],
@@ -282,10 +291,11 @@ async def stream_rollouts(
     config: AgentConfig = AgentConfig(),
     shared_limit: asyncio.Semaphore | None = None,
     record: Callable[[list[Run]], Awaitable[Any]] | None = None,
-) -> AsyncIterator[Run]:
+) -> AsyncIterator[list[Run]]:
     """Runs every task ``group_size`` times, at most ``max_concurrent`` at once (0: no bound of its own) and
-    within ``shared_limit`` (the service's episodes over all requests); yields Runs as they finish. Retries
-    after infrastructure failures share a budget of a tenth of the runs (at least 8).
+    within ``shared_limit`` (the service's episodes over all requests); yields Runs as they finish, those that
+    finished together in one list. Retries after infrastructure failures share a budget of a tenth of the runs (at
+    least 8).
 
     With ``record``, runs are yielded only once ``record`` made them durable, in batches (group commit): every
     run that finished while the previous batch was being recorded goes into the next one.
@@ -334,8 +344,8 @@ async def stream_rollouts(
             runs = [item for item in batch if not isinstance(item, Exception)]
             if runs and record is not None:
                 await record(runs)
-            for run in runs:
-                yield run
+            if runs:
+                yield runs
             for item in batch:
                 if isinstance(item, Exception):
                     raise item

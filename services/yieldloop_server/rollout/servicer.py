@@ -22,7 +22,7 @@ from yieldloop_server.common.auth import ModelAccess, current_principal, require
 from yieldloop_server.common.grpc_server import rpc
 from yieldloop_server.rollout.engines import SamplingConfig
 from yieldloop_server.rollout.models import ServedModels
-from yieldloop_server.rollout.rollouts import STOP_REASONS, AgentConfig, RolloutLimits, stream_rollouts
+from yieldloop_server.rollout.rollouts import STOP_REASONS, AgentConfig, RolloutLimits, stream_rollout_batches
 from yieldloop_server.store.traces import TraceStore, named_trace
 
 
@@ -137,7 +137,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 engine.require_ready()
             job = await asyncio.to_thread(self.traces.ensure_job, job_id, served.slug, principal.team)
             require_job(job.team, job_id)
-            async for run in stream_rollouts(
+            async for runs in stream_rollout_batches(
                 engine,
                 self.env,
                 [task_ref_from_pb(task) for task in request.tasks],
@@ -150,7 +150,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 # Durable before it is streamed (a run the client saw always has its trace), in batches.
                 record=functools.partial(self._record, job_id=job_id, team=principal.team),
             ):
-                yield pb.StreamRolloutsResponse(run=run_to_pb(run))
+                if request.batch_runs:
+                    yield pb.StreamRolloutsResponse(runs=[run_to_pb(run) for run in runs])
+                    continue
+                for run in runs:
+                    yield pb.StreamRolloutsResponse(run=run_to_pb(run))
 
     @rpc
     async def RecordRuns(

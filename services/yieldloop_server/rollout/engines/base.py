@@ -290,6 +290,13 @@ class Engine(abc.ABC):
     async def close(self) -> None:
         """Releases threads, processes and memory."""
 
+    def expect(self) -> contextlib.AbstractContextManager[Any]:
+        """Says, for the length of the block, that a request is on its way (its prompt is being made: a rollout's
+        episode starting in its environment) and ends when this task submits it: an engine that gathers a burst
+        of requests before it starts a batch (the torch engine) starts once none is on its way, instead of
+        waiting for a pause in arrivals. Engines that do not gather ignore it."""
+        return contextlib.nullcontext()
+
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise UnavailableError("no weights loaded yet", reason="ENGINE_NOT_READY")

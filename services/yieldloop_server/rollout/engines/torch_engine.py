@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
@@ -24,7 +25,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
@@ -120,9 +121,36 @@ class _Request:
     generator: Any
     adapter: str = ""
     cancelled: bool = False
+    expected: bool = False
+    """Submitted under :meth:`TorchEngine.expect`: its batch knows when no more are on their way."""
 
     def emit(self, item: TokenDelta | BaseException) -> None:
         self.sink.deliver([(self.key, item)])
+
+
+class _Expected:
+    """One request on its way to an engine (see :meth:`TorchEngine.expect`); released once, when submitted or when
+    its block ends."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+        self.open = True
+        with engine._expected_lock:
+            engine._expected += 1
+
+    def release(self) -> None:
+        engine = self.engine
+        with engine._expected_lock:
+            if not self.open:
+                return
+            self.open = False
+            engine._expected -= 1
+            last = engine._expected == 0
+        if last:
+            engine._pending.put(_WAKE)  # a batch gathering company starts now
+
+
+_EXPECTED: contextvars.ContextVar[_Expected | None] = contextvars.ContextVar("yieldloop_expected", default=None)
 
 
 def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str) -> _Weights:
@@ -310,6 +338,9 @@ class TorchEngine(Engine):
         """The rows of the forward pass being run: (adapter layers, row indices) of each adapter in it."""
         self._swap_lock = threading.Lock()
         self._pending: queue.Queue = queue.Queue()
+        self._expected = 0
+        """Requests on their way (:meth:`expect`)."""
+        self._expected_lock = threading.Lock()
         self._stopping = False
         self._live = 0
         """Requests admitted or waiting in the worker that are not done yet (written by the worker thread)."""
@@ -415,9 +446,23 @@ class TorchEngine(Engine):
             generator.manual_seed(sampling.seed)
         else:
             generator.seed()
-        request = _Request(list(prompt_ids), sampling, sink, key, generator, adapter)
+        expected = _EXPECTED.get()
+        expected = expected if expected is not None and expected.engine is self and expected.open else None
+        request = _Request(list(prompt_ids), sampling, sink, key, generator, adapter, expected=expected is not None)
         self._pending.put(request)
+        if expected is not None:
+            expected.release()
         return request
+
+    @contextlib.contextmanager
+    def expect(self) -> Iterator[None]:
+        expected = _Expected(self)
+        token = _EXPECTED.set(expected)
+        try:
+            yield
+        finally:
+            _EXPECTED.reset(token)
+            expected.release()
 
     def num_unfinished(self) -> int:
         return self._pending.qsize() + self._live
@@ -480,24 +525,32 @@ class TorchEngine(Engine):
         batch = _Batch(self)
         while not self._stopping:
             self._apply_swaps(weights_too=not batch.rows)  # base weights only between requests
-            # Block only when nothing runs; then gather company while requests keep coming (a burst: a rollout's
-            # episodes reach the engine over some milliseconds as their environments start): each arrival within
-            # batch_wait_s of the previous one waits for more, up to batch_wait_max_s in all. A batch started with
-            # the burst's first few would prefill the rest a few at a time, a forward pass each.
+            # Block only when nothing runs; then gather company (a burst: a rollout's episodes reach the engine over
+            # some milliseconds as their environments start), up to batch_wait_max_s in all: while requests are
+            # on their way (expect()), until the last of them came; otherwise while arrivals keep coming, each
+            # within batch_wait_s of the previous one. A batch started with the burst's first few would prefill
+            # the rest a few at a time, a forward pass each.
             if not batch.rows and not waiting:
                 first = self._pending.get()
                 if first is not _WAKE:
                     waiting.append(first)
                 last = time.monotonic()
                 cutoff = last + self.batch_wait_max_s
+                told = any(request.expected for request in waiting)
                 while waiting and len(waiting) < self.max_batch_size:
+                    if self._expected:
+                        until = cutoff
+                    elif told:
+                        break  # the last request on its way came
+                    else:
+                        until = min(last + self.batch_wait_s, cutoff)
                     try:
-                        wait = min(last + self.batch_wait_s, cutoff) - time.monotonic()
-                        item = self._pending.get(timeout=max(0.0, wait))
+                        item = self._pending.get(timeout=max(0.0, until - time.monotonic()))
                     except queue.Empty:
                         break
                     if item is not _WAKE:
                         waiting.append(item)
+                        told = told or item.expected
                         last = time.monotonic()
             while True:
                 try:

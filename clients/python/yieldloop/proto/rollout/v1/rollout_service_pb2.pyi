@@ -125,7 +125,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[str] = ..., finished: _Optional[bool] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamRolloutsRequest(_message.Message):
-    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id", "max_steps", "episode_timeout_s", "max_attempts", "checkpoint_id", "model")
+    __slots__ = ("tasks", "group_size", "max_concurrent", "sampling", "job_id", "max_steps", "episode_timeout_s", "max_attempts", "checkpoint_id", "model", "batch_runs")
     TASKS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class StreamRolloutsRequest(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_RUNS_FIELD_NUMBER: _ClassVar[int]
     tasks: _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]
     group_size: int
     max_concurrent: int
@@ -146,13 +147,16 @@ class StreamRolloutsRequest(_message.Message):
     max_attempts: int
     checkpoint_id: str
     model: str
-    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., episode_timeout_s: _Optional[float] = ..., max_attempts: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    batch_runs: bool
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_common_pb2.Task, _Mapping]]] = ..., group_size: _Optional[int] = ..., max_concurrent: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., job_id: _Optional[str] = ..., max_steps: _Optional[int] = ..., episode_timeout_s: _Optional[float] = ..., max_attempts: _Optional[int] = ..., checkpoint_id: _Optional[str] = ..., model: _Optional[str] = ..., batch_runs: _Optional[bool] = ...) -> None: ...
 
 class StreamRolloutsResponse(_message.Message):
-    __slots__ = ("run",)
+    __slots__ = ("run", "runs")
     RUN_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     run: _common_pb2.Run
-    def __init__(self, run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Run]
+    def __init__(self, run: _Optional[_Union[_common_pb2.Run, _Mapping]] = ..., runs: _Optional[_Iterable[_Union[_common_pb2.Run, _Mapping]]] = ...) -> None: ...
 
 class GetRunsRequest(_message.Message):
     __slots__ = ("trace_ids",)
