@@ -301,10 +301,11 @@ def _train_trl(task: BenchTask, out: pathlib.Path, args: argparse.Namespace, see
         return task.heldout_score(answers)
 
     per_step: list[dict] = []
+    sampled = [0.0]  # seconds in TRL's generate + reward (+ advantages): what yieldloop's rollout_s stands for
 
     class Measure(TrainerCallback):
         def on_step_begin(self, *_: object, **__: object) -> None:
-            self.started, self.tokens, self.cpu = time.perf_counter(), tokens[0], own_cpu_s()
+            self.started, self.tokens, self.cpu, self.sampled = time.perf_counter(), tokens[0], own_cpu_s(), sampled[0]
 
         def on_step_end(self, _args: object, state: object, control: object, **__: object) -> None:
             train_s = time.perf_counter() - self.started
@@ -317,6 +318,7 @@ def _train_trl(task: BenchTask, out: pathlib.Path, args: argparse.Namespace, see
                     "eval_s": time.perf_counter() - self.started - train_s,
                     "tokens": tokens[0] - self.tokens,
                     "episodes": GROUP * len(task.train_rows),
+                    "rollout_s": sampled[0] - self.sampled,
                     "cpu_s": {"trl": round(cpu_s, 4)},
                 }
             )
@@ -359,6 +361,16 @@ def _train_trl(task: BenchTask, out: pathlib.Path, args: argparse.Namespace, see
         processing_class=tokenizer,
         callbacks=[Measure()],
     )
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed(inputs: object) -> object:
+        started = time.perf_counter()
+        try:
+            return generate_and_score(inputs)
+        finally:
+            sampled[0] += time.perf_counter() - started
+
+    trainer._generate_and_score_completions = timed
     trainer.train()
     return {"per_step": per_step, **to_target(per_step, args.target)}
 
@@ -402,12 +414,19 @@ def summarize(results: dict[str, list[dict]], args: argparse.Namespace, trl_runs
             "median_s_per_step": round(statistics.median(s["train_s"] for r in runs for s in r["per_step"]), 3),
             "cpu_ms_per_episode": cpu_per_episode([s for r in runs for s in r["per_step"]]),
         }
-        if name.startswith("yieldloop"):
-            steps = [s for r in runs for s in r["per_step"]]
-            summary[name]["per_step_split_s"] = {
-                part: round(statistics.median(s[part] for s in steps), 3)
-                for part in ("rollout_s", "forward_backward_s", "optim_s", "reload_s")
-            }
+        steps = [s for r in runs for s in r["per_step"]]
+        parts = (
+            ("rollout_s", "forward_backward_s", "optim_s", "reload_s")
+            if name.startswith("yieldloop")
+            else ("rollout_s",)
+        )
+        summary[name]["per_step_split_s"] = {
+            part: round(statistics.median(s[part] for s in steps), 3) for part in parts
+        }
+    for trl_run in trl_runs:  # the on-policy rollout of a batch against TRL's generate + reward of one
+        if 0 in args.off_policy:
+            ours, trl = (summary[name]["per_step_split_s"]["rollout_s"] for name in ("yieldloop_off_policy_0", trl_run))  # type: ignore[index]
+            summary[f"rollout_ratio_yieldloop_off_policy_0_to_{trl_run}"] = round(ours / trl, 2)
     for n in args.off_policy:
         for trl_run in trl_runs:
             for key, label in (
@@ -445,7 +464,7 @@ def main() -> None:
     parser.add_argument(
         "--trl-threads",
         type=int,
-        nargs="+",
+        nargs="*",
         default=[0, 1],
         help="TRL runs with these torch thread counts (0: torch's default, one per core)",
     )
