@@ -94,6 +94,12 @@ class ObjectStore(abc.ABC):
     def stat(self, key: str) -> ObjectStat | None:
         """Size and ETag of an object, or None when absent."""
 
+    def local_file(self, key: str) -> pathlib.Path | None:
+        """The file holding an object on this machine, for readers that only read it (a hard link to it is a copy
+        that costs nothing: objects are never changed in place, every write is a new file); None when the store
+        has none (S3) or the object is absent."""
+        return None
+
     def size(self, key: str) -> int | None:
         """Size of an object, or None when absent (implementations avoid reading it)."""
         stat = self.stat(key)

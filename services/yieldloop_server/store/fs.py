@@ -131,6 +131,10 @@ class FsStore(ObjectStore):
         with source.open("rb") as src:
             self._write_atomic(pathlib.Path(path), lambda f: shutil.copyfileobj(src, f, 1 << 20))
 
+    def local_file(self, key: str) -> pathlib.Path | None:
+        path = self._path(key)
+        return path if path.is_file() else None
+
     def size(self, key: str) -> int | None:
         path = self._path(key)
         return path.stat().st_size if path.is_file() else None

@@ -96,9 +96,11 @@ def download_verified(
     manifest: Manifest,
     folder: pathlib.Path,
     objects: Sequence[ObjectInfo] | None = None,
+    read_only: bool = False,
 ) -> pathlib.Path:
     """Downloads a checkpoint's objects (or only ``objects`` of it, e.g. its sampler weights) into ``folder``
-    and checks every size and sha256.
+    and checks every size and sha256. ``read_only``: nothing will ever write into the folder's files (an
+    engine's cache), so objects the store holds on this machine are hard-linked, not copied.
 
     The files land in a temporary sibling folder that is renamed into place only
     when every object verified, so ``folder`` is either complete or absent.
@@ -116,7 +118,9 @@ def download_verified(
     with staged(folder) as staging:
         objects = manifest.objects if objects is None else objects
         for obj in objects:
-            store.get_file(obj.key, staging / obj.name)
+            local = store.local_file(obj.key) if read_only else None
+            if local is None or not _linked(local, staging / obj.name):
+                store.get_file(obj.key, staging / obj.name)
         verify_folder(staging, objects, f"checkpoint {manifest.model}/{manifest.checkpoint_id}")
     return folder
 
@@ -152,10 +156,17 @@ def host_id() -> str:
 def link_objects(source: pathlib.Path, target: pathlib.Path, objects: Sequence[ObjectInfo]) -> None:
     """Hard-links (or, across filesystems, copies) the objects' files of ``source`` into ``target``."""
     for obj in objects:
-        try:
-            os.link(source / obj.name, target / obj.name)
-        except OSError:
+        if not _linked(source / obj.name, target / obj.name):
             shutil.copyfile(source / obj.name, target / obj.name)
+
+
+def _linked(source: pathlib.Path, target: pathlib.Path) -> bool:
+    """Whether ``target`` is now a hard link to ``source`` (False: another filesystem, or links not allowed)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        return False
+    return True
 
 
 def verify_folder(

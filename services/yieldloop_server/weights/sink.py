@@ -93,7 +93,9 @@ class StoreSink:
             if folder.is_dir():
                 return await self._used(folder)
             if not manifest.pending:
-                await asyncio.to_thread(download_verified, self.store, manifest, folder, manifest.sampler_objects)
+                await asyncio.to_thread(
+                    download_verified, self.store, manifest, folder, manifest.sampler_objects, read_only=True
+                )
                 return await self._used(folder)
             try:
                 return await self._used(await self._pending(manifest, folder))
