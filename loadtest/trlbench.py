@@ -30,9 +30,26 @@ Each step's CPU is recorded in every process (each service of the stack with its
 process) and reported as milliseconds of CPU per episode (``cpu_ms_per_episode``); TRL runs with torch's default
 threads and with one (``--trl-threads``), and each side runs to the target (``--max-steps`` is only a bound).
 
-Differences that remain: TRL normalises the loss by the number of completion tokens, yieldloop's
-``importance_sampling`` loss sums over tokens (AdamW makes the update scale-free up to eps); TRL generates with
-``transformers``' ``generate`` in the training process, yieldloop with its rollout engine in another process.
+The TRL settings that reproduce yieldloop's defaults (``LoopConfig``, ``importance_sampling``), where TRL 1.16's
+own defaults differ (the learning rate is the run's, 1e-3, on both sides):
+
+=======================  ==================  ===========================================  =====================
+GRPOConfig field         TRL's default       yieldloop's default                          set here
+=======================  ==================  ===========================================  =====================
+``lr_scheduler_type``    ``linear`` (decay)  constant                                     ``constant``
+``adam_beta2``           0.999               0.95 (AdamW betas (0.9, 0.95), eps 1e-8)     0.95
+``max_grad_norm``        1.0                 no clipping (``max_grad_norm=0``)            0
+``scale_rewards``        ``group`` (std)     reward - group mean (no std)                 ``none``
+``loss_type``            ``dapo``            sum over tokens                              ``bnpo``
+=======================  ==================  ===========================================  =====================
+
+Unchanged because they agree: ``beta`` 0 (no KL), ``num_iterations`` 1 (so the ratio is 1 and ``epsilon``
+clipping never acts, as yieldloop's ratio to the sampler's logprobs is 1 up to float error), temperature 1, top-p
+1, top-k 0, ``weight_decay`` 0, eps 1e-8, truncated completions kept. Loss normalisation is the one difference
+left: ``bnpo``/``dapo`` divide by the batch's completion tokens, a near-constant factor per step that AdamW's
+per-parameter scaling takes out (up to eps and the second moment's memory); steps to the target agree with these
+settings (``steps_ratio_*``). TRL generates with ``transformers``' ``generate`` in the training process, yieldloop
+with its rollout engine in another process.
 
 Usage: ``pip install -e '.[bench]'`` then ``python loadtest/trlbench.py [--tasks letters short] [--seeds 2]
 [--target 0.8] [--max-steps 60] [--off-policy 0 1] [--trl-threads 0 1] [--out r.json]``

@@ -153,6 +153,31 @@ def test_download_verifies_checksums(any_store, tmp_path: pathlib.Path) -> None:
     assert not (tmp_path / "cache" / "c1-again").exists(), "no half-downloaded folder is left"
 
 
+def test_a_read_only_download_links_what_the_store_holds_here(any_store, tmp_path: pathlib.Path) -> None:
+    """An engine's cache takes a filesystem store's objects as hard links (nothing copied; a later write of the
+    key is a new file, so the cached bytes stay the verified ones) and still verifies them; an S3 store's are
+    downloaded."""
+    import os
+
+    import torch
+    from safetensors.torch import save
+
+    registry = CheckpointRegistry(any_store)
+    registry.create_model(ModelInfo(slug="m", base="m"))
+    weights = save({"w": torch.ones(4)})
+    manifest = _commit(registry, "m", "c1", weights)
+    folder = download_verified(registry.store, manifest, tmp_path / "cache" / "c1", read_only=True)
+    local = registry.store.local_file(manifest.objects[0].key)
+    assert (local is not None) == (type(registry.store).__name__ == "FsStore")
+    if local is not None:
+        assert os.path.samefile(local, folder / "model.safetensors")
+    registry.store.put_bytes(manifest.objects[0].key, weights[:-1] + b"\x00")
+    assert (folder / "model.safetensors").read_bytes() == weights
+    with pytest.raises(errors.FailedPreconditionError) as err:
+        download_verified(registry.store, manifest, tmp_path / "cache" / "c1-again", read_only=True)
+    assert err.value.reason == "CHECKPOINT_CORRUPT"
+
+
 async def test_watch_head_sees_every_move(any_store) -> None:
     registry = CheckpointRegistry(any_store, poll_interval=5.0)
     registry.create_model(ModelInfo(slug="m", base="m"))

@@ -190,12 +190,10 @@ async def test_batched_prompts_of_different_lengths_match_the_trainer(served_eng
     assert worst < LOGPROB_BOUND[served_engine.kind], worst
 
 
-async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch) -> None:
-    """A group's episodes share one prompt: the torch engine prefills it once for all of them (each row keeps its
-    own generator, so a seeded request samples what it samples alone)."""
-    from yieldloop_server.rollout.engines.torch_engine import TorchEngine, _Batch
+def count_prefills(monkeypatch) -> list[int]:
+    """The rows of every prefill the torch engine runs from now on (this test's)."""
+    from yieldloop_server.rollout.engines.torch_engine import _Batch
 
-    engine = TorchEngine(batch_wait_s=0.25)  # all nine requests join the first admission, even on a busy machine
     rows_prefilled: list[int] = []
     forward = _Batch._forward
 
@@ -204,12 +202,23 @@ async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch
             rows_prefilled.append(inputs["input_ids"].shape[0])
         return forward(self, rows, **inputs)
 
+    monkeypatch.setattr(_Batch, "_forward", counting)
+    return rows_prefilled
+
+
+async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch) -> None:
+    """A group's episodes share one prompt: the torch engine prefills it once for all of them (each row keeps its
+    own generator, so a seeded request samples what it samples alone)."""
+    from yieldloop_server.rollout.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(batch_wait_s=0.25)  # all nine requests join the first admission, even on a busy machine
+
     try:
         await engine.load_weights(engine_folders["v1"], "v1")
         alone = flat(
             await collect(engine, PROMPT, SamplingConfig(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
         )
-        monkeypatch.setattr(_Batch, "_forward", counting)
+        rows_prefilled = count_prefills(monkeypatch)
         group = await asyncio.gather(
             *(
                 collect(engine, prompt, SamplingConfig(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True))
@@ -222,6 +231,31 @@ async def test_torch_prefills_a_repeated_prompt_once(engine_folders, monkeypatch
     first = flat(group[0])
     assert first[0] == alone[0] and max(abs(a - b) for a, b in zip(first[1], alone[1], strict=True)) < 1e-4
     assert len({tuple(flat(deltas)[0]) for deltas in group[:8]}) > 1  # the rows sample apart
+
+
+async def test_torch_batch_waits_for_the_requests_on_their_way(engine_folders, monkeypatch) -> None:
+    """Requests announced with expect() (a rollout's episodes while their environments start) begin in one batch
+    however far apart they arrive, with one prefill; one whose episode fails before it is submitted lets the batch
+    start without it."""
+    from yieldloop_server.rollout.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(batch_wait_s=0.005, batch_wait_max_s=30.0)  # arrivals 40 ms apart: eight gaps' worth
+
+    async def episode(index: int, fails: bool = False) -> list:
+        with engine.expect():
+            await asyncio.sleep(0.04 * index)  # its environment starting
+            if fails:
+                return []
+            return await collect(engine, [1, 60 + index, 61], SamplingConfig(max_tokens=2, temperature=0.0))
+
+    try:
+        await engine.load_weights(engine_folders["v1"], "v1")
+        rows_prefilled = count_prefills(monkeypatch)
+        results = await asyncio.wait_for(asyncio.gather(*(episode(i) for i in range(4)), episode(5, fails=True)), 20)
+    finally:
+        await engine.close()
+    assert rows_prefilled == [4], rows_prefilled
+    assert all(flat(deltas)[0] for deltas in results[:4]) and results[4] == []
 
 
 async def test_torch_running_batch_is_bounded_and_the_rest_wait_their_turn(engine_folders, monkeypatch) -> None:

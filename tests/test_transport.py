@@ -276,3 +276,23 @@ async def test_aborted_streams_leave_no_error_in_the_log(client: Client, caplog)
     await asyncio.sleep(0.5)
     noisy = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not noisy, [r.getMessage()[:300] for r in noisy[:3]]
+
+
+async def test_stream_rollouts_batches_runs_only_when_asked(client: Client) -> None:
+    """Without ``batch_runs`` (what other languages' clients send) every response holds one run; with it (the Python
+    client) the runs recorded together come in one response: the same runs either way."""
+    from yieldloop.convert import task_to_pb
+    from yieldloop.proto.rollout.v1 import rollout_service_pb2 as rollout_pb
+
+    task = task_to_pb(Task("letters", "repeat", {"letter": "c"}))
+    for batch in (False, True):
+        request = rollout_pb.StreamRolloutsRequest(
+            tasks=[task], group_size=4, sampling=rollout_pb.SamplingParams(max_tokens=2), batch_runs=batch
+        )
+        responses = [response async for response in client.raw.rollout.StreamRollouts(request, timeout=120)]
+        runs = [run for response in responses for run in (response.runs if batch else [response.run])]
+        assert len(runs) == 4 and all(run.trace_id and run.turns for run in runs)
+        if batch:
+            assert not any(response.HasField("run") for response in responses) and len(responses) <= 4
+        else:
+            assert len(responses) == 4 and not any(response.runs for response in responses)
