@@ -6,9 +6,9 @@ the prompt's first letter written exactly four times (``"kqz="`` -> ``"kkkk"``).
 prompts start with the letters a-p; no held-out prompt is a training prompt.
 
 The model is a Qwen2 (hidden 128, four layers, head size 32) whose tokenizer has one token per character plus EOS
-and padding, warmed up (supervised, seconds on a CPU) on the same prompts answered with their first letter written
-one to six times, uniformly: the base model knows which letter to write, not how many times, so about one sampled
-answer in six is right at the start, and RL has to find "four, then stop".
+and padding, warmed up (supervised, seconds on a CPU) on prompts of the same shape answered with their first letter
+written one to eight times, uniformly: the base model knows which letter to write, not how many times, so about one
+sampled answer in eight is right at the start, and RL has to find "four, then stop".
 
 ``env`` is the task's environment (``loadtest/shorttask.py:env`` for EnvService), ``train_tasks`` and
 ``heldout_tasks`` its tasksets, ``reward`` the one grading function both systems use.
@@ -28,7 +28,7 @@ env = Environment("short")
 
 ANSWER_LENGTH = 4
 WARMUP_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8)
-"""Answer lengths of the warm-up, drawn uniformly: the right one is one in six."""
+"""Answer lengths of the warm-up, drawn uniformly: the right one is one in eight."""
 
 
 def make_prompts(first_letters: str, count: int, seed: int, besides: Sequence[str] = ()) -> list[str]:
@@ -37,11 +37,15 @@ def make_prompts(first_letters: str, count: int, seed: int, besides: Sequence[st
     rng = random.Random(seed)
     prompts: list[str] = []
     while len(prompts) < count:
-        first = first_letters[len(prompts) % len(first_letters)]
-        text = first + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 2))) + "="
+        text = first_letters[len(prompts) % len(first_letters)] + _rest(rng)
         if text not in prompts and text not in besides:
             prompts.append(text)
     return prompts
+
+
+def _rest(rng: random.Random) -> str:
+    """What follows a prompt's first letter: one or two lowercase letters, then ``=``."""
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 2))) + "="
 
 
 TRAIN_PROMPTS = make_prompts(string.ascii_lowercase[:16], 16, seed=1)
@@ -86,11 +90,11 @@ def char_tokenizer():
 
 
 def warmup_examples(tokenizer, rng: random.Random, count: int) -> list[tuple[list[int], int]]:
-    """Prompts of the task's shape (any first letter) answered with their first letter one to six times."""
+    """Prompts of the task's shape (any first letter) answered with their first letter one to eight times."""
     examples = []
     for _ in range(count):
-        prompt = make_prompts(string.ascii_lowercase, 1, rng.randrange(1 << 30))[0]
-        prompt = rng.choice(string.ascii_lowercase) + prompt[1:]
+        rest = _rest(random.Random(rng.randrange(1 << 30)))  # (a draw of its own: the benchmarked model's recipe)
+        prompt = rng.choice(string.ascii_lowercase) + rest
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         answer = tokenizer.encode(prompt[0] * rng.choice(WARMUP_LENGTHS), add_special_tokens=False)
         examples.append((ids + answer + [tokenizer.eos_token_id], len(ids)))

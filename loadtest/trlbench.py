@@ -421,29 +421,28 @@ def summarize(results: dict[str, list[dict]], args: argparse.Namespace, trl_runs
     summary: dict[str, object] = {}
     for name, runs in results.items():
         reached = [r for r in runs if r["reached"]]
-        summary[name] = {
-            "reached": f"{len(reached)}/{len(runs)}",
-            "median_steps": statistics.median(r["steps"] for r in reached) if reached else None,
-            "median_seconds": statistics.median(r["seconds"] for r in reached) if reached else None,
-            "median_wall_seconds": statistics.median(r["wall_seconds"] for r in reached) if reached else None,
-            "median_eval_s": round(statistics.median(s["eval_s"] for r in runs for s in r["per_step"]), 3),
-            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-            "median_s_per_step": round(statistics.median(s["train_s"] for r in runs for s in r["per_step"]), 3),
-            "cpu_ms_per_episode": cpu_per_episode([s for r in runs for s in r["per_step"]]),
-        }
         steps = [s for r in runs for s in r["per_step"]]
         parts = (
             ("rollout_s", "forward_backward_s", "optim_s", "reload_s")
             if name.startswith("yieldloop")
             else ("rollout_s",)
         )
-        summary[name]["per_step_split_s"] = {
-            part: round(statistics.median(s[part] for s in steps), 3) for part in parts
+        summary[name] = {
+            "reached": f"{len(reached)}/{len(runs)}",
+            "median_steps": statistics.median(r["steps"] for r in reached) if reached else None,
+            "median_seconds": statistics.median(r["seconds"] for r in reached) if reached else None,
+            "median_wall_seconds": statistics.median(r["wall_seconds"] for r in reached) if reached else None,
+            "median_eval_s": round(statistics.median(s["eval_s"] for s in steps), 3),
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "median_s_per_step": round(statistics.median(s["train_s"] for s in steps), 3),
+            "cpu_ms_per_episode": cpu_per_episode(steps),
+            "per_step_split_s": {part: round(statistics.median(s[part] for s in steps), 3) for part in parts},
         }
+    rollouts = {name: split["per_step_split_s"]["rollout_s"] for name, split in summary.items()}  # type: ignore[index]
     for trl_run in trl_runs:  # the on-policy rollout of a batch against TRL's generate + reward of one
-        if 0 in args.off_policy:
-            ours, trl = (summary[name]["per_step_split_s"]["rollout_s"] for name in ("yieldloop_off_policy_0", trl_run))  # type: ignore[index]
-            summary[f"rollout_ratio_yieldloop_off_policy_0_to_{trl_run}"] = round(ours / trl, 2)
+        if "yieldloop_off_policy_0" in rollouts:
+            ratio = rollouts["yieldloop_off_policy_0"] / rollouts[trl_run]
+            summary[f"rollout_ratio_yieldloop_off_policy_0_to_{trl_run}"] = round(ratio, 2)
     for n in args.off_policy:
         for trl_run in trl_runs:
             for key, label in (

@@ -170,10 +170,10 @@ weights, calls fail with the death's error for this many seconds before the next
 
 class ChatRenders:
     """A tokenizer's prompt renderings (chats, raw texts), the last RENDER_CACHE_SIZE of each kind remembered by
-    conversation or text: a group's episodes
-    (and every group of a batch over the same tasks) share their prompts, rendered once instead of once per episode.
-    Long conversations (rendered off the event loop), anything not plain JSON, and every conversation of a template
-    that writes today's date (Llama 3's renders differently tomorrow) are rendered each time."""
+    conversation or text: a group's episodes (and every group of a batch over the same tasks) share their prompts,
+    rendered once instead of once per episode. Long prompts (rendered off the event loop), anything not plain JSON,
+    and every conversation of a template that writes today's date (Llama 3's renders differently tomorrow) are
+    rendered each time."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
