@@ -136,6 +136,45 @@ def test_a_pending_checkpoint_becomes_durable_only_by_gaining_its_objects(any_st
     assert registry.fork_model("m", "m-fork")[1].checkpoint_id == "c2"
 
 
+def test_an_adopted_file_is_stored_synced_without_a_copy(any_store, tmp_path: pathlib.Path, monkeypatch) -> None:
+    """A trainer's checkpoint file (never written again) is adopted: a filesystem store keeps the file itself (a
+    hard link whose bytes and folder entry are synced), an S3 store uploads it; deleting the producer's file
+    loses nothing, and where links fail the file is copied."""
+    import os
+
+    from yieldloop_server.store import fs
+
+    produced = tmp_path / "out" / "model.safetensors"
+    produced.parent.mkdir()
+    produced.write_bytes(b"weights")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(fs.os, "fsync", fsync)
+    any_store.adopt_file("models/m/checkpoints/c1/model.safetensors", produced)
+    local = any_store.local_file("models/m/checkpoints/c1/model.safetensors")
+    if isinstance(any_store, fs.FsStore):
+        assert local is not None and os.path.samefile(local, produced)
+        assert f"{any_store.root}/models/m/checkpoints/c1" in synced and any(".tmp-" in p for p in synced)
+        assert not [p for p in local.parent.iterdir() if p.name.startswith(".tmp-")]
+    produced.unlink()
+    assert any_store.get_bytes("models/m/checkpoints/c1/model.safetensors")[0] == b"weights"
+    if isinstance(any_store, fs.FsStore):
+        produced.write_bytes(b"other")
+
+        def no_links(*_: object) -> None:
+            raise PermissionError("links not allowed here")
+
+        monkeypatch.setattr(fs.os, "link", no_links)
+        any_store.adopt_file("models/m/checkpoints/c2/model.safetensors", produced)
+        copied = any_store.local_file("models/m/checkpoints/c2/model.safetensors")
+        assert copied is not None and copied.read_bytes() == b"other" and not os.path.samefile(copied, produced)
+
+
 def test_download_verifies_checksums(any_store, tmp_path: pathlib.Path) -> None:
     registry = CheckpointRegistry(any_store)
     registry.create_model(ModelInfo(slug="m", base="m"))

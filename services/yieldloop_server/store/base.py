@@ -86,6 +86,11 @@ class ObjectStore(abc.ABC):
     def put_file(self, key: str, path: pathlib.Path) -> str:
         """Uploads a local file atomically; returns the ETag."""
 
+    def adopt_file(self, key: str, path: pathlib.Path) -> None:
+        """Stores a local file nobody will write to again (its producer may still read or delete it): a store on
+        the same filesystem keeps the file itself (a hard link, synced: no copy), any other uploads it."""
+        self.put_file(key, path)
+
     @abc.abstractmethod
     def get_file(self, key: str, path: pathlib.Path) -> None:
         """Downloads an object to ``path`` (written atomically). Raises ObjectNotFound."""

@@ -5,7 +5,8 @@ into place, then the folder is fsynced (new folders in their parents too), so a
 crash never leaves a half-written object and a machine crash never loses one
 that was acknowledged. Conditional puts
 hold an exclusive ``flock`` on a per-key lock file, so they are atomic across
-processes on one machine.
+processes on one machine. A file its producer will never write again (a trainer's
+checkpoint) is adopted: hard-linked into place and synced, not copied.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,6 +125,28 @@ class FsStore(ObjectStore):
 
         self._write_atomic(self._path(key), copy)
         return digest.hexdigest()
+
+    def adopt_file(self, key: str, path: pathlib.Path) -> None:
+        target = self._path(key)
+        _make_dirs(target.parent)
+        link = target.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            os.link(path, link)
+        except OSError:  # another filesystem, or links not allowed here
+            self.put_file(key, path)
+            return
+        try:
+            fd = os.open(link, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # its bytes (written by its producer, maybe not synced yet)
+            finally:
+                os.close(fd)
+            os.replace(link, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(link)
+            raise
+        _fsync_dir(target.parent)
 
     def get_file(self, key: str, path: pathlib.Path) -> None:
         source = self._path(key)

@@ -304,7 +304,7 @@ class TrainingSession:
         for attempt in itertools.count():
             try:
                 await asyncio.to_thread(
-                    upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects
+                    upload_objects, self.store, self.model, manifest.checkpoint_id, folder, manifest.objects, True
                 )
                 await self.checkpoints.commit_checkpoint(
                     dataclasses.replace(manifest, pending=False, weights_source="")
@@ -352,7 +352,9 @@ class TrainingSession:
             added = await asyncio.to_thread(
                 describe_folder, self.model, manifest.checkpoint_id, scratch, state_names=STATE_FILES
             )
-            await asyncio.to_thread(upload_objects, self.store, self.model, manifest.checkpoint_id, scratch, added)
+            await asyncio.to_thread(
+                upload_objects, self.store, self.model, manifest.checkpoint_id, scratch, added, True
+            )
             manifest = dataclasses.replace(manifest, objects=[*manifest.objects, *added], pending=False)
             self.manifest, _ = await self.checkpoints.commit_checkpoint(manifest)
         finally:
@@ -462,9 +464,10 @@ class TrainingSession:
         checkpoint whose parent is the one the weights came from, moving HEAD (when ``set_head``) only if it
         still points there (ABORTED/HEAD_CONFLICT otherwise: another trainer or a rollback moved it).
 
-        The checkpoint is committed pending (HEAD moves, its sampler weights served to the fleet by the
-        publisher) and written to the store meanwhile (``wait_durable``: before the commit); the step returns once
-        it is durable, so a returned step is never rolled back. The training state goes with it every
+        A checkpoint that moves HEAD is committed pending (its sampler weights served to the fleet by the publisher)
+        and written to the store meanwhile; one that does not (a candidate for a promotion gate), or with
+        ``wait_durable``, is written to the store first and committed once. The step returns once it is durable,
+        so a returned step is never rolled back. The training state goes with it every
         ``state_every`` steps and with ``save_state``.
 
         All or nothing: a step refused for non-finite values, or whose commit fails, leaves the session
@@ -492,7 +495,9 @@ class TrainingSession:
         if idempotency_key:
             metadata["idempotency_key"] = idempotency_key
         with_state = save_state or (self.state_every > 0 and step % self.state_every == 0)
-        pending = not wait_durable and self.publisher is not None and bool(self.publisher.address)
+        # Pending only when HEAD moves (the fleet reloads while the store is written); a candidate that does not
+        # move it is sampled by nobody before it is durable: written first, committed once.
+        pending = set_head and not wait_durable and self.publisher is not None and bool(self.publisher.address)
         folder = (
             self.publisher.folder(self.model, checkpoint_id)
             if self.publisher is not None
@@ -607,7 +612,7 @@ class TrainingSession:
         else:  # durable before the commit: earlier pending checkpoints first (this one may share their objects)
             await self.flush()
             started = time.perf_counter()
-            await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects)
+            await asyncio.to_thread(upload_objects, self.store, self.model, checkpoint_id, folder, objects, True)
             timings["upload_s"] = time.perf_counter() - started
         return manifest
 

@@ -60,19 +60,22 @@ def upload_objects(
     checkpoint_id: str,
     folder: pathlib.Path,
     objects: Sequence[ObjectInfo],
+    adopt: bool = False,
 ) -> None:
     """Writes the objects of ``folder`` stored under the checkpoint's own prefix (not those shared with an
     earlier checkpoint), several at once (a sharded model's files, each rank's state file: the store's
-    bandwidth, not one stream's); the first failure goes up once every upload has ended."""
+    bandwidth, not one stream's); the first failure goes up once every upload has ended. ``adopt``: nobody
+    writes into the folder's files again (a trainer's checkpoint), so the store may keep them (``adopt_file``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     own = [obj for obj in objects if obj.key.startswith(checkpoint_prefix(model, checkpoint_id))]
+    put = store.adopt_file if adopt else store.put_file
     if len(own) <= 1:
         for obj in own:
-            store.put_file(obj.key, folder / obj.name)
+            put(obj.key, folder / obj.name)
         return
     with ThreadPoolExecutor(max_workers=min(PARALLEL_UPLOADS, len(own)), thread_name_prefix="upload") as pool:
-        futures = [pool.submit(store.put_file, obj.key, folder / obj.name) for obj in own]
+        futures = [pool.submit(put, obj.key, folder / obj.name) for obj in own]
     for future in futures:
         future.result()
 
