@@ -70,17 +70,25 @@ async def test_a_full_disk_is_resource_exhausted_and_retryable(tmp_path, monkeyp
     from yieldloop_server.store import fs
 
     full = {"on": ""}  # "all": every write to the store fails; "objects": checkpoint objects only
-    write_atomic = fs.FsStore._write_atomic
+    write_atomic, adopt_file = fs.FsStore._write_atomic, fs.FsStore.adopt_file
 
-    def guarded(self, path, write):
+    def refuse(path) -> None:
         refused = full["on"] == "all" or (
             full["on"] == "objects" and "checkpoints" in path.parts and path.name != "manifest.json"
         )
         if refused and "store" in path.parts:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    def guarded(self, path, write):
+        refuse(path)
         return write_atomic(self, path, write)
 
+    def guarded_adopt(self, key, path):  # a trainer's files are linked into the store, not written again
+        refuse(self._path(key))
+        return adopt_file(self, key, path)
+
     monkeypatch.setattr(fs.FsStore, "_write_atomic", guarded)
+    monkeypatch.setattr(fs.FsStore, "adopt_file", guarded_adopt)
     stack = InProcessStack(StackConfig(data_dir=tmp_path, env=EnvOptions(workers=0)))
     await stack.start()
     try:

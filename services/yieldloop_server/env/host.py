@@ -73,7 +73,11 @@ class EpisodeHost(abc.ABC):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]: ...
 
     @abc.abstractmethod
-    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade: ...
+    async def submit(
+        self, episode_id: str, answer: str, completion: FinalCompletion | None = None, *, last: bool = False
+    ) -> Grade:
+        """Grades the answer. ``last``: the episode ends with it, and a host may run its teardown right after the
+        grade without being asked (the caller's :meth:`close` of it is then a no-op)."""
 
     @abc.abstractmethod
     async def close(self, episode_id: str) -> None:

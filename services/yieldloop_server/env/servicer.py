@@ -114,6 +114,14 @@ class Deadlines:
             self._sweeper.cancel()
 
 
+_AFTER_SUBMIT = {
+    "call_tool": "tool call after submit",
+    "submit": "the answer was already submitted",
+    "start": "the episode was already started",
+}
+"""Why a request after the submit is refused (the words of an episode's own checks)."""
+
+
 class _Frames:
     """The response frames of one StreamEpisodes stream: frames that are ready together leave in one message."""
 
@@ -318,12 +326,15 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
         # The host key is ours, so two streams that send the same episode_id never collide.
         key = uuid.uuid4().hex
         info: EnvInfo | None = None
+        graded = False
         try:
             watch(me, deadline, "the episode", "EPISODE_DEADLINE")
             while (request := await read()) is not grpc.aio.EOF:
                 if type(request) is Undecodable:  # the reader API bypasses the request-iterator check
                     raise request.refusal()
                 action = request.WhichOneof("action")
+                if graded and action in ("call_tool", "submit", "start"):  # the host closed it with its grade
+                    raise protocol_error(_AFTER_SUBMIT[action])
                 if action == "call_tool" and info is not None:
                     call = request.call_tool
                     name = call.name
@@ -365,7 +376,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                             submit.answer, tuple(submit.completion_token_ids), StopReason.label(submit.stop_reason)
                         )
                     with telemetry.span("grade") as span:
-                        grade = await self.host.submit(key, submit.answer, completion)
+                        graded = True  # nothing may follow a submit: the host ends the episode with its grade
+                        grade = await self.host.submit(key, submit.answer, completion, last=True)
                         if span is not None:
                             span.set_attribute("yieldloop.reward", grade.reward)
                     info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info

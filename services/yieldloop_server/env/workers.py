@@ -107,7 +107,7 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
                 result = None
             else:
                 with telemetry.attached(carrier), telemetry.span(f"env-worker {op}"):
-                    result = await getattr(host, op)(*args)
+                    result = await getattr(host, "submit" if op == "finish" else op)(*args)
             reply = (request_id, True, result)
         except asyncio.CancelledError:
             return
@@ -116,6 +116,11 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
                 log.exception("worker op %s failed", op)
             reply = (request_id, False, as_yieldloop_error(err).to_wire())
         replies.put(reply)
+        if op == "finish":  # the episode ended with its grade (sent first): its teardown, unasked
+            try:
+                await host.close(args[0])
+            except Exception:  # deliberate: a failed teardown is logged, the worker keeps serving
+                log.exception("teardown of episode %s failed", args[0])
 
     while True:
         try:
@@ -128,7 +133,7 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
         task = asyncio.create_task(handle(request_id, op, args, carrier))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        if op in ("open", "call_tool", "submit"):
+        if op in ("open", "call_tool", "submit", "finish"):
             episode_tasks = in_flight.setdefault(args[0], set())
             episode_tasks.add(task)
             task.add_done_callback(episode_tasks.discard)
@@ -360,8 +365,14 @@ class WorkerPoolHost(EpisodeHost):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         return await self._request(self._worker_of(episode_id), "call_tool", episode_id, name, arguments)
 
-    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade:
-        return await self._request(self._worker_of(episode_id), "submit", episode_id, answer, completion)
+    async def submit(
+        self, episode_id: str, answer: str, completion: FinalCompletion | None = None, *, last: bool = False
+    ) -> Grade:
+        if not last:
+            return await self._request(self._worker_of(episode_id), "submit", episode_id, answer, completion)
+        worker = self._worker_of(episode_id)
+        self._forget(episode_id)  # the worker tears it down after grading it ("finish": no close request)
+        return await self._request(worker, "finish", episode_id, answer, completion)
 
     def _forget(self, episode_id: str) -> _Worker | None:
         worker = self._episode_worker.pop(episode_id, None)
