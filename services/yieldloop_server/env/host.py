@@ -83,6 +83,10 @@ class EpisodeHost(abc.ABC):
     async def close(self, episode_id: str) -> None:
         """Ends an episode and runs its teardown (idempotent)."""
 
+    @abc.abstractmethod
+    def is_open(self, episode_id: str) -> bool:
+        """Whether the episode is open here (a :meth:`close` would have something to do)."""
+
     @property
     @abc.abstractmethod
     def num_live_episodes(self) -> int: ...

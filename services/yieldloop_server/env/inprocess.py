@@ -64,6 +64,9 @@ class InProcessHost(EpisodeHost):
         if episode is not None:
             await episode.close()
 
+    def is_open(self, episode_id: str) -> bool:
+        return episode_id in self._episodes
+
     @property
     def num_live_episodes(self) -> int:
         return len(self._episodes)

@@ -392,4 +392,5 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
             # Teardown runs however the stream ends: done, error, deadline or a vanished client,
             # and no deadline interrupts it.
             watch(me, math.inf, "", "")
-            await asyncio.shield(self.host.close(key))
+            if self.host.is_open(key):  # (closed with its grade by a worker: nothing to wait for)
+                await asyncio.shield(self.host.close(key))

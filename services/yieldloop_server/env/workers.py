@@ -391,6 +391,9 @@ class WorkerPoolHost(EpisodeHost):
             with contextlib.suppress(UnavailableError):
                 await self._request(worker, "close", episode_id)
 
+    def is_open(self, episode_id: str) -> bool:
+        return episode_id in self._episode_worker
+
     @property
     def num_live_episodes(self) -> int:
         return len(self._episode_worker)
