@@ -64,6 +64,22 @@ def test_exact_resume(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> N
             torch.testing.assert_close(state_b["state"][key][field], value, rtol=0, atol=1e-6, msg=f"{key}.{field}")
 
 
+def test_saves_write_what_transformers_writes(tiny_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """After its first save (by transformers), a trainer writes its checkpoints directly: the same files, byte
+    for byte, as ``save_pretrained`` would write after the same steps."""
+    trainer = Trainer(tiny_model_dir)
+    for seed in (1, 2):
+        step(trainer, seed)
+        ours = trainer.save(tmp_path / f"ours-{seed}", with_state=False)
+        theirs = tmp_path / f"theirs-{seed}"
+        trainer.model.save_pretrained(theirs, safe_serialization=True)
+        trainer.tokenizer.save_pretrained(theirs)
+        assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+        for path in theirs.iterdir():
+            assert (ours / path.name).read_bytes() == path.read_bytes(), path.name
+    assert trainer._direct_save is not None, "the second save was written directly"
+
+
 def run(group: str, reward: float) -> Run:
     return Run(group_id=group, reward=reward, turns=[Turn([1, 2, 3], [4, 5], [-1.0, -2.0])])
 
