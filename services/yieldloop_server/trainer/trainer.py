@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import pathlib
+import tempfile
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -220,6 +221,8 @@ class Trainer:
 
         self.config = config
         self.adapter = adapter
+        self.source = folder
+        """The folder the model was loaded from (its tokenizer files are what checkpoints hold)."""
         self.model, self.tokenizer = load_causal_lm(folder, config.dtype, config.device)
         if adapter is not None:
             self.model = attach_adapter(self.model, adapter)
@@ -263,6 +266,7 @@ class Trainer:
         """What later saves write directly (:meth:`_save_hf`), once the first showed it is what transformers
         writes: the files other than the weights (their bytes) and the weights file's metadata."""
         self._saved_once = False
+        self._tokenizer_bytes: dict[str, bytes] | None = None
 
     @property
     def num_trainable_parameters(self) -> int:
@@ -604,11 +608,12 @@ class Trainer:
         return folder
 
     def _save_hf(self, folder: pathlib.Path) -> None:
-        """The model and its tokenizer as ``save_pretrained`` writes them. When the first save, by transformers,
+        """The model as ``save_pretrained`` writes it, and its tokenizer. When the first save, by transformers,
         wrote one weights file holding exactly the model's own weights (their names, shapes and dtypes: no
         conversion on the way), later saves write the same files directly: the others' bytes as first written
         (the config and tokenizer never change while training), the weights with safetensors, as transformers
-        does, without its bookkeeping around it (~4 ms a save on a small model: each step's)."""
+        does, without its bookkeeping around it (~4 ms a save on a small model: each step's). The tokenizer's
+        files are always those the model was loaded with (:meth:`_write_tokenizer`)."""
         from safetensors.torch import save_file
 
         if self._direct_save is not None:
@@ -619,10 +624,26 @@ class Trainer:
             save_file(weights, folder / WEIGHTS_FILE, metadata=metadata)
             return
         self.model.save_pretrained(folder, safe_serialization=True)
-        self.tokenizer.save_pretrained(folder)
+        self._write_tokenizer(folder)
         if not self._saved_once:
             self._saved_once = True
             self._direct_save = _direct_save_of(self.model, folder)
+
+    def _write_tokenizer(self, folder: pathlib.Path) -> None:
+        """The tokenizer's files (those ``save_pretrained`` writes) as the folder the model was loaded from holds
+        them, byte for byte (transformers writes them back in its own words: a checkpoint would hold another
+        tokenizer file than its parent's, stored again and read again by every engine, which reloads in full
+        instead of only the weights); a file that folder lacks as transformers writes it."""
+        if self._tokenizer_bytes is None:
+            with tempfile.TemporaryDirectory() as scratch:
+                written = [pathlib.Path(p) for p in self.tokenizer.save_pretrained(scratch)]
+                self._tokenizer_bytes = {
+                    path.name: (self.source / path.name if (self.source / path.name).is_file() else path).read_bytes()
+                    for path in written
+                    if path.is_file()
+                }
+        for name, data in self._tokenizer_bytes.items():
+            (folder / name).write_bytes(data)
 
     def _save_sharded(self, folder: pathlib.Path, with_state: bool) -> pathlib.Path:
         folder.mkdir(parents=True, exist_ok=True)
@@ -640,7 +661,7 @@ class Trainer:
                 self.model.config.save_pretrained(folder)
                 if getattr(self.model, "generation_config", None) is not None and self.model.can_generate():
                     self.model.generation_config.save_pretrained(folder)
-                self.tokenizer.save_pretrained(folder)
+                self._write_tokenizer(folder)
         else:  # the adapter is small: gathered whole, written by peft as the unsharded trainer's is
             from peft import get_peft_model_state_dict
 
