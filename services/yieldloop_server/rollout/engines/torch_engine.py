@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import logging
 import math
 import pathlib
@@ -50,6 +51,9 @@ class _Weights:
     plain: bool = False
     """Whether every layer is plain full attention (no sliding window): batches then pass the model ready 4D masks
     (see _Batch._attention) and it runs SDPA; otherwise eager attention and transformers' masks."""
+    last_logits: dict[str, int] = dataclasses.field(default_factory=dict)
+    """``{"logits_to_keep": 1}`` when the model takes it: a prefill computes the output layer at each prompt's last
+    position only (the logits a batch samples from), not at every position (prompt x vocabulary floats)."""
 
 
 @dataclasses.dataclass
@@ -180,6 +184,7 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
         model.config.max_position_embeddings,
         signature=signature,
         plain=plain,
+        last_logits={"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {},
     )
 
 
@@ -653,7 +658,8 @@ class _Batch:
         engine = self.engine
         engine._active = [(layers, torch.tensor(ix, device=engine.device)) for layers, ix in groups.values()]
         try:
-            out = engine._weights.model(**inputs, use_cache=True)
+            weights = engine._weights
+            out = weights.model(**inputs, **weights.last_logits, use_cache=True)
         finally:
             engine._active = []
         return out.logits[:, -1, :].float()
