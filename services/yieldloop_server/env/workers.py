@@ -106,8 +106,9 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
             if op == "ping":
                 result = None
             else:
-                with telemetry.attached(carrier), telemetry.span(f"env-worker {op}"):
-                    result = await getattr(host, "submit" if op == "finish" else op)(*args)
+                method = "submit" if op == "finish" else op  # (a finish is a submit, then the teardown unasked)
+                with telemetry.attached(carrier), telemetry.span(f"env-worker {method}"):
+                    result = await getattr(host, method)(*args)
             reply = (request_id, True, result)
         except asyncio.CancelledError:
             return
