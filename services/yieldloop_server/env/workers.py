@@ -119,7 +119,8 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
         replies.put(reply)
         if op == "finish":  # the episode ended with its grade (sent first): its teardown, unasked
             try:
-                await host.close(args[0])
+                with telemetry.attached(carrier), telemetry.span("env-worker close"):
+                    await host.close(args[0])
             except Exception:  # deliberate: a failed teardown is logged, the worker keeps serving
                 log.exception("teardown of episode %s failed", args[0])
 
