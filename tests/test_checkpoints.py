@@ -37,14 +37,12 @@ def _commit(registry: CheckpointRegistry, model: str, cid: str, payload: bytes, 
     return registry.commit(Manifest(model=model, checkpoint_id=cid, objects=[obj], **kwargs), set_head=True)[0]
 
 
-def test_fs_store_syncs_every_folder_entry_it_writes(tmp_path: pathlib.Path, monkeypatch) -> None:
-    """An acknowledged object survives a machine crash: its bytes are fsynced, and so are the folder that holds
-    its name (after the rename) and the parents of every folder the write created."""
+def _record_fsyncs(monkeypatch) -> list[str]:
+    """The paths the filesystem store fsyncs from now on, in order (each still synced)."""
     import os
 
     from yieldloop_server.store import fs
 
-    store = fs.FsStore(tmp_path / "store")
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -53,6 +51,17 @@ def test_fs_store_syncs_every_folder_entry_it_writes(tmp_path: pathlib.Path, mon
         real_fsync(fd)
 
     monkeypatch.setattr(fs.os, "fsync", fsync)
+    return synced
+
+
+def test_fs_store_syncs_every_folder_entry_it_writes(tmp_path: pathlib.Path, monkeypatch) -> None:
+    """An acknowledged object survives a machine crash: its bytes are fsynced, and so are the folder that holds
+    its name (after the rename) and the parents of every folder the write created."""
+
+    from yieldloop_server.store import fs
+
+    store = fs.FsStore(tmp_path / "store")
+    synced = _record_fsyncs(monkeypatch)
     store.put_bytes("runs/job-1/segment", b"x", if_none_match=True)
     root = str(store.root)
     assert [p for p in synced if ".tmp-" not in p] == [root, f"{root}/runs", f"{root}/runs/job-1"]
@@ -147,14 +156,7 @@ def test_an_adopted_file_is_stored_synced_without_a_copy(any_store, tmp_path: pa
     produced = tmp_path / "out" / "model.safetensors"
     produced.parent.mkdir()
     produced.write_bytes(b"weights")
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    monkeypatch.setattr(fs.os, "fsync", fsync)
+    synced = _record_fsyncs(monkeypatch)
     any_store.adopt_file("models/m/checkpoints/c1/model.safetensors", produced)
     local = any_store.local_file("models/m/checkpoints/c1/model.safetensors")
     if isinstance(any_store, fs.FsStore):

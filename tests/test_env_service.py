@@ -72,7 +72,14 @@ async def served(request, tmp_path_factory) -> AsyncIterator[Served]:
 
 async def test_episode_over_the_wire(served: Served) -> None:
     listed = await served.client.list_scenarios()
-    assert {s.name for s in listed.scenarios} == {"count_to", "echo", "complete", "exact_digits", "flaky_start"}
+    assert {s.name for s in listed.scenarios} == {
+        "count_to",
+        "slow_grade",
+        "echo",
+        "complete",
+        "exact_digits",
+        "flaky_start",
+    }
     assert {t.name for t in listed.tools} >= {"increment", "pid", "sleep", "fail"}
     async with served.client.episode(task(target=3, tag="wire")) as episode:
         started = episode.started
@@ -261,6 +268,16 @@ async def test_episode_deadline_from_grpc(served: Served) -> None:
     with pytest.raises(errors.DeadlineExceededError):
         await episode.call_tool("increment", '{"by": 1}')
     await served.settled("grpc-deadline")
+
+
+async def test_episode_deadline_while_grading_stops_the_grade_and_tears_down(served: Served) -> None:
+    """The episode's deadline passes while its scenario grades (here or in a worker process): the caller hears
+    DEADLINE_EXCEEDED, the grading is stopped and the episode's teardown runs, not after the grade would have."""
+    episode = served.client.episode(task("slow_grade", seconds=30, tag="slow-grade"), timeout=0.5)
+    await episode.start()
+    with pytest.raises(errors.DeadlineExceededError):
+        await episode.submit("anything")
+    await served.settled("slow-grade")
 
 
 async def test_cpu_hog_does_not_stall_other_episodes(served: Served) -> None:

@@ -101,6 +101,14 @@ async def count_to(target: int, tag: str = "", ctx: EpisodeContext = None):
 
 
 @env.scenario()
+async def slow_grade(seconds: float, tag: str = ""):
+    """Takes ``seconds`` to grade any answer."""
+    yield "Say anything."
+    await asyncio.sleep(seconds)
+    yield 1.0
+
+
+@env.scenario()
 async def echo(word: str, tag: str = ""):
     """Rewards answers equal to the word."""
     answer = yield f"Say {word}"

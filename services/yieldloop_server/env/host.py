@@ -73,11 +73,9 @@ class EpisodeHost(abc.ABC):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]: ...
 
     @abc.abstractmethod
-    async def submit(
-        self, episode_id: str, answer: str, completion: FinalCompletion | None = None, *, last: bool = False
-    ) -> Grade:
-        """Grades the answer. ``last``: the episode ends with it, and a host may run its teardown right after the
-        grade without being asked (the caller's :meth:`close` of it is then a no-op)."""
+    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade:
+        """Grades the answer. The episode ends with it: a host may run its teardown right after the grade, unasked
+        (:meth:`is_open` then says so, and a :meth:`close` has nothing to do)."""
 
     @abc.abstractmethod
     async def close(self, episode_id: str) -> None:

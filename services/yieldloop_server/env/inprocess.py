@@ -54,9 +54,7 @@ class InProcessHost(EpisodeHost):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         return await self._episode(episode_id).call_tool(name, arguments)
 
-    async def submit(
-        self, episode_id: str, answer: str, completion: FinalCompletion | None = None, *, last: bool = False
-    ) -> Grade:
+    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade:
         return await self._episode(episode_id).submit(answer, completion)  # closed by the caller, after the grade
 
     async def close(self, episode_id: str) -> None:

@@ -376,8 +376,8 @@ class EnvServicer(pb_grpc.EnvServiceServicer):
                             submit.answer, tuple(submit.completion_token_ids), StopReason.label(submit.stop_reason)
                         )
                     with telemetry.span("grade") as span:
-                        graded = True  # nothing may follow a submit: the host ends the episode with its grade
-                        grade = await self.host.submit(key, submit.answer, completion, last=True)
+                        graded = True  # nothing may follow a submit: the host may end the episode with its grade
+                        grade = await self.host.submit(key, submit.answer, completion)
                         if span is not None:
                             span.set_attribute("yieldloop.reward", grade.reward)
                     info_json = {"subscores": grade.subscores, **grade.info} if grade.subscores else grade.info

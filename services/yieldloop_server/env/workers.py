@@ -106,9 +106,8 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
             if op == "ping":
                 result = None
             else:
-                method = "submit" if op == "finish" else op  # (a finish is a submit, then the teardown unasked)
-                with telemetry.attached(carrier), telemetry.span(f"env-worker {method}"):
-                    result = await getattr(host, method)(*args)
+                with telemetry.attached(carrier), telemetry.span(f"env-worker {op}"):
+                    result = await getattr(host, op)(*args)
             reply = (request_id, True, result)
         except asyncio.CancelledError:
             return
@@ -117,7 +116,8 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
                 log.exception("worker op %s failed", op)
             reply = (request_id, False, as_yieldloop_error(err).to_wire())
         replies.put(reply)
-        if op == "finish":  # the episode ended with its grade (sent first): its teardown, unasked
+        if op == "submit":  # the episode ended with its grade (sent first): its teardown, unasked and uncancelled
+            in_flight.get(args[0], set()).discard(asyncio.current_task())
             try:
                 with telemetry.attached(carrier), telemetry.span("env-worker close"):
                     await host.close(args[0])
@@ -135,7 +135,7 @@ async def _serve_worker(sock: socket.socket, env_specs: tuple[str, ...]) -> None
         task = asyncio.create_task(handle(request_id, op, args, carrier))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        if op in ("open", "call_tool", "submit", "finish"):
+        if op in ("open", "call_tool", "submit"):
             episode_tasks = in_flight.setdefault(args[0], set())
             episode_tasks.add(task)
             task.add_done_callback(episode_tasks.discard)
@@ -367,14 +367,17 @@ class WorkerPoolHost(EpisodeHost):
     async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         return await self._request(self._worker_of(episode_id), "call_tool", episode_id, name, arguments)
 
-    async def submit(
-        self, episode_id: str, answer: str, completion: FinalCompletion | None = None, *, last: bool = False
-    ) -> Grade:
-        if not last:
-            return await self._request(self._worker_of(episode_id), "submit", episode_id, answer, completion)
+    async def submit(self, episode_id: str, answer: str, completion: FinalCompletion | None = None) -> Grade:
         worker = self._worker_of(episode_id)
-        self._forget(episode_id)  # the worker tears it down after grading it ("finish": no close request)
-        return await self._request(worker, "finish", episode_id, answer, completion)
+        try:
+            return await self._request(worker, "submit", episode_id, answer, completion)
+        except YieldloopError:
+            raise  # answered (or the worker is gone): the worker tears it down itself
+        except BaseException:  # cancelled or timed out while grading: stop it there and tear it down
+            self._keep(self._close_on(worker, episode_id))
+            raise
+        finally:
+            self._forget(episode_id)  # the worker tears it down after the grade: no close request
 
     def _forget(self, episode_id: str) -> _Worker | None:
         worker = self._episode_worker.pop(episode_id, None)
