@@ -19,8 +19,9 @@ then seed 1, ...).
 Two times to the target: **wall** seconds, everything each loop did from its start (yieldloop: the evaluation of
 the starting head its promotion gate compares against, then every step with its evaluation; TRL: every step with
 its evaluation), and seconds of **training only** (evaluations left out). The goal is judged on wall seconds:
-with overlap, yieldloop's next batch samples while the candidate is evaluated, so leaving evaluations out would
-also leave out part of its sampling (TRL does nothing else while it evaluates).
+yieldloop's next batch samples while the candidate is evaluated (with overlap, by the head; on-policy, by the
+candidate itself), so leaving evaluations out would also leave out part of its sampling (TRL does nothing else
+while it evaluates).
 
 - yieldloop: ``yieldloop up``'s stack (four processes, torch engine) and the closed loop (``yieldloop.loop``),
   every candidate promoted; ``--off-policy`` lists the overlap settings to run (``max_off_policy``).

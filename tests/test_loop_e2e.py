@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -246,3 +247,32 @@ async def test_overlap_bounds_and_reports_how_stale_each_batch_was(client: Clien
             assert set(report.sampled_weight_versions) <= allowed, (off_policy, i, report.sampled_weight_versions)
             stale = set(report.sampled_weight_versions) - {parents[i]}
             assert (report.off_policy_runs > 0) == bool(stale) and (report.max_staleness == 1) == bool(stale)
+
+
+async def test_an_on_policy_batch_samples_the_candidate_while_the_gate_evaluates_it(tmp_path) -> None:
+    """On-policy with a held-out gate, the next batch is sampled by the candidate while the gate evaluates it
+    (where candidates get an engine like the head's: a torch engine in the service's process). Promoted, the
+    batch was sampled by the head it trains from; rejected, it is dropped and the next batch is sampled by the head,
+    as if the loop had waited."""
+    from yieldloop.envs.letters import TASKS
+    from yieldloop_server.config import RolloutOptions, StackConfig
+    from yieldloop_server.stack import InProcessStack
+
+    stack = InProcessStack(StackConfig(data_dir=tmp_path, rollout=RolloutOptions(engine_process=False)))
+    await stack.start()
+    try:
+        async with Client(**stack.addresses, api_key=stack.api_key, timeout=120) as client:
+            assert (await client.get_serving_info()).candidate_engine_like_head
+            base = LoopConfig(**TASKS, steps=2, group_size=2, tasks_per_step=4, max_off_policy=0)
+            kept = [r async for r in closed_loop(client, dataclasses.replace(base, promotion_tolerance=1.0))]
+            assert [r.promoted for r in kept] == [True, True]
+            assert kept[1].parent_checkpoint_id == kept[0].checkpoint_id
+            assert kept[1].sampled_weight_versions == [kept[0].checkpoint_id] and kept[1].max_staleness == 0
+            assert kept[1].served_weight_version == kept[1].checkpoint_id
+            head = await client.get_head(MODEL)
+            wrecked = [r async for r in closed_loop(client, dataclasses.replace(base, learning_rate=0.5))]
+            assert not wrecked[0].promoted, wrecked[0]  # a learning rate that wrecks the weights
+            assert wrecked[1].parent_checkpoint_id == head.checkpoint_id
+            assert wrecked[1].sampled_weight_versions == [head.checkpoint_id] and wrecked[1].max_staleness == 0
+    finally:
+        await stack.stop()

@@ -6,7 +6,10 @@ Each step:
    groups without reward spread before training on them; with ``max_off_policy`` N > 0 (default 1) the next N
    batches are already sampling while this one trains, and each step reports how many of its runs were
    sampled by older weights, and how much older (the loss's importance ratio uses their recorded logprobs);
-   the first batch samples while the starting head is evaluated (the gate's reference);
+   the first batch samples while the starting head is evaluated (the gate's reference); on-policy (N = 0), the
+   next batch samples the candidate while step 3 evaluates it, where the rollout service samples candidates
+   with an engine like the head's (``ServingInfo.candidate_engine_like_head``), and is dropped if step 4
+   rejects it;
 2. ``forward_backward`` (the trainer's KL and clip fraction are kept), then ``optim_step``, which commits
    the candidate checkpoint to the tree *without* moving HEAD;
 3. evaluates the candidate on the held-out tasks (disjoint from the training tasks) through
@@ -85,7 +88,8 @@ class LoopConfig:
     max_off_policy: int = 1
     """Overlap: the next batches' rollouts run while the current batch trains, so a batch is sampled by weights
     at most this many steps older than the ones it trains (each token's sampling logprob and weight version are
-    recorded, so the importance ratio uses the true sampler). 0: every batch waits for the new weights."""
+    recorded, so the importance ratio uses the true sampler). 0: every batch is sampled by the weights it trains
+    (with held-out tasks, by the candidate while the gate evaluates it, dropped if the gate rejects it)."""
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> LoopConfig:
@@ -429,6 +433,9 @@ class _Loop:
         self.history: list[tuple[float, float]] = []
         self.diverging = 0
         self.batches: collections.deque[asyncio.Task] = collections.deque()
+        self.sample_candidates = False
+        """Whether a candidate is sampled by an engine like the head's (then an on-policy batch samples it while the
+        gate evaluates it)."""
 
     @classmethod
     async def start(
@@ -462,13 +469,16 @@ class _Loop:
         loop.recorder = RunRecorder(runs_dir / job.id, config, job.id, bool(resume)) if runs_dir is not None else None
         loop.head = await client.get_head(config.model)
         loop.heads = [loop.head.checkpoint_id]
+        loop.sample_candidates = (await client.get_serving_info(model=config.model)).candidate_engine_like_head
         return loop
 
-    def launch(self) -> None:
-        """Starts sampling one training batch."""
+    def launch(self, checkpoint_id: str = "") -> None:
+        """Starts sampling one training batch (by the served head, or by ``checkpoint_id``)."""
         config, train = self.config, self.train
         tasks = train if not config.tasks_per_step else self.rng.sample(train, min(config.tasks_per_step, len(train)))
-        run = run_tasks(tasks, self.agent, job=self.job, max_concurrent=config.max_concurrent)
+        run = run_tasks(
+            tasks, self.agent, job=self.job, max_concurrent=config.max_concurrent, checkpoint_id=checkpoint_id
+        )
         self.batches.append(asyncio.ensure_future(run))
 
     async def evaluate(self, checkpoint_id: str) -> tuple[float, list[Run]]:
@@ -530,7 +540,15 @@ class _Loop:
         assert optim.checkpoint is not None
         candidate = optim.checkpoint.checkpoint_id
         optimized = time.perf_counter()
+        ahead = self.sample_candidates and bool(self.heldout) and not self.batches and step_index < config.steps
+        if ahead:
+            # On-policy: the next batch samples the candidate while the gate evaluates it (one engine, loaded once,
+            # runs both). Promoted, the candidate is the head the batch trains from; rejected, the batch is dropped
+            # and the next step samples the head, as if it had waited.
+            self.launch(candidate)
         gate = await self.gate(candidate, optimized)
+        if ahead and not gate.promoted:
+            await self.cancel_batches()
         if self.head.checkpoint_id != self.heads[-1]:
             self.heads.append(self.head.checkpoint_id)
         info = await client.get_serving_info(wait_for_checkpoint_id=self.head.checkpoint_id, model=config.model)
@@ -622,10 +640,11 @@ class _Loop:
         )
 
     async def cancel_batches(self) -> None:
-        """Rollouts launched ahead for steps that will not run."""
+        """Rollouts launched ahead for steps that will not run (or sampled by a candidate the gate rejected)."""
         for batch in self.batches:
             batch.cancel()
         await asyncio.gather(*self.batches, return_exceptions=True)
+        self.batches.clear()
 
 
 def _staleness(run: Run, heads: list[str]) -> int:

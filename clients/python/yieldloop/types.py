@@ -504,6 +504,7 @@ class ServingInfo:
     engine_weight_loads: int = 0
     following: bool = False
     follow_error: str = ""
+    candidate_engine_like_head: bool = False
 
 
 @dataclasses.dataclass

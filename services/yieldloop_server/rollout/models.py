@@ -47,6 +47,8 @@ class ServedModel:
     adapters: dict[str, ServedModel] = dataclasses.field(default_factory=dict)
     """For a LoRA forks' base engine: each fork served by it, by slug."""
     adapter_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    candidates_like_head: bool = False
+    """Whether ``pinned`` engines are like ``engine`` (the same kind, in the same process)."""
 
     async def close(self) -> None:
         for view in list(self.adapters.values()):
@@ -77,6 +79,8 @@ class ServedModels:
         memory_budget_bytes: Bytes of weights loaded at once (0: no byte budget, only ``max_models``).
         weights_from: How pending checkpoints come from their trainer (see :func:`open_sink`).
         device: The engines' device (a weight group on CUDA may be NCCL).
+        pinned_like_serving: Whether ``make_pinned_engine``'s engines are like ``make_engine(False)``'s (the same
+            kind, in the same process).
     """
 
     def __init__(
@@ -92,8 +96,10 @@ class ServedModels:
         memory_budget_bytes: int = 0,
         weights_from: str = "auto",
         device: str = "cpu",
+        pinned_like_serving: bool = False,
     ) -> None:
         self.default = default
+        self.pinned_like_serving = pinned_like_serving
         self.make_engine = make_engine
         self.make_pinned_engine = make_pinned_engine
         self.store = store
@@ -222,7 +228,7 @@ class ServedModels:
         engine = self.make_engine(False)
         follower, task = await self._follow(engine, slug)
         pinned = PinnedEngines(follower, self.make_pinned_engine) if self.make_pinned_engine else None
-        return ServedModel(slug, engine, follower, pinned, task)
+        return ServedModel(slug, engine, follower, pinned, task, candidates_like_head=self.pinned_like_serving)
 
     async def _adapter(self, base: ServedModel, slug: str) -> ServedModel:
         """The LoRA fork ``slug`` served by ``base``'s engine (its adapter loaded and following its head)."""
@@ -235,7 +241,13 @@ class ServedModels:
                     return AdapterEngine(base.engine, f"{slug}@{uuid.uuid4().hex[:8]}")
 
                 view = base.adapters[slug] = ServedModel(
-                    slug, follower.engine, follower, PinnedEngines(follower, candidate), task, base.slug
+                    slug,
+                    follower.engine,
+                    follower,
+                    PinnedEngines(follower, candidate),
+                    task,
+                    base.slug,
+                    candidates_like_head=True,
                 )
             return view
 

@@ -256,6 +256,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 engine_weight_loads=served.engine.weight_loads,
                 following=served.follower.following,
                 follow_error=served.follower.follow_error,
+                candidate_engine_like_head=served.pinned is not None and served.candidates_like_head,
             )
 
     @rpc

@@ -179,7 +179,7 @@ class GetServingInfoRequest(_message.Message):
     def __init__(self, wait_for_checkpoint_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class GetServingInfoResponse(_message.Message):
-    __slots__ = ("model", "weight_version", "head_sequence", "engine", "last_reload_error", "openai_base_url", "adapter_base", "engine_weight_loads", "following", "follow_error")
+    __slots__ = ("model", "weight_version", "head_sequence", "engine", "last_reload_error", "openai_base_url", "adapter_base", "engine_weight_loads", "following", "follow_error", "candidate_engine_like_head")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEAD_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class GetServingInfoResponse(_message.Message):
     ENGINE_WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
     FOLLOWING_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_ENGINE_LIKE_HEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     weight_version: str
     head_sequence: int
@@ -200,7 +201,8 @@ class GetServingInfoResponse(_message.Message):
     engine_weight_loads: int
     following: bool
     follow_error: str
-    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ..., adapter_base: _Optional[str] = ..., engine_weight_loads: _Optional[int] = ..., following: _Optional[bool] = ..., follow_error: _Optional[str] = ...) -> None: ...
+    candidate_engine_like_head: bool
+    def __init__(self, model: _Optional[str] = ..., weight_version: _Optional[str] = ..., head_sequence: _Optional[int] = ..., engine: _Optional[str] = ..., last_reload_error: _Optional[str] = ..., openai_base_url: _Optional[str] = ..., adapter_base: _Optional[str] = ..., engine_weight_loads: _Optional[int] = ..., following: _Optional[bool] = ..., follow_error: _Optional[str] = ..., candidate_engine_like_head: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "model", "name", "group_size", "created_time", "num_runs", "metadata_json", "team")
