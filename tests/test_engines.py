@@ -529,12 +529,14 @@ async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folde
             in_place.append(engine.in_place_loads)
             tokens, logprobs, versions = flat(await collect(engine, PROMPT, sampling))
             assert (tokens, logprobs) == expected[version] and set(versions) == {version}
-        assert in_place == [0, 0, 1, 2], "the first two loads build models; later ones reuse the previous one"
+        assert in_place == [0, 1, 2, 3], (
+            "one model built: the first reload copies it, later ones reuse the previous one"
+        )
 
         changed = shutil.copytree(v3, tmp_path / "v3-template")
         (changed / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
         await engine.load_weights(changed, "v3-template")
-        assert engine.in_place_loads == 2, "another chat template: a full load (tokenizer and template again)"
+        assert engine.in_place_loads == 3, "another chat template: a full load (tokenizer and template again)"
         assert flat(await collect(engine, PROMPT, sampling))[:2] == expected["v3"]
     finally:
         await engine.close()
@@ -548,6 +550,19 @@ async def test_torch_reload_in_place_serves_what_a_full_load_serves(engine_folde
         assert flat(await collect(frugal, PROMPT, sampling))[:2] == expected["v2"]
     finally:
         await frugal.close()
+
+    # An engine started from another (a candidate's, beside the head's) copies its weights at its first load.
+    head, candidate = TorchEngine(), TorchEngine()
+    try:
+        await head.load_weights(v2, "v2")
+        candidate.start_from(head)
+        await candidate.load_weights(v3, "v3")
+        assert candidate.in_place_loads == 1
+        assert flat(await collect(candidate, PROMPT, sampling))[:2] == expected["v3"]
+        assert flat(await collect(head, PROMPT, sampling))[:2] == expected["v2"], "the head's weights are its own"
+    finally:
+        await head.close()
+        await candidate.close()
 
     # The checks that send a reload to the full path, on a spare no engine uses.
     spare = load_hf_weights(v2, "v2", "cpu", "float32")

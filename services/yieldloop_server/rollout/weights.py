@@ -169,7 +169,10 @@ class PinnedEngines:
             entry = self._engines.get(checkpoint_id)
             if entry is None:
                 folder = await self.follower.fetch(checkpoint_id)  # NOT_FOUND / CHECKPOINT_CORRUPT raise here
-                engine = self._idle_at_capacity() or self.make_engine()
+                engine = self._idle_at_capacity()
+                if engine is None:
+                    engine = self.make_engine()
+                    engine.start_from(self.follower.engine)  # the head's weights: a candidate differs in its weights
                 try:
                     await engine.load_weights(folder, checkpoint_id)
                 except BaseException:

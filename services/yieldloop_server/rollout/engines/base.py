@@ -263,6 +263,11 @@ class Engine(abc.ABC):
 
     # LoRA adapters: a base engine serves the LoRA forks of its weights, each adapter applied per request.
 
+    def start_from(self, other: Engine) -> None:
+        """Says that ``other`` (an engine of this process) serves weights this one's first load may start from:
+        an engine that can copy them and then overwrite only what differs (the torch engine) does, when the
+        first folder differs from ``other``'s only in its weights. Others ignore it."""
+
     async def load_adapter(self, name: str, folder: pathlib.Path, version: str) -> None:
         """Loads (or replaces) the adapter ``name`` from a peft adapter folder; returns once new requests use it."""
         raise FailedPreconditionError(f"the {self.name} engine does not serve LoRA adapters", reason="ENGINE_NOT_READY")
