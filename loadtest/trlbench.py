@@ -76,6 +76,8 @@ from trainerbench import run_and_report
 
 LEARNING_RATE = 1e-3
 GROUP = 8
+PROBES = 5
+"""Rollouts of the training batch timed after each run, on its final weights (see :func:`rollout_probe_s`)."""
 
 
 @dataclasses.dataclass
@@ -265,10 +267,37 @@ async def run_yieldloop(
                         "cpu_s": {name: round(cpu[name] - before[name], 4) for name in cpu},
                     }
                 )
+            probe = await yieldloop_rollout_probe_s(client, task, config)
     finally:
         await stack.stop()
     before = baseline[0].heldout_s if baseline else 0.0  # the loop's first evaluation (the gate's reference)
-    return {"per_step": per_step, "baseline_s": before, **to_target(per_step, args.target, before)}
+    return {
+        "per_step": per_step,
+        "baseline_s": before,
+        "rollout_probe_s": probe,
+        **to_target(per_step, args.target, before),
+    }
+
+
+async def yieldloop_rollout_probe_s(client: object, task: BenchTask, config: object) -> float:
+    """The rollout of one training batch (every training prompt x GROUP, the loop's sampling) through the stack,
+    on the run's final head: the median of PROBES, each a StreamRollouts to its last run.
+
+    The loop's own steps do not show it: on-policy, a batch samples the candidate while the gate evaluates it (one
+    engine decoding both), so a step waits for no rollout; with overlap it samples beside the training."""
+    from yieldloop.loop import load_tasks
+    from yieldloop.training import Agent, Job, run_tasks
+
+    model, temperature, max_tokens = config.model, config.temperature, config.max_tokens  # type: ignore[attr-defined]
+    tasks = load_tasks(task.tasks["train_tasks"])
+    job = await Job.start(model, GROUP, name="rollout-probe", client=client)  # type: ignore[arg-type]
+    agent = Agent(model=model, temperature=temperature, max_tokens=max_tokens)
+    times = []
+    for _ in range(PROBES):
+        started = time.perf_counter()
+        await run_tasks(tasks, agent, job=job)
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times), 4)
 
 
 def run_trl(task: BenchTask, out: pathlib.Path, args: argparse.Namespace, seed: int) -> dict:
@@ -390,7 +419,14 @@ def _train_trl(task: BenchTask, out: pathlib.Path, args: argparse.Namespace, see
 
     trainer._generate_and_score_completions = timed
     trainer.train()
-    return {"per_step": per_step, **to_target(per_step, args.target)}
+    batch = [row for row in task.train_rows for _ in range(GROUP)]  # what TRL's sampler gives one step
+    times = []
+    for _ in range(PROBES):  # as yieldloop_rollout_probe_s: the training batch's generate + reward, final weights
+        started = time.perf_counter()
+        generate_and_score(batch)
+        times.append(time.perf_counter() - started)
+    probe = round(statistics.median(times), 4)
+    return {"per_step": per_step, "rollout_probe_s": probe, **to_target(per_step, args.target)}
 
 
 async def bench(args: argparse.Namespace) -> dict:
@@ -438,12 +474,13 @@ def summarize(results: dict[str, list[dict]], args: argparse.Namespace, trl_runs
             "median_s_per_step": round(statistics.median(s["train_s"] for s in steps), 3),
             "cpu_ms_per_episode": cpu_per_episode(steps),
             "per_step_split_s": {part: round(statistics.median(s[part] for s in steps), 3) for part in parts},
+            "median_rollout_probe_s": round(statistics.median(r["rollout_probe_s"] for r in runs), 4),
         }
-    rollouts = {name: split["per_step_split_s"]["rollout_s"] for name, split in summary.items()}  # type: ignore[index]
-    for trl_run in trl_runs:  # the on-policy rollout of a batch against TRL's generate + reward of one
-        if "yieldloop_off_policy_0" in rollouts:
-            ratio = rollouts["yieldloop_off_policy_0"] / rollouts[trl_run]
-            summary[f"rollout_ratio_yieldloop_off_policy_0_to_{trl_run}"] = round(ratio, 2)
+    probes = {name: split["median_rollout_probe_s"] for name, split in summary.items()}  # type: ignore[index]
+    for trl_run in trl_runs:  # the rollout of a batch against TRL's generate + reward of one, on final weights
+        for n in args.off_policy:
+            ratio = probes[f"yieldloop_off_policy_{n}"] / probes[trl_run]
+            summary[f"rollout_ratio_yieldloop_off_policy_{n}_to_{trl_run}"] = round(ratio, 2)
     for n in args.off_policy:
         for trl_run in trl_runs:
             for key, label in (
