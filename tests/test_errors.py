@@ -227,3 +227,36 @@ async def test_a_client_stream_that_fails_to_build_raises_its_own_error(client) 
 def _bad_runs():
     yield "not-a-trace-id-that-matters"
     raise errors.InvalidArgumentError("num_substeps must be >= 1", reason="INVALID_FIELD", field="num_substeps")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"by": 1}', ' {"by": 1}\n', "[1, 2.5]", '"x"', "12", "null", "NaN", "[]", "{}", "nul", '{"a": 1} x', "", "{"],
+)
+def test_json_is_read_as_json_loads_reads_it(text: str) -> None:
+    """Every caller's JSON goes through parse_json: the same values json.loads gives, INVALID_ARGUMENT naming the
+    field where json.loads refuses, whichever way it reads them (C's scanner alone for a bare value), as str and
+    bytes."""
+    import json
+
+    for given in (text, text.encode()):
+        try:
+            expected = json.loads(given)
+        except ValueError:
+            with pytest.raises(errors.InvalidArgumentError) as err:
+                errors.parse_json(given, "call_tool.arguments_json", "TOOL_ARGS_INVALID")
+            assert err.value.reason == "TOOL_ARGS_INVALID" and err.value.field == "call_tool.arguments_json"
+            continue
+        got = errors.parse_json(given, "f")
+        assert repr(got) == repr(expected) and type(got) is type(expected)
+
+
+def test_json_nested_deeper_than_the_limit_is_refused_where_it_enters() -> None:
+    for depth, ok in ((errors.MAX_JSON_DEPTH, True), (errors.MAX_JSON_DEPTH + 1, False), (5000, False)):
+        for text in ("[" * depth + "]" * depth, '{"a": ' * depth + "1" + "}" * depth):
+            if ok:
+                assert errors.parse_json(text, "f") is not None
+                continue
+            with pytest.raises(errors.InvalidArgumentError) as err:
+                errors.parse_json(text, "f")
+            assert "nests deeper" in err.value.message
