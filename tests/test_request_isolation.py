@@ -111,10 +111,10 @@ async def test_an_engine_failure_of_one_request_fails_that_request_only(tiny_mod
 
     real = torch_engine.sample_batch
 
-    def flaky(logits, samplings, generators):
+    def flaky(logits, samplings, uniforms):
         if any(sampling.seed == 666 for sampling in samplings):
             raise RuntimeError("injected sampling failure")
-        return real(logits, samplings, generators)
+        return real(logits, samplings, uniforms)
 
     monkeypatch.setattr(torch_engine, "sample_batch", flaky)
     async with torch_engine_serving(tiny_model_dir) as run:

@@ -117,6 +117,10 @@ async def drain(out: asyncio.Queue) -> AsyncIterator[TokenDelta]:
             return
 
 
+UNIFORM_DRAWS = 32
+"""Numbers a request draws from its generator at once (see :meth:`_Request.uniform`)."""
+
+
 @dataclasses.dataclass
 class _Request:
     prompt_ids: list[int]
@@ -128,9 +132,20 @@ class _Request:
     cancelled: bool = False
     expected: bool = False
     """Submitted under :meth:`TorchEngine.expect`: its batch knows when no more are on their way."""
+    drawn: list[float] = dataclasses.field(default_factory=list)
+    """Numbers drawn from ``generator`` and not used yet (last first)."""
 
     def emit(self, item: TokenDelta | BaseException) -> None:
         self.sink.deliver([(self.key, item)])
+
+    def uniform(self) -> float:
+        """The next number of this request's own stream (one per sampled token): drawn from its generator
+        UNIFORM_DRAWS at a time, one call per that many tokens instead of one per token."""
+        if not self.drawn:
+            import torch
+
+            self.drawn = torch.rand(UNIFORM_DRAWS, generator=self.generator, dtype=torch.float64).tolist()[::-1]
+        return self.drawn.pop()
 
 
 class _Expected:
@@ -226,13 +241,14 @@ def _model_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def sample_batch(logits_BV: Any, samplings: Sequence[SamplingConfig], generators: Sequence[Any]) -> tuple[Any, Any]:
+def sample_batch(logits_BV: Any, samplings: Sequence[SamplingConfig], uniforms: Sequence[float]) -> tuple[Any, Any]:
     """Samples one token per row; returns the tokens (B) and their logprobs (B, float64) under the distribution
     each was drawn from.
 
     That is softmax(logits / temperature), restricted to top-k / top-p and renormalised when those are set
-    (vLLM's ``processed_logprobs``); greedy (temperature 0) reports the raw log-softmax. Each row draws one
-    uniform number from its own generator (inverse-CDF sampling), so its token does not depend on its batch.
+    (vLLM's ``processed_logprobs``); greedy (temperature 0) reports the raw log-softmax. Each row's token is
+    where its uniform number (in [0, 1), from its request's own stream: :meth:`_Request.uniform`) falls in its
+    distribution's CDF (inverse-CDF sampling), so its token does not depend on its batch.
     """
     import torch
 
@@ -256,7 +272,7 @@ def sample_batch(logits_BV: Any, samplings: Sequence[SamplingConfig], generators
         kept_BV = torch.zeros_like(probs_BV).scatter(1, order_BV, sorted_BV * keep_BV)
         probs_BV = torch.where(nucleus_B[:, None], kept_BV, probs_BV)
         truncated_B = truncated_B | nucleus_B
-    uniform_B = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(device)
+    uniform_B = torch.tensor(uniforms, dtype=torch.float64, device=device)
     cdf_BV = torch.cumsum(probs_BV.double(), dim=-1)
     drawn_B = torch.searchsorted(cdf_BV, (uniform_B * cdf_BV[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
     tokens_B = torch.where(greedy_B, logprobs_BV.argmax(-1), drawn_B)
@@ -265,9 +281,9 @@ def sample_batch(logits_BV: Any, samplings: Sequence[SamplingConfig], generators
     return tokens_B.cpu(), (logprobs_B - renorm_B).cpu()
 
 
-def sample_token(logits_V: Any, sampling: SamplingConfig, generator: Any) -> tuple[int, float]:
+def sample_token(logits_V: Any, sampling: SamplingConfig, uniform: float) -> tuple[int, float]:
     """One request's token and its logprob (see :func:`sample_batch`)."""
-    tokens, logprobs = sample_batch(logits_V[None, :], [sampling], [generator])
+    tokens, logprobs = sample_batch(logits_V[None, :], [sampling], [uniform])
     return int(tokens[0]), float(logprobs[0])
 
 
@@ -776,16 +792,15 @@ class _Batch:
 
     def _sample(self) -> tuple[list[int | None], list[float], list[BaseException | None]]:
         rows = self.rows
+        uniforms = [r.request.uniform() for r in rows]
         try:
-            tokens_B, logprobs_B = sample_batch(
-                self.logits_BV, [r.request.sampling for r in rows], [r.request.generator for r in rows]
-            )
+            tokens_B, logprobs_B = sample_batch(self.logits_BV, [r.request.sampling for r in rows], uniforms)
             return tokens_B.tolist(), logprobs_B.tolist(), [None] * len(rows)
         except Exception:  # deliberate degrade: sample row by row, so that only a failing request fails
             tokens, logprobs, failures = [], [], []
             for i, row in enumerate(rows):
                 try:
-                    token, logprob = sample_token(self.logits_BV[i], row.request.sampling, row.request.generator)
+                    token, logprob = sample_token(self.logits_BV[i], row.request.sampling, uniforms[i])
                     tokens.append(token), logprobs.append(logprob), failures.append(None)
                 except Exception as exc:
                     log.exception("sampling failed for one request")
