@@ -827,3 +827,66 @@ async def test_a_shut_down_vllm_engine_is_not_shut_down_again_when_collected() -
     del closed, dropped
     gc.collect()
     assert calls == ["closed", "dropped"]  # once each: the shut-down one was not shut down again
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+async def test_the_lean_forward_computes_the_floats_transformers_computes(
+    family: str, tiny_model_dir, tmp_path, monkeypatch
+) -> None:
+    """The torch engine's own forward pass for plain Llama-shaped models (Qwen2: biases, grouped key/value heads;
+    Llama: neither) gives transformers' logits and cache bit for bit, on a left-padded prefill and the decode step
+    after it; an engine running it samples the very tokens and logprobs of one running transformers' forward."""
+    import torch
+    from test_import import build_llama
+    from transformers import DynamicCache
+
+    from yieldloop_server.rollout.engines import lean, torch_engine
+
+    folder = tiny_model_dir if family == "qwen2" else build_llama(tmp_path / "llama")
+    weights = torch_engine.load_hf_weights(folder, "v", "cpu", "float32")
+    assert weights.lean is not None and weights.model.config.model_type == family
+    lengths = [5, 3, 7]
+    width = max(lengths)
+    mask_BT = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    ids_BT = torch.randint(3, 60, (len(lengths), width)) * mask_BT
+    positions_BT = (mask_BT.cumsum(1) - 1).clamp(min=0)
+
+    def additive(mask: torch.Tensor, queries: int) -> torch.Tensor:
+        allowed = mask.bool()[:, None, None, :] & torch.ones(queries, mask.shape[1], dtype=torch.bool).tril(
+            mask.shape[1] - queries
+        )
+        return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+
+    theirs, ours = DynamicCache(config=weights.model.config), DynamicCache(config=weights.model.config)
+    with torch.inference_mode():
+        for step in range(2):
+            inputs = {
+                "input_ids": ids_BT,
+                "attention_mask": additive(mask_BT, ids_BT.shape[1]),
+                "position_ids": positions_BT,
+            }
+            expected = weights.model(**inputs, past_key_values=theirs, use_cache=True, logits_to_keep=1).logits
+            got = weights.lean(**inputs, past_key_values=ours, logits_to_keep=1)
+            assert torch.equal(got, expected), (family, step)
+            for a, b in zip(ours.layers, theirs.layers, strict=True):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            ids_BT = got[:, -1].argmax(-1, keepdim=True)
+            mask_BT = torch.cat([mask_BT, torch.ones(len(lengths), 1, dtype=mask_BT.dtype)], 1)
+            positions_BT = positions_BT[:, -1:] + 1
+
+    async def sampled() -> list[tuple[list[int], list[float], list[str]]]:
+        engine = torch_engine.TorchEngine()
+        try:
+            await engine.load_weights(folder, "v")
+            prompts = [PROMPT, PROMPT[:3], [*PROMPT, 7, 8, 9], PROMPT[2:]]
+            runs = [
+                collect(engine, p, SamplingConfig(max_tokens=6 + i, temperature=1.0, seed=3 + i, ignore_eos=True))
+                for i, p in enumerate(prompts)
+            ]
+            return [flat(deltas) for deltas in await asyncio.gather(*runs)]
+        finally:
+            await engine.close()
+
+    with_lean = await sampled()
+    monkeypatch.setattr(lean.LeanDecoder, "of", classmethod(lambda cls, model: None))
+    assert with_lean == await sampled()

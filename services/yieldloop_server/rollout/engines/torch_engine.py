@@ -32,6 +32,7 @@ from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
 from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta, folder_signature, merge_deltas
+from yieldloop_server.rollout.engines.lean import LeanDecoder
 
 log = logging.getLogger(__name__)
 _WAKE = object()
@@ -55,6 +56,9 @@ class _Weights:
     last_logits: dict[str, int] = dataclasses.field(default_factory=dict)
     """``{"logits_to_keep": 1}`` when the model takes it: a prefill computes the output layer at each prompt's last
     position only (the logits a batch samples from), not at every position (prompt x vocabulary floats)."""
+    lean: LeanDecoder | None = None
+    """The model's forward pass without transformers' per-call layers, for a plain Llama-shaped model (see
+    :mod:`~yieldloop_server.rollout.engines.lean`); None: the model's own forward."""
 
 
 @dataclasses.dataclass
@@ -201,6 +205,7 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
         signature=signature,
         plain=plain,
         last_logits={"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {},
+        lean=LeanDecoder.of(model) if plain else None,
     )
 
 
@@ -416,7 +421,8 @@ class TorchEngine(Engine):
         ):
             return None
         try:
-            return dataclasses.replace(served, model=copy.deepcopy(served.model))  # the batches using it only read it
+            model = copy.deepcopy(served.model)  # the batches using the served one only read it
+            return dataclasses.replace(served, model=model, lean=LeanDecoder.of(model) if served.lean else None)
         except Exception:  # deliberate degrade: a model that cannot be copied is built
             log.warning("could not copy the served model; loading %s in full", folder, exc_info=True)
             return None
@@ -705,10 +711,13 @@ class _Batch:
         engine._active = [(layers, torch.tensor(ix, device=engine.device)) for layers, ix in groups.values()]
         try:
             weights = engine._weights
-            out = weights.model(**inputs, **weights.last_logits, use_cache=True)
+            if weights.lean is not None and not engine._active:  # (LoRA rows need the hooks of the model's layers)
+                logits = weights.lean(**inputs, **weights.last_logits)
+            else:
+                logits = weights.model(**inputs, **weights.last_logits, use_cache=True).logits
         finally:
             engine._active = []
-        return out.logits[:, -1, :].float()
+        return logits[:, -1, :].float()
 
     def admit(self, requests: list[_Request]) -> None:
         """Prefills ``requests`` together and joins them to the running batch."""
