@@ -467,6 +467,8 @@ def summarize(results: dict[str, list[dict]], args: argparse.Namespace, trl_runs
         summary[name] = {
             "reached": f"{len(reached)}/{len(runs)}",
             "median_steps": statistics.median(r["steps"] for r in reached) if reached else None,
+            "mean_steps": round(statistics.mean(r["steps"] for r in reached), 2) if reached else None,
+            "heldout_curve": heldout_curve(runs),
             "median_seconds": statistics.median(r["seconds"] for r in reached) if reached else None,
             "median_wall_seconds": statistics.median(r["wall_seconds"] for r in reached) if reached else None,
             "median_eval_s": round(statistics.median(s["eval_s"] for s in steps), 3),
@@ -487,12 +489,24 @@ def summarize(results: dict[str, list[dict]], args: argparse.Namespace, trl_runs
                 ("median_wall_seconds", "wall_ratio"),
                 ("median_seconds", "training_only_ratio"),
                 ("median_steps", "steps_ratio"),
+                ("mean_steps", "mean_steps_ratio"),
             ):
                 ours, trl = summary[f"yieldloop_off_policy_{n}"][key], summary[trl_run][key]  # type: ignore[index]
                 if ours and trl:
                     summary[f"{label}_yieldloop_off_policy_{n}_to_{trl_run}"] = round(ours / trl, 2)
     summary["runs"] = results
     return summary
+
+
+def heldout_curve(runs: list[dict]) -> list[float]:
+    """The mean held-out reward after each step over the runs, a run that stopped at the target counted at its
+    last value: the learning curves compared step for step (the target's step count is one threshold on them, and
+    a run a hair below it at one step takes a step more)."""
+    longest = max(len(r["per_step"]) for r in runs)
+    return [
+        round(statistics.mean(r["per_step"][min(i, len(r["per_step"]) - 1)]["heldout"] for r in runs), 3)
+        for i in range(longest)
+    ]
 
 
 def trl_name(threads: int) -> str:
