@@ -81,7 +81,7 @@ from trainerbench import run_and_report
 LEARNING_RATE = 1e-3
 GROUP = 8
 PROBES = 5
-"""Rollouts of the training batch timed after each run, on its final weights (see :func:`rollout_probe_s`)."""
+"""Rollouts of the training batch timed after each run, on its final weights (see :func:`yieldloop_rollout_probe_s`)."""
 
 
 @dataclasses.dataclass

@@ -79,7 +79,7 @@ class ServedModels:
         memory_budget_bytes: Bytes of weights loaded at once (0: no byte budget, only ``max_models``).
         weights_from: How pending checkpoints come from their trainer (see :func:`open_sink`).
         device: The engines' device (a weight group on CUDA may be NCCL).
-        pinned_like_serving: Whether ``make_pinned_engine``'s engines are like ``make_engine(False)``'s (the same
+        candidates_like_head: Whether ``make_pinned_engine``'s engines are like ``make_engine(False)``'s (the same
             kind, in the same process).
     """
 
@@ -96,10 +96,10 @@ class ServedModels:
         memory_budget_bytes: int = 0,
         weights_from: str = "auto",
         device: str = "cpu",
-        pinned_like_serving: bool = False,
+        candidates_like_head: bool = False,
     ) -> None:
         self.default = default
-        self.pinned_like_serving = pinned_like_serving
+        self.candidates_like_head = candidates_like_head
         self.make_engine = make_engine
         self.make_pinned_engine = make_pinned_engine
         self.store = store
@@ -228,7 +228,7 @@ class ServedModels:
         engine = self.make_engine(False)
         follower, task = await self._follow(engine, slug)
         pinned = PinnedEngines(follower, self.make_pinned_engine) if self.make_pinned_engine else None
-        return ServedModel(slug, engine, follower, pinned, task, candidates_like_head=self.pinned_like_serving)
+        return ServedModel(slug, engine, follower, pinned, task, candidates_like_head=self.candidates_like_head)
 
     async def _adapter(self, base: ServedModel, slug: str) -> ServedModel:
         """The LoRA fork ``slug`` served by ``base``'s engine (its adapter loaded and following its head)."""

@@ -165,7 +165,7 @@ class RolloutServer:
             memory_budget_bytes=options.memory_budget_mb * 1_000_000,
             weights_from=options.weights_from,
             device=device,
-            pinned_like_serving=options.engine == "torch" and not engine_options["process"],
+            candidates_like_head=options.engine == "torch" and not engine_options["process"],
         )
         self.grpc = GrpcServer(host, port, transport)
         limits = RolloutLimits(max_runs=options.max_runs, max_episodes=options.max_episodes)

@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from yieldloop.errors import FailedPreconditionError, UnavailableError
+from yieldloop_server.rollout.engines import lean
 from yieldloop_server.rollout.engines.base import Engine, SamplingConfig, TokenDelta, folder_signature, merge_deltas
-from yieldloop_server.rollout.engines.lean import LeanDecoder
 
 log = logging.getLogger(__name__)
 _WAKE = object()
@@ -56,9 +56,9 @@ class _Weights:
     last_logits: dict[str, int] = dataclasses.field(default_factory=dict)
     """``{"logits_to_keep": 1}`` when the model takes it: a prefill computes the output layer at each prompt's last
     position only (the logits a batch samples from), not at every position (prompt x vocabulary floats)."""
-    lean: LeanDecoder | None = None
-    """The model's forward pass without transformers' per-call layers, for a plain Llama-shaped model (see
-    :mod:`~yieldloop_server.rollout.engines.lean`); None: the model's own forward."""
+    lean: bool = False
+    """Whether the model runs :func:`~yieldloop_server.rollout.engines.lean.forward` (a plain Llama-shaped model:
+    its forward pass without transformers' per-call layers) instead of its own forward."""
 
 
 @dataclasses.dataclass
@@ -205,22 +205,25 @@ def load_hf_weights(folder: pathlib.Path, version: str, device: str, dtype: str)
         signature=signature,
         plain=plain,
         last_logits={"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {},
-        lean=LeanDecoder.of(model) if plain else None,
+        lean=plain and lean.supports(model),
     )
 
 
-def reload_in_place(spare: _Weights, folder: pathlib.Path, version: str) -> _Weights | None:
+def reload_in_place(
+    spare: _Weights, folder: pathlib.Path, version: str, signature: tuple[tuple[str, bytes], ...] | None = None
+) -> _Weights | None:
     """``folder``'s weights copied into ``spare``'s model (a model no request uses), when the folder differs from
     the one ``spare`` was loaded from only in its weights: same config, tokenizer and chat template, safetensors
     with exactly the model's tensors (tied ones may be left out). None when it cannot be done that way (then
     ``spare``'s model may hold part of the new weights: drop it and load in full).
 
     A reload in place costs reading the weights; a full load builds the model and the tokenizer again (~15 ms
-    for the tiny model, most of the reload)."""
+    for the tiny model, most of the reload). ``signature``: the folder's :func:`folder_signature`, when its caller
+    computed it already."""
     import torch
     from safetensors.torch import load_file
 
-    signature = folder_signature(folder)
+    signature = signature or folder_signature(folder)
     if signature is None or signature != spare.signature:
         return None
     model = spare.model
@@ -405,32 +408,33 @@ class TorchEngine(Engine):
         if isinstance(other, TorchEngine) and (other.device, other.dtype) == (self.device, self.dtype):
             self._origin = other
 
-    def _copy_served(self, folder: pathlib.Path) -> _Weights | None:
+    def _copy_served(self, signature: tuple[tuple[str, bytes], ...] | None) -> _Weights | None:
         """A spare for a load that has none (this engine's first reload, or its first load after
-        :meth:`start_from`): a copy of the weights served here (or by the engine started from), when ``folder``
-        differs from theirs only in its weights. Copying a model and then the new weights into it costs a fraction
-        of building one (the tiny model: 3 ms against 15), and the weights replaced become the spare of the next
-        reload, as they would have. Not for models over ``spare_max_bytes``, nor ones with LoRA hooks."""
+        :meth:`start_from`): a copy of the weights served here (or by the engine started from), when the folder to
+        load (its ``signature``) differs from theirs only in its weights. Copying a model and then the new weights
+        into it costs a fraction of building one (the tiny model: 3 ms against 15), and the weights replaced become
+        the spare of the next reload, as they would have. Not for models over ``spare_max_bytes``, nor ones with
+        LoRA hooks."""
         served = self._weights or (self._origin._weights if self._origin is not None else None)
         if (
             served is None
             or served.hooked
             or served.signature is None
-            or served.signature != folder_signature(folder)
+            or served.signature != signature
             or _model_bytes(served.model) > self.spare_max_bytes
         ):
             return None
         try:
-            model = copy.deepcopy(served.model)  # the batches using the served one only read it
-            return dataclasses.replace(served, model=model, lean=LeanDecoder.of(model) if served.lean else None)
+            return dataclasses.replace(served, model=copy.deepcopy(served.model))  # the batches using it only read it
         except Exception:  # deliberate degrade: a model that cannot be copied is built
-            log.warning("could not copy the served model; loading %s in full", folder, exc_info=True)
+            log.warning("could not copy the served model; loading in full", exc_info=True)
             return None
 
     def _load(self, spare: _Weights | None, folder: pathlib.Path, version: str) -> _Weights:
-        spare = spare or self._copy_served(folder)
+        signature = folder_signature(folder)  # (read once: the copy and the reload both check it)
+        spare = spare or self._copy_served(signature)
         self._origin = None
-        weights = reload_in_place(spare, folder, version) if spare is not None else None
+        weights = reload_in_place(spare, folder, version, signature) if spare is not None else None
         if weights is None:
             weights = load_hf_weights(folder, version, self.device, self.dtype)
         else:
@@ -711,8 +715,8 @@ class _Batch:
         engine._active = [(layers, torch.tensor(ix, device=engine.device)) for layers, ix in groups.values()]
         try:
             weights = engine._weights
-            if weights.lean is not None and not engine._active:  # (LoRA rows need the hooks of the model's layers)
-                logits = weights.lean(**inputs, **weights.last_logits)
+            if weights.lean and not engine._active:  # (LoRA rows need the hooks of the model's layers)
+                logits = lean.forward(weights.model, **inputs, **weights.last_logits)
             else:
                 logits = weights.model(**inputs, **weights.last_logits, use_cache=True).logits
         finally:
